@@ -1,0 +1,16 @@
+"""pdserve engine: model loading, Llama-family forward over a paged KV cache, sampler, `LLM`."""
+from engine.errors import (InvalidRequestError, OutOfPagesError, PdserveError, ReservationError,
+                           UnknownModelError, UnsupportedArchitectureError)
+from engine.kv_cache.spec import KVPageSpec
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "KVPageSpec", "PdserveError", "InvalidRequestError",
+           "UnknownModelError", "UnsupportedArchitectureError", "OutOfPagesError", "ReservationError"]
+
+
+def __getattr__(name):  # LLM pulls in torch and transformers; import it lazily
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    raise AttributeError(name)

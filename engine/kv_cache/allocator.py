@@ -1,0 +1,165 @@
+"""Pure-Python page allocator: pages with owners and reference counts, and leased reservations.
+
+Owned by whoever holds a page pool (`engine.LLM`, a prefill or decode worker). An owner is any string:
+a sequence (`seq:<request id>`), a held prefill result, or a reservation (`res:<id>`) for KV that is
+arriving over the wire or leaving. A page is free when no owner references it; shared prefixes give a
+page several owners. Reservations hold pages under a lease read from an injectable clock, so tests
+expire them without sleeping. Order of use: `reserve()` -> (`renew()`)* -> `commit()` to a sequence, or
+`cancel()`; `expire()` frees lapsed leases.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.errors import OutOfPagesError, ReservationError
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class Reservation:
+    reservation_id: str
+    nonce: str
+    pages: list[int]
+    expires_at: float
+
+    @property
+    def owner(self) -> str:
+        return f"res:{self.reservation_id}"
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, clock: Clock = time.monotonic, remember_finished: int = 4096):
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self.clock = clock
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._owners: list[set[str]] = [set() for _ in range(num_pages)]
+        self._owned: dict[str, set[int]] = {}
+        self._reservations: dict[str, Reservation] = {}
+        # Why a reservation ended, so a late chunk gets "expired"/"finished" rather than "unknown".
+        self._finished: OrderedDict[str, str] = OrderedDict()
+        self._remember = remember_finished
+
+    # ---- plain pages -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def refcount(self, page: int) -> int:
+        return len(self._owners[page])
+
+    def pages_of(self, owner: str) -> set[int]:
+        return set(self._owned.get(owner, ()))
+
+    def allocate(self, owner: str, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise OutOfPagesError(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._add_ref(owner, p)
+        return pages
+
+    def share(self, owner: str, pages: list[int]) -> None:
+        """Give `owner` a reference to pages someone already holds (shared prefixes)."""
+        for p in pages:
+            assert self._owners[p], f"page {p} is free; share only held pages"
+            self._add_ref(owner, p)
+
+    def release(self, owner: str, pages: list[int]) -> None:
+        for p in pages:
+            self._drop_ref(owner, p)
+
+    def release_owner(self, owner: str) -> int:
+        """Drop every reference `owner` holds; returns how many references were dropped."""
+        pages = list(self._owned.get(owner, ()))
+        self.release(owner, pages)
+        return len(pages)
+
+    def transfer(self, old_owner: str, new_owner: str) -> list[int]:
+        """Move every reference of `old_owner` to `new_owner` (no page is freed on the way)."""
+        pages = sorted(self._owned.get(old_owner, ()))
+        for p in pages:
+            self._add_ref(new_owner, p)
+            self._drop_ref(old_owner, p)
+        return pages
+
+    def _add_ref(self, owner: str, page: int) -> None:
+        assert owner not in self._owners[page], f"{owner} already holds page {page}"
+        self._owners[page].add(owner)
+        self._owned.setdefault(owner, set()).add(page)
+
+    def _drop_ref(self, owner: str, page: int) -> None:
+        assert owner in self._owners[page], f"{owner} does not hold page {page}"
+        self._owners[page].discard(owner)
+        held = self._owned[owner]
+        held.discard(page)
+        if not held:
+            del self._owned[owner]
+        if not self._owners[page]:
+            self._free.append(page)
+
+    # ---- reservations ------------------------------------------------------------------------
+    @property
+    def num_reservations(self) -> int:
+        return len(self._reservations)
+
+    def reserve(self, n: int, lease_s: float) -> Reservation:
+        rid = secrets.token_hex(8)
+        res = Reservation(rid, secrets.token_hex(16), [], self.clock() + lease_s)
+        res.pages = self.allocate(res.owner, n)
+        self._reservations[rid] = res
+        return res
+
+    def get_reservation(self, reservation_id: str) -> Reservation:
+        """The live reservation, or ReservationError saying why it is not live."""
+        self.expire()
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            why = self._finished.get(reservation_id, "unknown")
+            raise ReservationError(f"reservation {reservation_id} is {why}")
+        return res
+
+    def renew(self, reservation_id: str, lease_s: float) -> None:
+        self.get_reservation(reservation_id).expires_at = self.clock() + lease_s
+
+    def commit(self, reservation_id: str, new_owner: str) -> list[int]:
+        """End the reservation, handing its pages (in reservation order) to `new_owner`."""
+        res = self.get_reservation(reservation_id)
+        self.transfer(res.owner, new_owner)
+        self._end(reservation_id, "committed")
+        return list(res.pages)
+
+    def cancel(self, reservation_id: str, why: str = "cancelled") -> None:
+        res = self._reservations.get(reservation_id)
+        if res is None:
+            return
+        self.release_owner(res.owner)
+        self._end(reservation_id, why)
+
+    def expire(self) -> list[str]:
+        now = self.clock()
+        lapsed = [rid for rid, r in self._reservations.items() if r.expires_at <= now]
+        for rid in lapsed:
+            self.cancel(rid, "expired")
+        return lapsed
+
+    def finished_reason(self, reservation_id: str) -> str | None:
+        return self._finished.get(reservation_id)
+
+    def _end(self, reservation_id: str, why: str) -> None:
+        del self._reservations[reservation_id]
+        self._finished[reservation_id] = why
+        while len(self._finished) > self._remember:
+            self._finished.popitem(last=False)

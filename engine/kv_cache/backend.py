@@ -1,0 +1,88 @@
+"""KV storage behind an attention backend: `write(layer, slots, k, v)` and `attend(layer, q, ctx)`.
+
+The model never indexes cache tensors; it hands the backend the keys (after RoPE) and values of the new
+tokens and asks for attention outputs. Storage per layer is `[num_pages, page_size, num_kv_heads,
+head_dim]`, addressed by flat slot id (page * page_size + offset). Formats register by name in
+`BACKENDS` ("raw" today; quantized formats later), so the model and the transfer layer stay unchanged.
+
+Masks come from slot counts in the `AttentionContext` (built by `engine.attention_context`), never from
+positions, so a cache whose evicted tokens were compacted away still attends correctly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention_context import AttentionContext, AttnGroup
+from engine.kv_cache.spec import KVPageSpec
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+class RawKVBackend:
+    """Pages hold K and V in the compute dtype, unchanged."""
+
+    storage_format = "raw"
+
+    def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
+        self.spec = spec
+        self.num_pages = num_pages
+        dt = torch_dtype(spec.dtype)
+        shape = (num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        # Index by global layer id; layers outside this shard hold None.
+        self.k: list[torch.Tensor | None] = [None] * spec.num_layers
+        self.v: list[torch.Tensor | None] = [None] * spec.num_layers
+        for layer in spec.local_layers:
+            self.k[layer] = torch.zeros(shape, dtype=dt, device=device)
+            self.v[layer] = torch.zeros(shape, dtype=dt, device=device)
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1, self.spec.num_kv_heads, self.spec.head_dim)  # [num_slots, kv_heads, head_dim]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_tokens, kv_heads, head_dim]; slots: [num_tokens] flat slot ids."""
+        self._flat(self.k[layer]).index_copy_(0, slots, k.to(self.k[layer].dtype))
+        self._flat(self.v[layer]).index_copy_(0, slots, v.to(self.v[layer].dtype))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at the given flat slots: each [*slots.shape, kv_heads, head_dim]."""
+        flat = slots.reshape(-1)
+        k = self._flat(self.k[layer]).index_select(0, flat)
+        v = self._flat(self.v[layer]).index_select(0, flat)
+        tail = (self.spec.num_kv_heads, self.spec.head_dim)
+        return k.view(*slots.shape, *tail), v.view(*slots.shape, *tail)
+
+    def attend(self, layer: int, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """q: [num_tokens, q_heads, head_dim] (packed, RoPE applied) -> same shape."""
+        out = torch.empty_like(q)
+        for g in ctx.groups:
+            out[g.token_start:g.token_end] = self._attend_group(layer, q[g.token_start:g.token_end], g, ctx)
+        return out
+
+    def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
+        b, ql = g.batch, g.q_len
+        k, v = self.read(layer, g.slot_index)  # [B, ctx, kv_heads, head_dim]
+        qh = q.view(b, ql, *q.shape[1:]).transpose(1, 2)  # [B, q_heads, q_len, head_dim]
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, ctx, head_dim]
+        if g.observe is not None:
+            ctx.observe_attention(layer, g, qh, kh)
+        o = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=g.mask, is_causal=g.is_causal, scale=ctx.scale,
+            enable_gqa=qh.shape[1] != kh.shape[1],
+        )
+        return o.transpose(1, 2).reshape(b * ql, *q.shape[1:])
+
+    def copy_tokens_out(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous K and V of the given slots, for shipping: [n, kv_heads, head_dim] each."""
+        return self.read(layer, slots)
+
+
+BACKENDS = {"raw": RawKVBackend}
+
+
+def make_backend(spec: KVPageSpec, num_pages: int, device="cpu"):
+    return BACKENDS[spec.storage_format](spec, num_pages, device)

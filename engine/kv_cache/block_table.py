@@ -1,0 +1,81 @@
+"""Per-sequence page tables over a `PageAllocator`.
+
+The scheduler owns one `BlockTables`. A sequence's KV lives in `num_slots` physical slots spread over its
+pages in order (slot i is offset i % page_size of page i // page_size). Physical slots are not logical
+positions: after eviction a sequence keeps fewer slots than it has positions, which is why the runner
+takes positions separately. `truncate` rolls back slots (rejected draft tokens) and frees whole pages
+left unused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.kv_cache.allocator import PageAllocator
+
+
+def seq_owner(seq_id: str) -> str:
+    return f"seq:{seq_id}"
+
+
+@dataclass
+class BlockTable:
+    pages: list[int] = field(default_factory=list)
+    num_slots: int = 0
+
+
+class BlockTables:
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self._tables: dict[str, BlockTable] = {}
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._tables
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def get(self, seq_id: str) -> BlockTable:
+        return self._tables[seq_id]
+
+    def pages_for(self, num_slots: int) -> int:
+        return -(-num_slots // self.page_size)
+
+    def extra_pages_needed(self, seq_id: str, new_slots: int) -> int:
+        t = self._tables.get(seq_id)
+        have_pages = len(t.pages) if t else 0
+        have_slots = t.num_slots if t else 0
+        return max(0, self.pages_for(have_slots + new_slots) - have_pages)
+
+    def append(self, seq_id: str, new_slots: int) -> BlockTable:
+        """Grow the sequence by `new_slots` slots, allocating pages (OutOfPagesError if none)."""
+        t = self._tables.setdefault(seq_id, BlockTable())
+        extra = self.extra_pages_needed(seq_id, new_slots)
+        if extra:
+            t.pages.extend(self.allocator.allocate(seq_owner(seq_id), extra))
+        t.num_slots += new_slots
+        return t
+
+    def adopt(self, seq_id: str, pages: list[int], num_slots: int) -> None:
+        """Take pages the allocator already assigned to `seq_owner(seq_id)` (committed reservation)."""
+        assert seq_id not in self._tables, f"{seq_id} already has a block table"
+        assert len(pages) == self.pages_for(num_slots), (len(pages), num_slots)
+        self._tables[seq_id] = BlockTable(list(pages), num_slots)
+
+    def truncate(self, seq_id: str, num_slots: int) -> None:
+        t = self._tables[seq_id]
+        assert 0 <= num_slots <= t.num_slots, (num_slots, t.num_slots)
+        keep = self.pages_for(num_slots)
+        dropped, t.pages = t.pages[keep:], t.pages[:keep]
+        self.allocator.release(seq_owner(seq_id), dropped)
+        t.num_slots = num_slots
+
+    def free(self, seq_id: str) -> None:
+        t = self._tables.pop(seq_id, None)
+        if t is not None:
+            self.allocator.release(seq_owner(seq_id), t.pages)
+
+    def slots(self, seq_id: str, start: int, count: int) -> list[int]:
+        """Flat slot ids (page * page_size + offset) of slots [start, start + count)."""
+        t, ps = self._tables[seq_id], self.page_size
+        return [t.pages[i // ps] * ps + i % ps for i in range(start, start + count)]

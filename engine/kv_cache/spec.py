@@ -1,0 +1,69 @@
+"""`KVPageSpec`: the shape and format of one KV page pool, and the layout signature.
+
+Both ends of a KV transfer compare `signature()` before a byte moves. The page size is left out of the
+signature on purpose: transfers are addressed by token range, so a prefill worker with 16-token pages can
+ship into a decode worker with 32-token pages. Everything else (layers, heads, head dim, dtype, storage
+format, sharding) must agree for the bytes to mean the same thing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+# Storage formats a page pool may hold. Only "raw" exists in the engine today; quantized formats register
+# beside it in `backend.py` and are shipped unchanged by the transfer layer.
+STORAGE_FORMATS = ("raw",)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class KVPageSpec:
+    num_layers: int  # global layer count of the model
+    num_kv_heads: int  # KV heads held by this shard
+    head_dim: int
+    page_size: int  # tokens per page
+    dtype: str  # compute dtype of K/V, one of DTYPES
+    storage_format: str = "raw"
+    tp_rank: int = 0
+    tp_size: int = 1
+    layer_start: int = 0  # this shard holds layers [layer_start, layer_end)
+    layer_end: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVPageSpec.dtype {self.dtype!r} not in {DTYPES}")
+        if self.storage_format not in STORAGE_FORMATS:
+            raise ValueError(f"KVPageSpec.storage_format {self.storage_format!r} not in {STORAGE_FORMATS}")
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size) < 1:
+            raise ValueError(f"KVPageSpec sizes must be >= 1: {self}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"KVPageSpec tp_rank {self.tp_rank} outside [0, {self.tp_size})")
+        if not 0 <= self.layer_start < self.layers_end <= self.num_layers:
+            raise ValueError(f"KVPageSpec layer range [{self.layer_start}, {self.layers_end}) invalid")
+
+    @property
+    def layers_end(self) -> int:
+        return self.num_layers if self.layer_end is None else self.layer_end
+
+    @property
+    def local_layers(self) -> range:
+        return range(self.layer_start, self.layers_end)
+
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+
+    def bytes_per_token_layer(self) -> int:
+        """Bytes of K plus V for one token in one layer (raw format)."""
+        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def bytes_per_page(self) -> int:
+        return self.page_size * self.bytes_per_token_layer() * len(self.local_layers)
+
+    def signature(self) -> str:
+        fields = asdict(self)
+        fields.pop("page_size")
+        fields["layer_end"] = self.layers_end
+        blob = json.dumps(fields, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,211 @@
+"""`LLM`: a single-process engine (scheduler + runner), used standalone and as the colocated baseline.
+
+    llm = LLM(model="smollm2-135m", dtype="float32", page_size=16, num_pages=512)
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+
+Step API for servers: `add_request()` -> repeated `step()` (each returns a `RequestOutput` for every
+request that advanced) -> `abort()` at any time. Entry points for disaggregation: `add_request(...,
+prefill_only=True)` ends HELD with its pages kept until `release_held()`; `reserve()` +
+`add_prefilled_request()` join a request whose KV was written into reserved pages by someone else.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import torch
+
+from engine.batch import SeqStep, StepBatch, StepOutput
+from engine.errors import InvalidRequestError
+from engine.kv_cache.allocator import PageAllocator, Reservation
+from engine.kv_cache.backend import make_backend
+from engine.kv_cache.block_table import BlockTables, seq_owner
+from engine.kv_cache.spec import KVPageSpec
+from engine.loader import fingerprint, load_config, load_weights, resolve_model
+from engine.model import LlamaForward
+from engine.outputs import OutputProcessor, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampler import SampleRequest
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.tokenizer import Tokenizer
+
+_ids = itertools.count()
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "bfloat16", device: str = "cpu",
+                 page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.model_dir = resolve_model(model)
+        self.config = load_config(self.model_dir)
+        self.dtype = dtype
+        self.fingerprint = fingerprint(self.model_dir, dtype)
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.model = LlamaForward(self.config, load_weights(self.model_dir), _torch_dtype(dtype), device)
+        self.max_model_len = min(max_model_len or self.config.max_position, self.config.max_position)
+        if num_pages is None:
+            num_pages = max(-(-16384 // page_size), -(-self.max_model_len // page_size))
+        c = self.config
+        self.kv_spec = KVPageSpec(c.num_layers, c.num_kv_heads, c.head_dim, page_size, dtype)
+        self.allocator = PageAllocator(num_pages, clock=clock)
+        self.backend = make_backend(self.kv_spec, num_pages, device)
+        self.tables = BlockTables(self.allocator, page_size)
+        self.runner = ModelRunner(self.model, self.backend, page_size)
+        eos = tuple(c.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+                                   self.tables, eos)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.clock = clock
+
+    # ---- intake ------------------------------------------------------------------------------
+    def _tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("prompt", "must be a string or a list of integer token ids")
+        if not ids:
+            raise InvalidRequestError("prompt", "is empty")
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad} outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_lengths(self, n_prompt: int, params: SamplingParams) -> None:
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"{n_prompt} tokens; the model's context is {self.max_model_len}")
+        if n_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError("max_tokens", f"prompt ({n_prompt}) + max_tokens ({params.max_tokens}) "
+                                                    f"exceeds the model's context of {self.max_model_len}")
+        capacity = self.allocator.num_pages * self.kv_spec.page_size
+        if n_prompt + params.max_tokens > capacity:
+            raise InvalidRequestError("max_tokens", f"prompt + max_tokens ({n_prompt + params.max_tokens}) "
+                                                    f"exceeds the KV pool of {capacity} tokens")
+
+    def _new_request(self, prompt, params: SamplingParams | None, request_id: str | None, prefill_only=False):
+        params = params or SamplingParams()
+        params.validate(self.config.vocab_size)
+        ids = self._tokens(prompt)
+        self._check_lengths(len(ids), params)
+        rid = request_id if request_id is not None else f"req-{next(_ids)}"
+        if rid in self.requests:
+            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return Request(rid, ids, params, seed, self.clock(), prefill_only=prefill_only)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, prefill_only: bool = False) -> str:
+        req = self._new_request(prompt, params, request_id, prefill_only)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    # ---- disaggregation entry points ---------------------------------------------------------
+    def reserve(self, num_tokens: int, lease_s: float = 30.0) -> Reservation:
+        """Hold pages for `num_tokens` of KV arriving from elsewhere (OutOfPagesError if none)."""
+        return self.allocator.reserve(self.tables.pages_for(num_tokens), lease_s)
+
+    def add_prefilled_request(self, prompt_token_ids: list[int], first_token_id: int, reservation_id: str,
+                              params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Join a request whose prompt KV is already in the reserved pages; decoding starts next step."""
+        req = self._new_request(prompt_token_ids, params, request_id)
+        tok = self._tokens([first_token_id])[0]
+        pages = self.allocator.commit(reservation_id, seq_owner(req.request_id))
+        self.tables.adopt(req.request_id, pages, req.num_prompt)
+        req.token_ids.append(tok)
+        req.num_computed = req.num_prompt
+        req.first_token_time = self.clock()
+        self.requests[req.request_id] = req
+        self.scheduler.add_running(req)
+        return req.request_id
+
+    def held_pages(self, request_id: str) -> tuple[list[int], int]:
+        """Page table and slot count of a HELD prefill-only request (to ship its KV)."""
+        t = self.tables.get(request_id)
+        return list(t.pages), t.num_slots
+
+    def release_held(self, request_id: str) -> None:
+        req = self.scheduler.held.get(request_id)
+        if req is not None:
+            self.scheduler.finish(req, "stop")
+            self.requests.pop(request_id, None)
+
+    # ---- stepping ----------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        self.allocator.expire()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        result = self.runner.execute(self._batch(sched))
+        sampled = {r.request_id: r.sampled for r in result.results if r.sampled is not None}
+        self.scheduler.update(sched, sampled, self.clock())
+        outs = []
+        for c in sched.chunks:
+            if c.sample:
+                outs.append(self._output(c.request))
+        return outs
+
+    def _batch(self, sched: SchedulerOutput) -> StepBatch:
+        seqs = []
+        for c in sched.chunks:
+            req = c.request
+            sample = None
+            if c.sample:
+                sample = SampleRequest(req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids)
+            seqs.append(SeqStep(req.request_id, req.token_ids[c.start:c.start + c.num_tokens], c.start,
+                                c.num_cached, self.tables.get(req.request_id).pages,
+                                [c.num_tokens - 1] if c.sample else [], sample))
+        return StepBatch(seqs)
+
+    def _output(self, req: Request) -> RequestOutput:
+        text, hit_stop = self.outputs.text_of(req)
+        if hit_stop and not req.finished:
+            self.scheduler.finish(req, "stop")
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+        return self.outputs.make_output(req, text)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        """Run a hand-built batch (tests and workers that schedule for themselves)."""
+        return self.runner.execute(batch)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[i] for i in ids]
+
+    # ---- introspection -----------------------------------------------------------------------
+    def kv_usage(self) -> dict[str, int]:
+        return {"pages_in_use": self.allocator.num_in_use, "reservations": self.allocator.num_reservations,
+                "num_pages": self.allocator.num_pages}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise InvalidRequestError("dtype", f"{name!r} is not one of float32, bfloat16, float16") from None

@@ -1,0 +1,102 @@
+"""Llama-family forward (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Called by `engine.runner.ModelRunner` once per step with packed token ids, explicit positions and an
+`AttentionContext`; K/V go to, and attention comes from, the KV backend (keys stored after RoPE). The
+model holds plain tensors (no nn.Module): q/k/v and gate/up projections are fused into one matmul each,
+which is where most of the CPU time goes. GQA, RMSNorm, SwiGLU, tied embeddings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention_context import AttentionContext
+from engine.config import ModelConfig
+from engine.rope import RotaryTable, apply_rotary
+
+LayerHook = Callable[[int], None]  # called with the global layer index after that layer ran
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(q_heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class LlamaForward:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu"):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if cfg.qkv_bias:
+                bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"])
+            self.layers.append(LayerWeights(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]),
+                qkv_bias=bias,
+                o=w(a + "o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        self.rotary = RotaryTable(cfg.head_dim, cfg.rope, cfg.max_position, dtype, device)
+        self.scale = cfg.head_dim ** -0.5
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for lw in self.layers:
+            tensors += [t for t in vars(lw).values() if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                backend, layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        cfg = self.cfg
+        t = input_ids.shape[0]
+        nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        cos, sin = self.rotary.lookup(positions)
+        x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        for i, lw in enumerate(self.layers):
+            h = self._norm(x, lw.input_norm)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # [num_tokens, (q_heads + 2 kv_heads) * head_dim]
+            q = qkv[:, :nq].view(t, cfg.num_heads, hd)
+            k = qkv[:, nq:nq + nkv].view(t, cfg.num_kv_heads, hd)
+            v = qkv[:, nq + nkv:].view(t, cfg.num_kv_heads, hd)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            backend.write(i, ctx.write_slots, k, v)
+            o = backend.attend(i, q, ctx)  # [num_tokens, q_heads, head_dim]
+            x = x + F.linear(o.reshape(t, nq), lw.o)
+            h = self._norm(x, lw.post_norm)
+            gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.down)
+            if layer_hook is not None:
+                layer_hook(i)
+        return self._norm(x, self.final_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> float32 logits [n, vocab]."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,80 @@
+"""`ModelRunner`: executes one `StepBatch` on a model over a KV backend and returns a `StepOutput`.
+
+Stateless about requests: page tables and slot counts come in the batch (the scheduler owns them). One
+forward over the packed ragged batch, logits only at the rows asked for, then sampling. Hooks registered
+with `add_layer_hook` run after each layer (layer-wise KV publishing); attention observation is opt-in per
+request through `StepBatch.observe`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from engine.attention_context import SeqLayout, build_context
+from engine.batch import SeqResult, StepBatch, StepOutput
+from engine.model import LlamaForward
+from engine.sampler import sample_batch
+
+LayerHook = Callable[[int, StepBatch], None]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForward, backend, page_size: int):
+        self.model = model
+        self.backend = backend
+        self.page_size = page_size
+        self.device = model.device
+        self._layer_hooks: list[LayerHook] = []
+
+    def add_layer_hook(self, hook: LayerHook) -> None:
+        self._layer_hooks.append(hook)
+
+    def remove_layer_hook(self, hook: LayerHook) -> None:
+        self._layer_hooks.remove(hook)
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepOutput:
+        assert batch.seqs, "empty step batch"
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []  # packed row of every requested logits position
+        for s in batch.seqs:
+            base = len(ids)
+            ids.extend(s.token_ids)
+            positions.extend(range(s.position_start, s.position_start + len(s.token_ids)))
+            rows.extend(base + i for i in s.logits_at)
+        layouts = [SeqLayout(s.request_id, len(s.token_ids), s.num_cached, s.pages) for s in batch.seqs]
+        ctx = build_context(layouts, self.page_size, self.model.scale, self.device,
+                            self.model.cfg.sliding_window, batch.observe)
+        hook = None
+        if self._layer_hooks:
+            def hook(layer: int) -> None:
+                for h in self._layer_hooks:
+                    h(layer, batch)
+        dev = self.device
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
+                                    torch.tensor(positions, dtype=torch.long, device=dev), ctx, self.backend, hook)
+        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
+        return StepOutput(self._results(batch, logits), ctx.observations)
+
+    def _results(self, batch: StepBatch, logits: torch.Tensor | None) -> list[SeqResult]:
+        results, offset = [], 0
+        sample_rows, sample_reqs, sample_idx = [], [], []
+        for i, s in enumerate(batch.seqs):
+            n = len(s.logits_at)
+            r = SeqResult(s.request_id)
+            if batch.return_logits and n:
+                r.logits = logits[offset:offset + n]
+            if s.sample is not None:
+                assert n, f"{s.request_id}: sampling needs a logits position"
+                sample_rows.append(offset + n - 1)
+                sample_reqs.append(s.sample)
+                sample_idx.append(i)
+            offset += n
+            results.append(r)
+        if sample_reqs:
+            tokens = sample_batch(logits[sample_rows].cpu(), sample_reqs)
+            for i, t in zip(sample_idx, tokens):
+                results[i].sampled = t
+        return results

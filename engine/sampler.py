@@ -1,0 +1,104 @@
+"""Sampler: penalties, temperature, top-k, top-p, keyed randomness, logprobs.
+
+Called by the runner with one float32 logits row per sampled sequence. Randomness is keyed by
+(request seed, output index): the noise for a token depends on nothing else, so a request samples the
+same tokens in any batch, on any worker, after any preemption. Sampling uses the exponential race
+(argmax of p / E with E ~ Exp(1)), which draws exactly from p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 63) - 1
+
+
+@dataclass
+class SampleRequest:
+    params: SamplingParams
+    seed: int
+    output_index: int  # index of the token being sampled among the request's outputs
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def noise_key(seed: int, output_index: int) -> int:
+    x = (seed * 0x9E3779B97F4A7C15 + (output_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 31
+    return (x * 0x94D049BB133111EB) & _MASK64
+
+
+def apply_penalties(logits: torch.Tensor, req: SampleRequest) -> torch.Tensor:
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        out = torch.tensor(req.output_token_ids, dtype=torch.long)
+        counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample_one(logits: torch.Tensor, req: SampleRequest) -> SampledToken:
+    """logits: [vocab] float32 (raw model output for this position)."""
+    p = req.params
+    raw = logits
+    needs_penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+    x = apply_penalties(logits.clone(), req) if needs_penalty else logits
+    if p.greedy:
+        token = int(torch.argmax(x))
+    else:
+        x = filter_top_k_top_p(x / p.temperature, p.top_k, p.top_p)
+        probs = x.softmax(-1)
+        g = torch.Generator().manual_seed(noise_key(req.seed, req.output_index))
+        race = torch.empty_like(probs).exponential_(generator=g)
+        token = int(torch.argmax(probs / race))
+    if p.logprobs is None:
+        return SampledToken(token)
+    lp = torch.log_softmax(raw, -1)
+    top = []
+    if p.logprobs > 0:
+        vals, ids = torch.topk(lp, p.logprobs)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return SampledToken(token, float(lp[token]), top)
+
+
+def sample_batch(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampledToken]:
+    """logits: [n, vocab]; greedy rows without penalties or logprobs share one argmax."""
+    plain = [i for i, r in enumerate(reqs) if r.params.greedy and r.params.logprobs is None
+             and r.params.repetition_penalty == 1.0 and not r.params.presence_penalty
+             and not r.params.frequency_penalty]
+    out: list[SampledToken | None] = [None] * len(reqs)
+    if plain:
+        ids = torch.argmax(logits[plain], dim=-1).tolist()
+        for i, t in zip(plain, ids):
+            out[i] = SampledToken(t)
+    for i, r in enumerate(reqs):
+        if out[i] is None:
+            out[i] = sample_one(logits[i], r)
+    return out

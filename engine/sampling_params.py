@@ -1,0 +1,62 @@
+"""`SamplingParams`: what a request asks of the sampler, validated at the boundary.
+
+Validation raises `InvalidRequestError` naming the field; the scheduler and sampler then trust the values.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 or -1 = off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0  # Hugging Face style, over prompt and output
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen token only)
+    seed: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        def bad(name: str, why: str):
+            raise InvalidRequestError(name, why)
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty strings")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                bad("stop_token_ids", f"token id {t!r} outside the vocabulary [0, {vocab_size})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            bad("seed", f"must be a non-negative integer, got {self.seed!r}")

@@ -1,0 +1,195 @@
+"""Continuous-batching scheduler: `schedule()` picks the step, `update(outputs)` applies it (pure Python).
+
+Owned by `engine.LLM` (and by workers built on it). Each `schedule()` spends a token budget: running
+requests first, oldest first (one decode token each, or their next prefill chunk), then waiting requests
+in arrival order while pages and sequence slots allow (admission by free pages). When a running request
+needs a page and none is free, the newest running request is preempted: its pages are freed and it goes
+back to the front of the queue, to be recomputed from prompt + outputs (its outputs are kept, so the
+stream neither loses nor repeats a token). `update()` appends sampled tokens and applies token-level
+stops; string stops are the output processor's job (it calls `finish`).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_table import BlockTables
+from engine.request import Request, RequestStatus
+from engine.sampler import SampledToken
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # index into request.token_ids of the first new token
+    num_tokens: int
+    num_cached: int  # slots in cache before this chunk
+    sample: bool  # chunk reaches the end of the known tokens, so a token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_chunked_prefills: int = 0  # prefill chunks that did not reach the end of the prompt
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, tables: BlockTables, eos_token_ids: tuple[int, ...] = ()):
+        self.cfg = cfg
+        self.tables = tables
+        self.eos = set(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.held: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    # ---- intake ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """A request whose KV is already in its block table (prefilled elsewhere)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        out = SchedulerOutput([])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.token_ids) - req.num_computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self._make_room(req, n, out):
+                continue  # req itself was preempted; running[i] is now the next request
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            remaining = len(req.token_ids) - req.num_computed
+            n = min(remaining, budget)
+            if n < remaining and not self.cfg.enable_chunked_prefill:
+                break
+            if self.tables.extra_pages_needed(req.request_id, n) > self.tables.allocator.num_free:
+                break  # admission: wait for pages
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+        self.stats.num_steps += not out.empty
+        return out
+
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Free pages for `n` more slots of `req` by preempting the newest; False if `req` was preempted."""
+        while self.tables.extra_pages_needed(req.request_id, n) > self.tables.allocator.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.tables.free(req.request_id)
+        req.num_computed = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.stats.num_preemptions += 1
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        cached = self.tables.get(req.request_id).num_slots if req.request_id in self.tables else 0
+        self.tables.append(req.request_id, n)
+        sample = req.num_computed + n == len(req.token_ids)
+        if not sample:
+            self.stats.num_chunked_prefills += 1
+        return ScheduledChunk(req, req.num_computed, n, cached, sample)
+
+    # ---- update ------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken], now: float) -> list[Request]:
+        """Apply a step's results; returns requests that reached a token-level stop or became held."""
+        ended = []
+        for c in out.chunks:
+            req = c.request
+            req.num_computed += c.num_tokens
+            if not c.sample:
+                continue
+            tok = sampled[req.request_id]
+            req.token_ids.append(tok.token_id)
+            if req.params.logprobs is not None:
+                req.output_logprobs.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._stop_reason(req, tok.token_id)
+            if reason:
+                self.finish(req, reason)
+                ended.append(req)
+            elif req.prefill_only:
+                self.running.remove(req)
+                req.status = RequestStatus.HELD
+                self.held[req.request_id] = req
+                ended.append(req)
+        return ended
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if req.num_output >= p.max_tokens:
+            return "length"
+        return None
+
+    # ---- ending ------------------------------------------------------------------------------
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request wherever it is and free its pages (idempotent)."""
+        if req.status == RequestStatus.FINISHED:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        else:
+            self.held.pop(req.request_id, None)
+        self.tables.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = req.finish_reason or reason
+
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Roll back to the first `num_tokens` tokens (rejected drafts): tokens, computed count, slots."""
+        assert req.num_prompt <= num_tokens <= len(req.token_ids)
+        drop = len(req.token_ids) - num_tokens
+        del req.token_ids[num_tokens:]
+        if drop and req.output_logprobs:
+            del req.output_logprobs[len(req.output_logprobs) - drop:]
+        if req.num_computed > num_tokens:
+            cut = req.num_computed - num_tokens
+            self.tables.truncate(req.request_id, self.tables.get(req.request_id).num_slots - cut)
+            req.num_computed = num_tokens

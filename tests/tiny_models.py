@@ -1,0 +1,41 @@
+"""Tiny random-weight Llama / Mistral / Qwen2 checkpoints for fast tests (written once per session)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def hf_config(arch: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    kw = dict(TINY, **overrides)
+    if arch == "llama":
+        kw.setdefault("tie_word_embeddings", False)
+        kw.setdefault("rope_theta", 10000.0)
+        return LlamaConfig(**kw)
+    if arch == "mistral":
+        kw.setdefault("sliding_window", None)
+        return MistralConfig(**kw)
+    if arch == "qwen2":
+        kw.setdefault("tie_word_embeddings", True)
+        return Qwen2Config(**kw)
+    raise ValueError(arch)
+
+
+def write_tiny(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random-weight model of `arch` as a safetensors directory; returns the directory."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, **overrides), dtype=torch.float32)
+    with torch.no_grad():  # default init leaves biases at zero; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    return Path(out)
