@@ -39,7 +39,8 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", dtype: str = "bfloat16", device: str = "cpu",
                  page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic):
+                 enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic,
+                 keep_logits: bool = False):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = resolve_model(model)
@@ -63,6 +64,7 @@ class LLM:
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.clock = clock
+        self.keep_logits = keep_logits  # tests: keep each sampled position's float32 logits on the request
 
     # ---- intake ------------------------------------------------------------------------------
     def _tokens(self, prompt: str | list[int]) -> list[int]:
@@ -150,6 +152,10 @@ class LLM:
             return []
         result = self.runner.execute(self._batch(sched))
         sampled = {r.request_id: r.sampled for r in result.results if r.sampled is not None}
+        if self.keep_logits:
+            for c, r in zip(sched.chunks, result.results):
+                if c.sample:
+                    c.request.logits.append(r.logits[-1].clone())
         self.scheduler.update(sched, sampled, self.clock())
         outs = []
         for c in sched.chunks:
@@ -167,7 +173,7 @@ class LLM:
             seqs.append(SeqStep(req.request_id, req.token_ids[c.start:c.start + c.num_tokens], c.start,
                                 c.num_cached, self.tables.get(req.request_id).pages,
                                 [c.num_tokens - 1] if c.sample else [], sample))
-        return StepBatch(seqs)
+        return StepBatch(seqs, return_logits=self.keep_logits)
 
     def _output(self, req: Request) -> RequestOutput:
         text, hit_stop = self.outputs.text_of(req)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext
 from engine.config import ModelConfig
+from engine.linear import Linear
 from engine.rope import RotaryTable, apply_rotary
 
 LayerHook = Callable[[int], None]  # called with the global layer index after that layer ran
@@ -23,12 +24,11 @@ LayerHook = Callable[[int], None]  # called with the global layer index after th
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(q_heads + 2 * kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear  # [(q_heads + 2 * kv_heads) * head_dim, hidden], bias for Qwen2
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
 
 
 class LlamaForward:
@@ -42,7 +42,7 @@ class LlamaForward:
 
         self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = self.embed if tied else w("lm_head.weight")
+        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
@@ -53,21 +53,23 @@ class LlamaForward:
                 bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"])
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]),
-                qkv_bias=bias,
-                o=w(a + "o_proj.weight"),
+                qkv=Linear(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]), bias),
+                o=Linear(w(a + "o_proj.weight")),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                down=Linear(w(p + "mlp.down_proj.weight")),
             ))
         self.rotary = RotaryTable(cfg.head_dim, cfg.rope, cfg.max_position, dtype, device)
         self.scale = cfg.head_dim ** -0.5
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        """Bytes a decode step must read: every layer, the final norm and the LM head (embedding rows are
+        gathered, not read whole, unless the head is tied to them)."""
+        total = self.lm_head.nbytes() + self.final_norm.numel() * self.final_norm.element_size()
         for lw in self.layers:
-            tensors += [t for t in vars(lw).values() if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            for part in vars(lw).values():
+                total += part.nbytes() if isinstance(part, Linear) else part.numel() * part.element_size()
+        return total
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
@@ -82,21 +84,21 @@ class LlamaForward:
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
         for i, lw in enumerate(self.layers):
             h = self._norm(x, lw.input_norm)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)  # [num_tokens, (q_heads + 2 kv_heads) * head_dim]
+            qkv = lw.qkv(h)  # [num_tokens, (q_heads + 2 kv_heads) * head_dim]
             q = qkv[:, :nq].view(t, cfg.num_heads, hd)
             k = qkv[:, nq:nq + nkv].view(t, cfg.num_kv_heads, hd)
             v = qkv[:, nq + nkv:].view(t, cfg.num_kv_heads, hd)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             backend.write(i, ctx.write_slots, k, v)
             o = backend.attend(i, q, ctx)  # [num_tokens, q_heads, head_dim]
-            x = x + F.linear(o.reshape(t, nq), lw.o)
+            x = x + lw.o(o.reshape(t, nq))
             h = self._norm(x, lw.post_norm)
-            gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = lw.gate_up(h).chunk(2, dim=-1)
+            x = x + lw.down(F.silu(gate) * up)
             if layer_hook is not None:
                 layer_hook(i)
         return self._norm(x, self.final_norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> float32 logits [n, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -25,6 +25,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     num_preemptions: int = 0
+    logits: list | None = None  # float32 [vocab] per output token, when the engine keeps logits
 
 
 class OutputProcessor:
@@ -50,5 +51,5 @@ class OutputProcessor:
             new_token_ids=list(out_ids[sent:]),
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             arrival_time=req.arrival_time, first_token_time=req.first_token_time,
-            num_preemptions=req.num_preemptions,
+            num_preemptions=req.num_preemptions, logits=list(req.logits) if req.logits else None,
         )

@@ -36,6 +36,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     first_token_time: float | None = None
     num_preemptions: int = 0
+    logits: list = field(default_factory=list)  # per sampled token, only when the engine keeps logits
 
     def __post_init__(self) -> None:
         if not self.token_ids:

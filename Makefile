@@ -1,0 +1,17 @@
+# The two entry points of the README. Each creates or refreshes .venv (plain pip, idempotent) first.
+PROMPT ?= Write a haiku about the sea.
+PYTEST_ARGS ?=
+
+.PHONY: venv run test bench
+
+venv:
+	@bash scripts/setup_venv.sh
+
+run: venv
+	.venv/bin/pdserve generate --chat --stream "$(PROMPT)"
+
+test: venv
+	.venv/bin/python -m pytest tests $(PYTEST_ARGS)
+
+bench: venv
+	.venv/bin/python bench/engine_bench.py

@@ -1,0 +1,72 @@
+"""`pdserve` command line. Subcommands: `generate` (one engine in this process, prints text, TTFT, tok/s)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, PdserveError, SamplingParams
+
+    try:
+        llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+        start = time.perf_counter()
+        rid = llm.add_request(prompt, params)
+    except PdserveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    first = None
+    final = None
+    while final is None:
+        for out in llm.step():
+            if out.request_id != rid:
+                continue
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+            if args.stream:
+                print(llm.tokenizer.decode(out.new_token_ids), end="", flush=True)
+            if out.finished:
+                final = out
+    end = time.perf_counter()
+    if args.stream:
+        print()
+    else:
+        print(final.text)
+    n = len(final.token_ids)
+    decode_rate = (n - 1) / (end - first) if n > 1 and end > first else float("nan")
+    print(f"\n--- {n} tokens, finish={final.finish_reason}, time to first token {1000 * (first - start):.0f} ms, "
+          f"{decode_rate:.1f} tokens/s (decode), {n / (end - start):.1f} tokens/s overall", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text with one in-process engine")
+    g.add_argument("prompt")
+    g.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a model directory or a .gguf file")
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--threads", type=int, default=1, help="torch threads (one per worker process is best)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.set_defaults(func=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""pdserve prefill_worker (see ../shared/DESIGN.md): to be built by its issue."""
