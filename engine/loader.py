@@ -34,7 +34,7 @@ def cache_root() -> Path:
 def resolve_model(model: str) -> Path:
     """A directory holding config.json, *.safetensors and the tokenizer files."""
     if model in BUNDLED:
-        return convert_gguf(_bundled_gguf(model))
+        return convert_gguf(bundled_gguf(model))
     p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return convert_gguf(p)
@@ -45,7 +45,7 @@ def resolve_model(model: str) -> Path:
     raise UnknownModelError(model, f"not a known name ({', '.join(BUNDLED)}), a model directory or a .gguf file")
 
 
-def _bundled_gguf(name: str) -> Path:
+def bundled_gguf(name: str) -> Path:
     package, filename = BUNDLED[name]
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -77,6 +77,7 @@ def convert_gguf(gguf: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
         try:
             _dequantize_into(gguf, tmp)
+            (tmp / "converted_by.json").write_text(json.dumps({"pid": os.getpid(), "source": str(gguf)}))
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Fast CPU unit tests: no Ray, no network, no real model."""
