@@ -30,6 +30,12 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x); the packed path fuses the add into the matmul (one op fewer)."""
+        if self.packed is not None and self.bias is None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
+        return residual + F.linear(x, self.weight, self.bias)
+
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())

@@ -176,17 +176,17 @@ class LLM:
         return StepBatch(seqs, return_logits=self.keep_logits)
 
     def _output(self, req: Request) -> RequestOutput:
-        text, hit_stop = self.outputs.text_of(req)
-        if hit_stop and not req.finished:
+        if self.outputs.advance(req) and not req.finished:
             self.scheduler.finish(req, "stop")
         if req.finished:
             self.requests.pop(req.request_id, None)
-        return self.outputs.make_output(req, text)
+        return self.outputs.make_output(req)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, "abort")
+            self.outputs.forget(request_id)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         """Run a hand-built batch (tests and workers that schedule for themselves)."""

@@ -72,7 +72,7 @@ class LlamaForward:
         return total
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)  # [num_tokens, hidden]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 backend, layer_hook: LayerHook | None = None) -> torch.Tensor:
@@ -82,19 +82,18 @@ class LlamaForward:
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         cos, sin = self.rotary.lookup(positions)
         x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        nh = cfg.num_heads + cfg.num_kv_heads
         for i, lw in enumerate(self.layers):
             h = self._norm(x, lw.input_norm)
             qkv = lw.qkv(h)  # [num_tokens, (q_heads + 2 kv_heads) * head_dim]
-            q = qkv[:, :nq].view(t, cfg.num_heads, hd)
-            k = qkv[:, nq:nq + nkv].view(t, cfg.num_kv_heads, hd)
-            v = qkv[:, nq + nkv:].view(t, cfg.num_kv_heads, hd)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            backend.write(i, ctx.write_slots, k, v)
+            qk = apply_rotary(qkv[:, :nq + nkv].view(t, nh, hd), cos, sin)  # RoPE on q and k heads at once
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+            backend.write(i, ctx.write_slots, k, qkv[:, nq + nkv:].view(t, cfg.num_kv_heads, hd))
             o = backend.attend(i, q, ctx)  # [num_tokens, q_heads, head_dim]
-            x = x + lw.o(o.reshape(t, nq))
+            x = lw.o.add_to(o.reshape(t, nq), x)
             h = self._norm(x, lw.post_norm)
             gate, up = lw.gate_up(h).chunk(2, dim=-1)
-            x = x + lw.down(F.silu(gate) * up)
+            x = lw.down.add_to(F.silu(gate) * up, x)
             if layer_hook is not None:
                 layer_hook(i)
         return self._norm(x, self.final_norm)

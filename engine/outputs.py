@@ -1,8 +1,10 @@
-"""`RequestOutput` and the output processor: detokenization and stop strings.
+"""`RequestOutput` and the output processor: incremental detokenization and stop strings.
 
-The LLM calls `OutputProcessor.process` after each scheduler update for every request that got a token;
-it decodes the output so far, cuts the text at the first stop string (and finishes the request through
-the scheduler), and builds the `RequestOutput` a caller or a stream sees.
+The LLM calls `OutputProcessor.advance` after each scheduler update for every request that got a token.
+Text grows incrementally: only a short window of recent tokens is decoded each step (decoding the whole
+output every step would cost O(length) per token), and a multi-byte character split across tokens is held
+back until complete. Stop strings are searched only in the newly added text plus a tail as long as the
+longest stop string; the text is cut at the first stop and the LLM finishes the request.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     new_token_ids: list[int] = field(default_factory=list)  # tokens added since the previous output
+    new_text: str = ""  # text added since the previous output
     logprobs: list[SampledToken] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -28,28 +31,61 @@ class RequestOutput:
     logits: list | None = None  # float32 [vocab] per output token, when the engine keeps logits
 
 
+@dataclass
+class _DetokState:
+    text: str = ""
+    prefix_offset: int = 0  # decode window start (tokens before it only give context for spacing)
+    read_offset: int = 0  # tokens before this are already in `text`
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._sent: dict[str, int] = {}  # request id -> output tokens already reported
+        self._state: dict[str, _DetokState] = {}
 
-    def text_of(self, req: Request) -> tuple[str, bool]:
-        """Decoded output, cut at the first stop string; second value says whether one was hit."""
-        text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
-        cut = min((i for i in (text.find(s) for s in req.params.stop) if i >= 0), default=-1)
-        return (text[:cut], True) if cut >= 0 else (text, False)
+    def advance(self, req: Request) -> bool:
+        """Fold new output tokens into the text; True if a stop string was hit (text already cut)."""
+        st = self._state.setdefault(req.request_id, _DetokState())
+        ids, skip = req.output_token_ids, req.params.skip_special_tokens
+        if st.read_offset >= len(ids):
+            return False
+        before = self.tokenizer.decode(ids[st.prefix_offset:st.read_offset], skip)
+        after = self.tokenizer.decode(ids[st.prefix_offset:], skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return False  # an incomplete character: wait for the next token
+        old_len = len(st.text)
+        st.text += after[len(before):]
+        st.prefix_offset, st.read_offset = st.read_offset, len(ids)
+        if not req.params.stop:
+            return False
+        longest = max(len(s) for s in req.params.stop)
+        start = max(0, old_len - longest + 1)
+        hits = [i for i in (st.text.find(s, start) for s in req.params.stop) if i >= 0]
+        if hits:
+            st.text = st.text[:min(hits)]
+            return True
+        return False
 
-    def make_output(self, req: Request, text: str) -> RequestOutput:
-        sent = self._sent.get(req.request_id, 0)
+    def make_output(self, req: Request) -> RequestOutput:
+        st = self._state.setdefault(req.request_id, _DetokState())
         out_ids = req.output_token_ids
-        self._sent[req.request_id] = len(out_ids)
-        if req.finished:
-            self._sent.pop(req.request_id, None)
-        return RequestOutput(
+        text = st.text
+        if req.finished and st.read_offset < len(out_ids):
+            text = self.tokenizer.decode(out_ids, req.params.skip_special_tokens)  # flush held-back bytes
+        out = RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(out_ids),
             text=text, finished=req.finished, finish_reason=req.finish_reason,
-            new_token_ids=list(out_ids[sent:]),
+            new_token_ids=list(out_ids[st.sent_tokens:]), new_text=text[st.sent_chars:],
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             arrival_time=req.arrival_time, first_token_time=req.first_token_time,
             num_preemptions=req.num_preemptions, logits=list(req.logits) if req.logits else None,
         )
+        st.sent_tokens, st.sent_chars = len(out_ids), len(text)
+        if req.finished:
+            del self._state[req.request_id]
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._state.pop(request_id, None)

@@ -47,15 +47,17 @@ class RotaryTable:
         freqs = pos[:, None] * inv[None, :]  # [max_position, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(dtype=dtype, device=device)  # [max_position, head_dim]
-        self.sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
+        sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
+        half = head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi]: one roll instead of two slices, a neg
+        # and a cat per call (negating a factor is exact, so float32 results do not change).
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the given positions, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, head_dim]; sin_signed from `RotaryTable.lookup`."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

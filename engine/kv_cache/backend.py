@@ -58,6 +58,8 @@ class RawKVBackend:
 
     def attend(self, layer: int, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """q: [num_tokens, q_heads, head_dim] (packed, RoPE applied) -> same shape."""
+        if len(ctx.groups) == 1:
+            return self._attend_group(layer, q, ctx.groups[0], ctx)
         out = torch.empty_like(q)
         for g in ctx.groups:
             out[g.token_start:g.token_end] = self._attend_group(layer, q[g.token_start:g.token_end], g, ctx)
