@@ -32,6 +32,7 @@ class AttnGroup:
     mask: torch.Tensor | None  # [batch, 1, q_len, max_ctx] bool, True = may attend
     is_causal: bool
     observe: dict[int, ObserveSpec] | None = None  # batch row -> what to record
+    contiguous_from: int | None = None  # batch of 1 whose slots are one flat range: read a view, no gather
 
 
 @dataclass
@@ -109,8 +110,16 @@ def _group(seqs, token_start, ps, device, window, observe) -> AttnGroup:
         mask = kj <= cached + qi  # [B, 1, q_len, max_ctx]
         if window is not None:
             mask &= kj > cached + qi - window
+    contiguous_from = None
+    if b == 1 and rows[0][-1] - rows[0][0] == max_ctx - 1 and _consecutive(seqs[0].pages, max_ctx, ps):
+        contiguous_from = rows[0][0]
     obs = None
     if observe:
         obs = {r: observe[s.request_id] for r, s in enumerate(seqs) if s.request_id in observe}
     return AttnGroup(token_start, token_start + b * ql, b, ql, [s.request_id for s in seqs], ctx_lens,
-                     slot_index, mask, is_causal, obs or None)
+                     slot_index, mask, is_causal, obs or None, contiguous_from)
+
+
+def _consecutive(pages: list[int], num_slots: int, ps: int) -> bool:
+    used = pages[:-(-num_slots // ps)]
+    return all(b == a + 1 for a, b in zip(used, used[1:]))

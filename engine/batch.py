@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention_context import ObserveSpec
-from engine.sampler import SampledToken, SampleRequest
+from engine.request import SampledToken
+from engine.sampler import SampleRequest
 
 
 @dataclass

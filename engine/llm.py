@@ -25,7 +25,7 @@ from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
 from engine.model import LlamaForward
 from engine.outputs import OutputProcessor, RequestOutput
-from engine.request import Request, RequestStatus
+from engine.request import Request, SampledToken
 from engine.runner import ModelRunner
 from engine.sampler import SampleRequest
 from engine.sampling_params import SamplingParams
@@ -88,6 +88,10 @@ class LLM:
         if n_prompt + params.max_tokens > self.max_model_len:
             raise InvalidRequestError("max_tokens", f"prompt ({n_prompt}) + max_tokens ({params.max_tokens}) "
                                                     f"exceeds the model's context of {self.max_model_len}")
+        sc = self.scheduler.cfg
+        if not sc.enable_chunked_prefill and n_prompt > sc.max_num_batched_tokens:
+            raise InvalidRequestError("prompt", f"{n_prompt} tokens exceed max_num_batched_tokens "
+                                                f"({sc.max_num_batched_tokens}) and chunked prefill is off")
         capacity = self.allocator.num_pages * self.kv_spec.page_size
         if n_prompt + params.max_tokens > capacity:
             raise InvalidRequestError("max_tokens", f"prompt + max_tokens ({n_prompt + params.max_tokens}) "
@@ -124,6 +128,8 @@ class LLM:
         pages = self.allocator.commit(reservation_id, seq_owner(req.request_id))
         self.tables.adopt(req.request_id, pages, req.num_prompt)
         req.token_ids.append(tok)
+        if req.params.logprobs is not None:  # the prefill side holds its logprob; keep outputs aligned
+            req.output_logprobs.append(SampledToken(tok))
         req.num_computed = req.num_prompt
         req.first_token_time = self.clock()
         self.requests[req.request_id] = req

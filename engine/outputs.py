@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import Request
-from engine.sampler import SampledToken
+from engine.request import Request, SampledToken
 
 
 @dataclass

@@ -10,8 +10,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 class RequestStatus(enum.Enum):

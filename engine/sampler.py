@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.request import SampledToken
 from engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 63) - 1
@@ -23,13 +24,6 @@ class SampleRequest:
     output_index: int  # index of the token being sampled among the request's outputs
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
 
 
 def noise_key(seed: int, output_index: int) -> int:

@@ -26,6 +26,12 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
 
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # OpenAI accepts a single string
+            self.stop = [self.stop]
+        if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
+            self.stop_token_ids = [self.stop_token_ids]
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -14,8 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_table import BlockTables
-from engine.request import Request, RequestStatus
-from engine.sampler import SampledToken
+from engine.request import Request, RequestStatus, SampledToken
 
 
 @dataclass(frozen=True)
@@ -94,8 +93,8 @@ class Scheduler:
             req = self.waiting[0]
             remaining = len(req.token_ids) - req.num_computed
             n = min(remaining, budget)
-            if n < remaining and not self.cfg.enable_chunked_prefill:
-                break
+            if n < remaining and not self.cfg.enable_chunked_prefill and not req.num_preemptions:
+                break  # (a preempted request's recompute may exceed the budget: it is chunked regardless)
             if self.tables.extra_pages_needed(req.request_id, n) > self.tables.allocator.num_free:
                 break  # admission: wait for pages
             self.waiting.popleft()
@@ -188,7 +187,7 @@ class Scheduler:
         drop = len(req.token_ids) - num_tokens
         del req.token_ids[num_tokens:]
         if drop and req.output_logprobs:
-            del req.output_logprobs[len(req.output_logprobs) - drop:]
+            del req.output_logprobs[max(0, len(req.output_logprobs) - drop):]
         if req.num_computed > num_tokens:
             cut = req.num_computed - num_tokens
             self.tables.truncate(req.request_id, self.tables.get(req.request_id).num_slots - cut)

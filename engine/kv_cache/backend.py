@@ -67,7 +67,12 @@ class RawKVBackend:
 
     def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
         b, ql = g.batch, g.q_len
-        k, v = self.read(layer, g.slot_index)  # [B, ctx, kv_heads, head_dim]
+        if g.contiguous_from is not None:  # one sequence on consecutive pages: a view, no gather
+            lo, n = g.contiguous_from, g.ctx_lens[0]
+            k = self._flat(self.k[layer])[lo:lo + n].unsqueeze(0)  # [1, ctx, kv_heads, head_dim]
+            v = self._flat(self.v[layer])[lo:lo + n].unsqueeze(0)
+        else:
+            k, v = self.read(layer, g.slot_index)  # [B, ctx, kv_heads, head_dim]
         qh = q.view(b, ql, *q.shape[1:]).transpose(1, 2)  # [B, q_heads, q_len, head_dim]
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, ctx, head_dim]
         if g.observe is not None:

@@ -379,7 +379,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def commit(self, owner, data):
         if not self.res:
             return
-        rid = data.draw(st.sampled_from(sorted(self.res)))
+        rid = data.draw(st.sampled_from(list(self.res)))  # insertion order: ids are random
         res_owner, pages, expires = self.res[rid]
         if expires <= self.clock():
             with pytest.raises(ReservationError, match="expired"):
@@ -401,7 +401,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def cancel(self, data):
         if not self.res:
             return
-        rid = data.draw(st.sampled_from(sorted(self.res)))
+        rid = data.draw(st.sampled_from(list(self.res)))  # insertion order: ids are random
         self.alloc.cancel(rid)
         del self.res[rid]
         with pytest.raises(ReservationError):
