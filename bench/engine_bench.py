@@ -242,7 +242,8 @@ def decode_steps(b: Bench, batch: int, ctx: int, n: int) -> tuple[list[float], l
     """Interleaved step timings at `batch` x `ctx`; both sides keep their caches across runs, so context
     grows by the same number of tokens on each side."""
     prompts = text_prompts(b.llm, [ctx] * batch)
-    rids = engine_prefill(b.llm, prompts, n * (b.repeats + 1) + 8)
+    # margin: requests that finish prefill early decode while the others still prefill
+    rids = engine_prefill(b.llm, prompts, n * (b.repeats + 1) + 8 + ctx * batch // 256)
     dec = HFDecoder(b.hf, prompts, b.pad_id)
     e, h = interleave(lambda: engine_steps(b.llm, n, batch), lambda: dec.steps(n), b.repeats)
     for rid in rids:

@@ -198,6 +198,13 @@ class LLM:
         """Run a hand-built batch (tests and workers that schedule for themselves)."""
         return self.runner.execute(batch)
 
+    def generate_until_idle(self) -> list[RequestOutput]:
+        """Step until nothing is queued or running; every output produced, in order."""
+        outs = []
+        while self.has_unfinished():
+            outs.extend(self.step())
+        return outs
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)

@@ -38,4 +38,19 @@ def write_tiny(arch: str, out: Path, seed: int = 0, **overrides) -> Path:
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
     model.save_pretrained(out)
+    write_tiny_tokenizer(Path(out), model.config.vocab_size)
     return Path(out)
+
+
+def write_tiny_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the words t0 .. t{vocab-1} ("t2" is EOS), so `LLM` can load the dir."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
