@@ -28,7 +28,7 @@ class AttnGroup:
     q_len: int
     request_ids: list[str]
     ctx_lens: list[int]  # slots each sequence attends to after this step's writes
-    slot_index: torch.Tensor  # [batch, max_ctx] flat slot ids, padded with 0 (masked)
+    page_index: torch.Tensor  # [batch, pages covering max_ctx] page ids, padded with page 0
     mask: torch.Tensor | None  # [batch, 1, q_len, max_ctx] bool, True = may attend
     is_causal: bool
     observe: dict[int, ObserveSpec] | None = None  # batch row -> what to record
@@ -98,26 +98,31 @@ def _group(seqs, token_start, ps, device, window, observe) -> AttnGroup:
     b, ql = len(seqs), seqs[0].q_len
     ctx_lens = [s.num_cached + ql for s in seqs]
     max_ctx = max(ctx_lens)
-    rows = [_slots(s.pages, ps, 0, n) + [0] * (max_ctx - n) for s, n in zip(seqs, ctx_lens)]
-    slot_index = torch.tensor(rows, dtype=torch.long, device=device)
+    n_pages = -(-max_ctx // ps)
+    # Whole pages are gathered (rows of page_size * kv_heads * head_dim elements: faster than per slot);
+    # slots past a sequence's length are masked, padding rows point at page 0.
+    rows = [s.pages[:-(-n // ps)] + [0] * (n_pages - -(-n // ps)) for s, n in zip(seqs, ctx_lens)]
+    page_index = torch.tensor(rows, dtype=torch.long, device=device)
     is_causal = b == 1 and seqs[0].num_cached == 0 and ql > 1 and window is None
     uniform_decode = ql == 1 and len(set(ctx_lens)) == 1 and window is None
     mask = None
-    if not (is_causal or uniform_decode):
+    if not is_causal:
         cached = torch.tensor([s.num_cached for s in seqs], device=device).view(b, 1, 1, 1)
         qi = torch.arange(ql, device=device).view(1, 1, ql, 1)
         kj = torch.arange(max_ctx, device=device).view(1, 1, 1, max_ctx)
         mask = kj <= cached + qi  # [B, 1, q_len, max_ctx]
         if window is not None:
             mask &= kj > cached + qi - window
+        if uniform_decode:
+            mask = None  # every row sees exactly max_ctx slots
     contiguous_from = None
-    if b == 1 and rows[0][-1] - rows[0][0] == max_ctx - 1 and _consecutive(seqs[0].pages, max_ctx, ps):
-        contiguous_from = rows[0][0]
+    if b == 1 and _consecutive(seqs[0].pages, max_ctx, ps):
+        contiguous_from = seqs[0].pages[0] * ps
     obs = None
     if observe:
         obs = {r: observe[s.request_id] for r, s in enumerate(seqs) if s.request_id in observe}
     return AttnGroup(token_start, token_start + b * ql, b, ql, [s.request_id for s in seqs], ctx_lens,
-                     slot_index, mask, is_causal, obs or None, contiguous_from)
+                     page_index, mask, is_causal, obs or None, contiguous_from)
 
 
 def _consecutive(pages: list[int], num_slots: int, ps: int) -> bool:

@@ -56,6 +56,13 @@ class RawKVBackend:
         tail = (self.spec.num_kv_heads, self.spec.head_dim)
         return k.view(*slots.shape, *tail), v.view(*slots.shape, *tail)
 
+    def read_pages(self, layer: int, page_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole pages, concatenated per row: page_index [B, P] -> K, V [B, P * page_size, kv_heads, head_dim]."""
+        b, p = page_index.shape
+        flat = page_index.reshape(-1)
+        shape = (b, p * self.spec.page_size, self.spec.num_kv_heads, self.spec.head_dim)
+        return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
+
     def attend(self, layer: int, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """q: [num_tokens, q_heads, head_dim] (packed, RoPE applied) -> same shape."""
         if len(ctx.groups) == 1:
@@ -67,12 +74,14 @@ class RawKVBackend:
 
     def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
         b, ql = g.batch, g.q_len
+        n = max(g.ctx_lens)
         if g.contiguous_from is not None:  # one sequence on consecutive pages: a view, no gather
-            lo, n = g.contiguous_from, g.ctx_lens[0]
+            lo = g.contiguous_from
             k = self._flat(self.k[layer])[lo:lo + n].unsqueeze(0)  # [1, ctx, kv_heads, head_dim]
             v = self._flat(self.v[layer])[lo:lo + n].unsqueeze(0)
         else:
-            k, v = self.read(layer, g.slot_index)  # [B, ctx, kv_heads, head_dim]
+            k, v = self.read_pages(layer, g.page_index)  # [B, pages * page_size, kv_heads, head_dim]
+            k, v = k[:, :n], v[:, :n]
         qh = q.view(b, ql, *q.shape[1:]).transpose(1, 2)  # [B, q_heads, q_len, head_dim]
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, ctx, head_dim]
         if g.observe is not None:
