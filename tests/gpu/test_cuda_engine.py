@@ -15,12 +15,13 @@ PARAMS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
 def test_cuda_matches_cpu_float32():
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 for the comparison
+    torch.backends.cudnn.allow_tf32 = False
     cpu = LLM(dtype="float32", num_pages=256, keep_logits=True)
     prompts = token_prompts(cpu.tokenizer, [16, 200, 700])
     ref = cpu.generate(prompts, PARAMS)
     gpu = LLM(dtype="float32", device="cuda", num_pages=256)
     got = gpu.generate(prompts, PARAMS)
-    torch.backends.cuda.matmul.allow_tf32 = False
     assert_greedy_equal([o.token_ids for o in ref], [o.token_ids for o in got],
                         [torch.stack(o.logits) for o in ref])
     assert_engine_empty(cpu)
