@@ -1,0 +1,200 @@
+"""Frames on the KV plane: build them (sender) and check them against a reservation (receiver). Pure.
+
+No torch, no grpc, no I/O: bytes in, `kv_transfer_pb2` messages and plain dataclasses out, so the decoder
+can be fuzzed. Only protobuf parses bytes here (never pickle / torch.load).
+
+Sender:   open_frame() -> chunk_frames() per layer and token range -> finish_frame()
+Receiver: parse_frame() (bytes, fake transport / fuzzing) or a message from the gRPC stub, then
+          check_open() once, check_chunk() per chunk -- every count, range and size against the
+          reservation's `TransferLayout` BEFORE anything is allocated or written -- then
+          verify_payload() (length and CRC-32) before the chunk may be committed to pages.
+A chunk's payload is K then V, each [tokens, heads, head_dim] in the pool's storage format; the layout
+says how many bytes one (token, head) takes, so the codec never interprets the bytes.
+"""
+from __future__ import annotations
+
+import hmac
+import zlib
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from engine.kv_cache.spec import DTYPES, STORAGE_FORMATS, KVPageSpec
+from kv_transfer import kv_transfer_pb2 as pb
+from kv_transfer.contract import (DataLoss, FailedPrecondition, InvalidFrame, ResourceExhausted,
+                                  TransferDescriptor)
+
+ALLOWED_DTYPES = frozenset(DTYPES)  # float32, bfloat16, float16
+ALLOWED_FORMATS = frozenset(STORAGE_FORMATS) & {"raw"}  # formats whose byte layout the transfer knows
+_U32 = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class TransferLayout:
+    """The shape both ends agree on (from the `KVPageSpec`, page size aside): what a chunk may address."""
+    dtype: str
+    storage_format: str
+    num_layers: int
+    layer_start: int  # local layers [layer_start, layer_end)
+    layer_end: int
+    head_start: int  # global KV heads held by this shard [head_start, head_end)
+    head_end: int
+    head_dim: int
+    tp_rank: int
+    tp_size: int
+    token_head_bytes: int  # stored bytes of one token of one head, for K (V the same)
+
+    @classmethod
+    def from_spec(cls, spec: KVPageSpec, token_head_bytes: int) -> "TransferLayout":
+        h0 = spec.tp_rank * spec.num_kv_heads
+        return cls(spec.dtype, spec.storage_format, spec.num_layers, spec.layer_start, spec.layers_end,
+                   h0, h0 + spec.num_kv_heads, spec.head_dim, spec.tp_rank, spec.tp_size, token_head_bytes)
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_end - self.head_start
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def payload_bytes(self, tokens: int, heads: int) -> int:
+        return 2 * tokens * heads * self.token_head_bytes
+
+    def transfer_bytes(self, num_tokens: int) -> int:
+        """Payload bytes of a whole transfer of `num_tokens` tokens (every local layer and head)."""
+        return self.num_local_layers * self.payload_bytes(num_tokens, self.num_heads)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    layer: int
+    head_start: int
+    head_end: int
+    token_start: int
+    token_end: int
+    byte_length: int
+    crc32: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+
+# ---- sender side ---------------------------------------------------------------------------------
+def open_frame(desc: TransferDescriptor, layout: TransferLayout, prompt_token_ids: list[int],
+               num_kv_heads: int) -> pb.Frame:
+    return pb.Frame(open=pb.Open(
+        request_id=desc.request_id, reservation_id=desc.reservation_id, nonce=desc.nonce,
+        model_fingerprint=desc.model_fingerprint, layout_signature=desc.layout_signature,
+        prompt_token_ids=prompt_token_ids, dtype=layout.dtype, storage_format=layout.storage_format,
+        num_layers=layout.num_layers, num_kv_heads=num_kv_heads, head_dim=layout.head_dim,
+        tp_rank=layout.tp_rank, tp_size=layout.tp_size))
+
+
+def plan_token_ranges(start: int, stop: int, layout: TransferLayout, target_bytes: int) -> list[tuple[int, int]]:
+    """Split tokens [start, stop) of one layer (all local heads) into chunks of about `target_bytes`."""
+    per_token = layout.payload_bytes(1, layout.num_heads)
+    step = max(1, target_bytes // per_token)
+    return [(a, min(a + step, stop)) for a in range(start, stop, step)]
+
+
+def chunk_frame(layout: TransferLayout, layer: int, token_start: int, token_end: int,
+                k: memoryview, v: memoryview) -> pb.Frame:
+    """One chunk of all local heads: `k`, `v` are the stored bytes of exactly these tokens."""
+    payload = b"".join((k, v))
+    return pb.Frame(chunk=pb.Chunk(
+        layer=layer, head_start=layout.head_start, head_end=layout.head_end, token_start=token_start,
+        token_end=token_end, tp_rank=layout.tp_rank, tp_size=layout.tp_size, dtype=layout.dtype,
+        storage_format=layout.storage_format, byte_length=len(payload), crc32=zlib.crc32(payload),
+        payload=payload))
+
+
+def finish_frame(first_token_id: int, num_chunks: int) -> pb.Frame:
+    return pb.Frame(finish=pb.Finish(first_token_id=first_token_id, num_chunks=num_chunks))
+
+
+# ---- receiver side -------------------------------------------------------------------------------
+def parse_frame(data: bytes) -> pb.Frame:
+    """Bytes -> a Frame with exactly one kind set (InvalidFrame otherwise)."""
+    try:
+        frame = pb.Frame.FromString(data)
+    except DecodeError as e:
+        raise InvalidFrame(f"frame does not parse: {e}") from None
+    if frame.WhichOneof("kind") is None:
+        raise InvalidFrame("frame has no open, chunk or finish")
+    return frame
+
+
+def check_layout(msg: pb.Open, layout: TransferLayout, num_kv_heads: int) -> None:
+    """The sender's layout, field by field, against ours (FailedPrecondition naming the first mismatch)."""
+    if msg.dtype not in ALLOWED_DTYPES:
+        raise InvalidFrame(f"dtype {msg.dtype!r} is not allowed ({sorted(ALLOWED_DTYPES)})")
+    if msg.storage_format not in ALLOWED_FORMATS:
+        raise InvalidFrame(f"storage format {msg.storage_format!r} is not allowed ({sorted(ALLOWED_FORMATS)})")
+    ours = dict(dtype=layout.dtype, storage_format=layout.storage_format, num_layers=layout.num_layers,
+                num_kv_heads=num_kv_heads, head_dim=layout.head_dim, tp_rank=layout.tp_rank,
+                tp_size=layout.tp_size)
+    for name, want in ours.items():
+        got = getattr(msg, name)
+        if got != want:
+            raise FailedPrecondition(f"layout mismatch: sender {name}={got!r}, receiver {name}={want!r}")
+
+
+def check_binding(msg: pb.Open, fingerprint: str, signature: str, num_tokens: int) -> None:
+    """Model and layout identity, and the prompt against the reservation's token count."""
+    if not hmac.compare_digest(msg.model_fingerprint.encode(), fingerprint.encode()):
+        raise FailedPrecondition(f"model fingerprint {msg.model_fingerprint!r} != receiver's {fingerprint!r}")
+    if not hmac.compare_digest(msg.layout_signature.encode(), signature.encode()):
+        raise FailedPrecondition(f"layout signature {msg.layout_signature!r} != receiver's {signature!r}")
+    if len(msg.prompt_token_ids) != num_tokens:
+        raise InvalidFrame(f"{len(msg.prompt_token_ids)} prompt token ids; the reservation is for {num_tokens}")
+
+
+def check_chunk(msg: pb.Chunk, layout: TransferLayout, num_tokens: int, max_chunk_bytes: int) -> ChunkHeader:
+    """Every count, range and declared size of a chunk against the reservation, before the payload is
+    touched (each read of `msg.payload` copies it) or anything is allocated."""
+    if msg.byte_length > max_chunk_bytes:
+        raise ResourceExhausted(f"chunk of {msg.byte_length} bytes exceeds the {max_chunk_bytes}-byte cap")
+    if msg.dtype not in ALLOWED_DTYPES or msg.dtype != layout.dtype:
+        raise InvalidFrame(f"chunk dtype {msg.dtype!r}: expected {layout.dtype!r}")
+    if msg.storage_format not in ALLOWED_FORMATS or msg.storage_format != layout.storage_format:
+        raise InvalidFrame(f"chunk storage format {msg.storage_format!r}: expected {layout.storage_format!r}")
+    if (msg.tp_rank, msg.tp_size) != (layout.tp_rank, layout.tp_size):
+        raise InvalidFrame(f"chunk from tp rank {msg.tp_rank}/{msg.tp_size}; this receiver takes "
+                           f"{layout.tp_rank}/{layout.tp_size} (resharding is not implemented)")
+    _check_range("layer", msg.layer, msg.layer + 1, layout.layer_start, layout.layer_end)
+    _check_range("heads", msg.head_start, msg.head_end, layout.head_start, layout.head_end)
+    _check_range("tokens", msg.token_start, msg.token_end, 0, num_tokens)
+    want = layout.payload_bytes(msg.token_end - msg.token_start, msg.head_end - msg.head_start)
+    if msg.byte_length != want:
+        raise InvalidFrame(f"chunk says {msg.byte_length} bytes; its ranges hold {want}")
+    return ChunkHeader(msg.layer, msg.head_start, msg.head_end, msg.token_start, msg.token_end,
+                       msg.byte_length, msg.crc32)
+
+
+def verify_payload(header: ChunkHeader, payload: bytes) -> None:
+    """Length and CRC-32, before the chunk may be committed."""
+    if len(payload) != header.byte_length:
+        raise DataLoss(f"payload is {len(payload)} bytes; header says {header.byte_length}")
+    crc = zlib.crc32(payload)
+    if crc != header.crc32:
+        raise DataLoss(f"checksum mismatch on layer {header.layer} tokens "
+                       f"[{header.token_start}, {header.token_end}): {crc:#010x} != {header.crc32:#010x}")
+
+
+def decode_chunk(data: bytes, layout: TransferLayout, num_tokens: int,
+                 max_chunk_bytes: int) -> tuple[ChunkHeader, bytes]:
+    """Bytes of one frame -> a checked chunk header and its verified payload (typed errors only)."""
+    frame = parse_frame(data)
+    if frame.WhichOneof("kind") != "chunk":
+        raise InvalidFrame(f"expected a chunk frame, got {frame.WhichOneof('kind')}")
+    header = check_chunk(frame.chunk, layout, num_tokens, max_chunk_bytes)
+    payload = frame.chunk.payload
+    verify_payload(header, payload)
+    return header, payload
+
+
+def _check_range(what: str, lo: int, hi: int, min_lo: int, max_hi: int) -> None:
+    if not (min_lo <= lo < hi <= max_hi and hi <= _U32):
+        raise InvalidFrame(f"{what} [{lo}, {hi}) outside [{min_lo}, {max_hi}) or empty")

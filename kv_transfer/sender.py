@@ -1,0 +1,246 @@
+"""`KVSender`: the `KVSource` of a prefill engine -- publish each layer's KV as soon as it exists.
+
+Order of use (engine thread):
+    tx = KVSender(llm, make_transport("grpc"), SenderConfig())
+    rid = llm.add_request(prompt_ids, params, prefill_only=True)
+    tx.send(rid, descriptor, address)     # descriptor: from the decode side's KVReceiver.reserve()
+    while ...: tx.step()                   # = llm.step() then tx.poll()
+    tx.status(rid)                         # pending / transferring / done / failed(reason)
+
+`send()` registers a layer hook on the engine's runner (once). After every layer of every step, the
+hook copies the K/V of the tokens that step just computed for a sending request (their stored bytes,
+read by the request's own slots) into that transfer's queue -- a cheap memcpy on the engine thread --
+so the transfer of layer i overlaps the compute of layers i+1.. and of later prefill chunks. A push
+thread per transfer runs `transport.push()` over `Outbound.frames()`, which cuts the queued layers into
+~`chunk_bytes` chunks (CRC-32 each) off the engine thread. When the prefill ends HELD, `poll()` queues the
+`Finish` frame (first token); once the push ends, done or failed, `poll()` releases the held pages (or
+aborts a prefill whose transfer failed). A preempted prefill recomputes; tokens already published are
+not sent again.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import OrderedDict
+
+from engine.kv_cache.page_io import export_kv, flat_slots, stored_token_head_bytes
+from engine.request import RequestStatus
+from kv_transfer import codec
+from kv_transfer.config import SenderConfig
+from kv_transfer.contract import (EndObserver, ErrorCode, FailedPrecondition, InvalidFrame, TransferDescriptor,
+                                  TransferError, TransferState, TransferStatus, UnknownReservation)
+
+
+class Outbound:
+    """One transfer out of one prefill request. Engine thread: publish/finish/abort; push thread: frames()."""
+
+    def __init__(self, request_id: str, desc: TransferDescriptor, address: str, layout: codec.TransferLayout,
+                 prompt: list[int], num_kv_heads: int, chunk_bytes: int, started_at: float):
+        self.request_id, self.desc, self.address, self.layout = request_id, desc, address, layout
+        self.started_at = started_at
+        self._open = codec.open_frame(desc, layout, prompt, num_kv_heads)
+        self._chunk_bytes = chunk_bytes
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.published = [0] * layout.num_local_layers  # tokens queued per local layer (engine thread)
+        self.input_closed = False  # finish or abort queued (engine thread)
+        self.state, self.reason, self.code = TransferState.PENDING, None, None
+        self.bytes = self.chunks = 0
+        self.thread: threading.Thread | None = None
+
+    # engine thread
+    def publish(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview) -> None:
+        self._q.put(("kv", layer, start, stop, k, v))
+        self.published[layer - self.layout.layer_start] = stop
+
+    def finish(self, first_token_id: int) -> None:
+        self.input_closed = True
+        self._q.put(("finish", first_token_id))
+
+    def abort(self, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
+        self.end(TransferState.FAILED, reason, code)
+        self.input_closed = True
+        self._q.put(("abort",))
+
+    # push thread
+    def frames(self):
+        """Open, then chunks as layers are published, then finish; ends early (no finish) on abort."""
+        with self._lock:
+            if self.state == TransferState.PENDING:
+                self.state = TransferState.TRANSFERRING
+        yield self._open
+        row = self.layout.payload_bytes(1, self.layout.num_heads) // 2  # bytes of one token's K (or V)
+        while True:
+            item = self._q.get()
+            if item[0] == "finish":
+                yield codec.finish_frame(item[1], self.chunks)
+                return
+            if item[0] == "abort":
+                return
+            _, layer, start, stop, k, v = item
+            for a, b in codec.plan_token_ranges(start, stop, self.layout, self._chunk_bytes):
+                lo, hi = (a - start) * row, (b - start) * row
+                frame = codec.chunk_frame(self.layout, layer, a, b, k[lo:hi], v[lo:hi])
+                self.chunks += 1
+                self.bytes += frame.chunk.byte_length
+                yield frame
+
+    # either thread
+    def end(self, state: TransferState, reason: str | None = None, code: ErrorCode | None = None) -> bool:
+        with self._lock:
+            if self.state.terminal:
+                return False
+            self.state, self.reason, self.code = state, reason, code
+            return True
+
+    @property
+    def ended(self) -> bool:
+        return self.state.terminal
+
+    def status(self) -> TransferStatus:
+        return TransferStatus(self.state, self.reason, self.code, self.bytes, self.chunks)
+
+
+class KVSender:
+    def __init__(self, llm, transport, config: SenderConfig | None = None, clock=None,
+                 on_end: EndObserver | None = None, remember_ended: int = 4096):
+        self.llm = llm
+        self._remember = remember_ended
+        self.transport = transport
+        self.config = config or SenderConfig()
+        self.clock = clock or llm.clock
+        self.on_end = on_end
+        self.layout = codec.TransferLayout.from_spec(llm.kv_spec, stored_token_head_bytes(llm.kv_spec))
+        self._out: dict[str, Outbound] = {}
+        self._ended: OrderedDict[str, TransferStatus] = OrderedDict()  # the last `remember_ended`
+        self._threads: list[threading.Thread] = []
+        self._hooked = False
+
+    def send(self, request_id: str, desc: TransferDescriptor, address: str) -> None:
+        """Start shipping the KV of prefill-only request `request_id` into the reservation `desc`."""
+        req = self.llm.requests.get(request_id)
+        if req is None or not req.prefill_only:
+            raise UnknownReservation(f"{request_id!r} is not a live prefill-only request of this engine")
+        if request_id in self._out:
+            raise FailedPrecondition(f"{request_id!r} is already being sent")
+        if desc.model_fingerprint != self.llm.fingerprint or desc.layout_signature != self.llm.kv_spec.signature():
+            raise FailedPrecondition(f"descriptor for model {desc.model_fingerprint}/layout {desc.layout_signature};"
+                                     f" this engine has {self.llm.fingerprint}/{self.llm.kv_spec.signature()}")
+        if desc.num_tokens != req.num_prompt:
+            raise InvalidFrame(f"reservation holds {desc.num_tokens} tokens; the prompt has {req.num_prompt}")
+        if not self._hooked:
+            self.llm.runner.add_layer_hook(self._on_layer)
+            self._hooked = True
+        ob = Outbound(request_id, desc, address, self.layout, list(req.prompt_token_ids),
+                      self.llm.kv_spec.num_kv_heads, self.config.chunk_bytes, self.clock())
+        self._out[request_id] = ob
+        if request_id in self.llm.tables:  # computed before send(): publish what is already in pages
+            self._publish_cached(ob)
+        ob.thread = threading.Thread(target=self._push, args=(ob,), name=f"kv-push-{request_id}", daemon=True)
+        ob.thread.start()
+        self.poll()
+
+    def step(self):
+        """One prefill-loop iteration: one engine step, then poll (its outputs)."""
+        outs = self.llm.step()
+        self.poll()
+        return outs
+
+    def poll(self) -> None:
+        """Queue finish for prefills that ended HELD, enforce deadlines, settle ended transfers."""
+        now = self.clock()
+        for rid, ob in list(self._out.items()):
+            req = self.llm.requests.get(rid)
+            if not ob.input_closed:
+                if req is None or req.finished:
+                    ob.abort("the prefill request ended without its KV (finished at its first token or aborted)")
+                elif req.status == RequestStatus.HELD:
+                    ob.finish(req.output_token_ids[0])
+            deadline = self.config.deadline_s
+            if deadline is not None and not ob.ended and now - ob.started_at >= deadline:
+                ob.abort(f"deadline of {deadline}s exceeded", ErrorCode.DEADLINE_EXCEEDED)
+            if ob.ended:
+                self._settle(ob, req)
+
+    def status(self, request_id: str) -> TransferStatus:
+        if request_id in self._out:
+            return self._out[request_id].status()
+        if request_id in self._ended:
+            return self._ended[request_id]
+        raise UnknownReservation(f"no transfer for request {request_id!r}")
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        ob = self._out.get(request_id)
+        if ob is not None:
+            ob.abort(reason)
+            self.poll()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Abort what is still sending, settle it, and wait for the push threads."""
+        for rid in list(self._out):
+            self.cancel(rid, "sender closed")
+        for t in self._threads:
+            t.join(timeout_s)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        if self._hooked:
+            self.llm.runner.remove_layer_hook(self._on_layer)
+            self._hooked = False
+
+    @property
+    def num_live(self) -> int:
+        return len(self._out)
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _on_layer(self, layer: int, batch) -> None:
+        """Runs on the engine thread after each layer: queue the K/V this step just computed."""
+        if not self._out:
+            return
+        for s in batch.seqs:
+            ob = self._out.get(s.request_id)
+            if ob is None or ob.input_closed:
+                continue
+            start = max(s.num_cached, ob.published[layer - self.layout.layer_start])
+            stop = s.num_cached + len(s.token_ids)
+            if stop > start:
+                slots = flat_slots(s.pages, self.llm.kv_spec.page_size, start, stop)
+                ob.publish(layer, start, stop, *export_kv(self.llm.backend, layer, slots))
+
+    def _publish_cached(self, ob: Outbound) -> None:
+        table = self.llm.tables.get(ob.request_id)
+        n = min(table.num_slots, ob.desc.num_tokens)
+        if n:
+            slots = flat_slots(table.pages, self.llm.kv_spec.page_size, 0, n)
+            for layer in self.llm.kv_spec.local_layers:
+                ob.publish(layer, 0, n, *export_kv(self.llm.backend, layer, slots))
+
+    def _push(self, ob: Outbound) -> None:
+        """Push thread: run the transport; every outcome ends the transfer (once)."""
+        try:
+            result = self.transport.push(ob.address, ob.frames(), self.config)
+        except TransferError as e:
+            ob.end(TransferState.FAILED, e.message, e.code)
+        except Exception as e:  # a thread boundary: any bug still ends the transfer, typed as INTERNAL
+            ob.end(TransferState.FAILED, f"{type(e).__name__}: {e}", ErrorCode.INTERNAL)
+        else:
+            if result.state == "done":
+                ob.end(TransferState.DONE)
+            else:
+                ob.end(TransferState.FAILED, result.reason or "receiver reported failure", ErrorCode.INTERNAL)
+
+    def _settle(self, ob: Outbound, req) -> None:
+        """Engine thread: the push ended; give the prefill's pages back and forget the transfer."""
+        if req is not None and req.status == RequestStatus.HELD:
+            self.llm.release_held(ob.request_id)
+        elif req is not None and not req.finished:
+            self.llm.abort(ob.request_id)  # the KV has nowhere to go: stop computing it
+        if not ob.input_closed:
+            ob.abort("transfer ended")  # unblocks frames() if the push ended before the prefill did
+        self._out.pop(ob.request_id)
+        self._ended[ob.request_id] = ob.status()
+        while len(self._ended) > self._remember:
+            self._ended.popitem(last=False)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        if ob.thread is not None:
+            self._threads.append(ob.thread)
+        if self.on_end is not None:
+            self.on_end(ob.request_id, ob.status())
