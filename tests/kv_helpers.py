@@ -1,0 +1,99 @@
+"""Helpers for KV-transfer tests: a fake clock, end-observers, a drive loop, and frames built by hand.
+
+`drive()` runs a prefill engine's `KVSender` and a decode engine's `KVReceiver` in one thread (the push
+threads of the transport run beside it) until both have settled every transfer. `hand_frames()` builds
+the frames of one finished prefill directly with the codec, so failure tests can feed `handle_push`
+exactly the stream they want.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from engine.kv_cache.page_io import export_kv, flat_slots, stored_token_head_bytes
+from kv_transfer import codec
+from tests.conftest import assert_engine_empty
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Ends:
+    """An `on_end` observer: counts how often each transfer ended and keeps its final status."""
+
+    def __init__(self):
+        self.count: Counter = Counter()
+        self.last = {}
+
+    def __call__(self, key, status) -> None:
+        self.count[key] += 1
+        self.last[key] = status
+
+    def assert_each_once(self, keys) -> None:
+        keys = list(keys)
+        assert sorted(self.count) == sorted(keys), (dict(self.count), keys)
+        assert all(self.count[k] == 1 for k in keys), dict(self.count)
+
+
+def drive(tx, rx, timeout_s: float = 60.0) -> list:
+    """Step both sides until no transfer is live on either; returns the decode side's outputs."""
+    outs, end = [], time.monotonic() + timeout_s
+    while tx.num_live or rx.num_live:
+        if tx.llm.has_unfinished():
+            tx.step()
+        else:
+            tx.poll()
+            time.sleep(0.0005)  # waiting on a push thread, not on a deadline
+        outs += rx.step()
+        assert time.monotonic() < end, f"transfers did not settle: {tx.num_live} sending, {rx.num_live} receiving"
+    return outs
+
+
+def decode_all(llm, request_ids, outs) -> list[list[int]]:
+    """Finish decoding; the final token ids of each request, in order."""
+    outs = outs + llm.generate_until_idle()
+    final = {o.request_id: o.token_ids for o in outs}
+    return [final[r] for r in request_ids]
+
+
+def prefill_held(llm, prompt, params) -> tuple[str, int]:
+    """Run a prefill-only request to HELD; (request id, first token)."""
+    rid = llm.add_request(prompt, params, prefill_only=True)
+    first = [o for o in llm.generate_until_idle() if o.request_id == rid][0]
+    return rid, first.token_ids[0]
+
+
+def hand_frames(llm, request_id: str, first_token: int, desc, chunk_bytes: int = 1024) -> list:
+    """[open, chunks (every layer, in order), finish] of a HELD request, built with the codec."""
+    spec = llm.kv_spec
+    layout = codec.TransferLayout.from_spec(spec, stored_token_head_bytes(spec))
+    pages, n = llm.held_pages(request_id)
+    prompt = llm.requests[request_id].prompt_token_ids
+    frames = [codec.open_frame(desc, layout, list(prompt), spec.num_kv_heads)]
+    slots = flat_slots(pages, spec.page_size, 0, n)
+    row = layout.payload_bytes(1, layout.num_heads) // 2
+    for layer in spec.local_layers:
+        k, v = export_kv(llm.backend, layer, slots)
+        for a, b in codec.plan_token_ranges(0, n, layout, chunk_bytes):
+            frames.append(codec.chunk_frame(layout, layer, a, b, k[a * row:b * row], v[a * row:b * row]))
+    frames.append(codec.finish_frame(first_token, len(frames) - 1))
+    return frames
+
+
+def close_all(tx=None, rx=None, transport=None, llms=()) -> None:
+    """Shut the endpoints down and check that nothing leaked: no pages, reservations, requests, transfers."""
+    if tx is not None:
+        tx.close()
+        assert tx.num_live == 0 and not [t for t in tx._threads if t.is_alive()], "push threads left"
+    if rx is not None:
+        rx.close()
+        assert rx.num_live == 0 and not rx._writes, "receiver kept transfers or queued writes"
+    if transport is not None:
+        transport.close()
+    for llm in llms:
+        assert_engine_empty(llm)
