@@ -97,3 +97,40 @@ def close_all(tx=None, rx=None, transport=None, llms=()) -> None:
         transport.close()
     for llm in llms:
         assert_engine_empty(llm)
+
+
+def prefill_child_main(conn, model: str, dtype: str, page_size: int, chunk_bytes: int) -> None:
+    """A prefill engine with a gRPC `KVSender` in a child process (spawn). JSON over the pipe (control only):
+    in  {"op": "prefill", "jobs": [{"prompt", "max_tokens", "desc", "address"}]} -> {"statuses": [[state, reason]]}
+    in  {"op": "close"} -> {"usage": kv_usage, "unfinished": bool}, then the child exits."""
+    import json
+
+    from engine import SamplingParams
+    from engine.llm import LLM
+    from kv_transfer.config import SenderConfig
+    from kv_transfer.contract import TransferDescriptor, make_transport
+    from kv_transfer.sender import KVSender
+
+    llm = LLM(model=model, dtype=dtype, page_size=page_size, num_pages=-(-8192 // page_size))
+    transport = make_transport("grpc")
+    tx = KVSender(llm, transport, SenderConfig(chunk_bytes=chunk_bytes))
+    conn.send(json.dumps({"ready": True, "fingerprint": llm.fingerprint}))
+    while True:
+        msg = json.loads(conn.recv())
+        if msg["op"] == "close":
+            tx.close()
+            transport.close()
+            conn.send(json.dumps({"usage": llm.kv_usage(), "unfinished": llm.has_unfinished() or bool(llm.scheduler.held)}))
+            return
+        rids = []
+        for job in msg["jobs"]:
+            params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+            rids.append(llm.add_request(job["prompt"], params, prefill_only=True))
+            tx.send(rids[-1], TransferDescriptor(**job["desc"]), job["address"])
+        while tx.num_live:
+            if llm.has_unfinished():
+                tx.step()
+            else:
+                tx.poll()
+                time.sleep(0.001)
+        conn.send(json.dumps({"statuses": [[tx.status(r).state.value, tx.status(r).reason] for r in rids]}))
