@@ -1,4 +1,9 @@
-"""`pdserve` command line. Subcommands: `generate` (one engine in this process, prints text, TTFT, tok/s)."""
+"""`pdserve` command line.
+
+Subcommands: `generate` (one engine in this process, prints text, TTFT, tok/s); `validate SPEC` (reads a
+cluster spec, resolves its model and checks the spec against it; prints "ok: <summary>" or each problem as
+`SPEC: <dotted.key>: <reason>` on stderr and exits 2).
+"""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +50,21 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+    from cluster.spec import SpecError, load_spec, resolve_model_config
+
+    try:
+        spec = load_spec(args.spec)
+        if not args.skip_model:
+            spec.check_against_model(resolve_model_config(spec))
+    except SpecError as e:
+        for problem in e.problems:
+            print(f"{args.spec}: {problem}", file=sys.stderr)
+        return 2
+    print(f"ok: {spec.summary()}" + (" (model not checked)" if args.skip_model else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = p.add_subparsers(dest="command", required=True)
@@ -60,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     g.set_defaults(func=_generate)
+    v = sub.add_parser("validate", help="check a cluster spec (YAML) and the model it names")
+    v.add_argument("spec", help="path to the YAML cluster spec, e.g. deploy/local.yaml")
+    v.add_argument("--skip-model", action="store_true",
+                   help="check the file alone: do not resolve the model (no heads/layers checks)")
+    v.set_defaults(func=_validate)
     return p
 
 

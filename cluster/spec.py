@@ -1,0 +1,342 @@
+"""The YAML cluster spec: what `pdserve validate` checks and `pdserve serve` will start.
+
+Shape (only `model` is required; the pools the mode needs must be named; defaults fit one laptop):
+
+    model, dtype, mode: disaggregated | colocated
+    pools:        prefill + decode (disaggregated) or colocated; each: replicas, tensor_parallel,
+                  pipeline_parallel, resources {num_cpus, num_gpus, custom}, max_num_seqs,
+                  max_num_batched_tokens, max_model_len, kv {page_size, num_pages}
+    kv_transfer:  host, auth_token {env | file}, tls {cert_file, key_file, ca_file}, failure_policy
+    server:       host, port, api_key {env | file}, request_timeout_s, max_queued_requests
+    slo:          ttft_ms, tpot_ms
+    ray:          address: local | auto | ray://HOST:PORT | HOST:PORT
+
+Order: `load_spec(path)` reads the YAML (`spec_errors.read_yaml`), validates these pydantic models
+(unknown keys, types, bounds, then each model's `_check`, whose cross-field problems raise `SpecError`);
+after the caller resolves the model, `spec.check_against_model(config)` checks what needs the model
+(parallelism divides heads and layers, KV pages hold one sequence). Every failure is a `SpecError`
+listing `<dotted.key>: <reason>`. Models are frozen; secrets are never inline, only their sources.
+Nothing here imports torch or ray (`resolve_model_config` imports the loader lazily).
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
+from engine.config import ModelConfig
+from kv_transfer.config import LOOPBACK_HOSTS, TOKEN_ENV
+
+__all__ = ["ClusterSpec", "Pool", "SpecError", "Problem", "load_spec", "parse_spec", "resolve_model_config"]
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+POOL_ORDER = ("prefill", "decode", "colocated")
+API_KEY_ENV = "PDSERVE_API_KEY"
+RAY_RESERVED = {"CPU": "use num_cpus", "GPU": "use num_gpus", "memory": "Ray's own resource",
+                "object_store_memory": "Ray's own resource"}
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HOST = re.compile(r"^[A-Za-z0-9_.:%\-\[\]]+$")
+_RAY_ADDRESS = re.compile(r"^(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,5})$")
+
+
+class _Section(BaseModel):
+    # strict: YAML already types its scalars, so "8000" (a string) for a port is a mistake worth naming
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    _blank_is_default: ClassVar[tuple[str, ...]] = ()  # keys where `key:` with nothing under it means {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _blank_sections(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls._blank_is_default:
+            return {k: {} if v is None and k in cls._blank_is_default else v for k, v in data.items()}
+        return data
+
+
+def _fail_if(problems: list[Problem]) -> None:
+    if problems:
+        raise SpecError(problems)  # pydantic wraps it; spec_errors re-roots its keys at this model
+
+
+def _check_host(host: str) -> str:
+    if not _HOST.match(host) or "://" in host:
+        raise ValueError(f"{host!r} is not a host name or IP address (no scheme, no spaces)")
+    if host.count(":") == 1:
+        raise ValueError(f"{host!r} carries a port; give the host alone and the port in `port`")
+    return host
+
+
+class SecretSource(_Section):
+    """Where a secret is read at start: `{env: NAME}` or `{file: PATH}`. Never the secret itself."""
+    env: str | None = None
+    file: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_literal(cls, data: Any) -> Any:
+        if isinstance(data, str):  # the message never repeats the value: it may be a real secret
+            raise ValueError("literal secrets are refused (specs get committed and logged); "
+                             "write {env: NAME} or {file: PATH} instead")
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> "SecretSource":
+        problems = []
+        if (self.env is None) == (self.file is None):
+            problems.append(Problem("", "give exactly one of env: NAME or file: PATH"))
+        if self.env is not None and not _ENV_NAME.match(self.env):
+            problems.append(Problem("env", f"{self.env!r} is not an environment variable name (letters, digits, _)"))
+        if self.file is not None and not self.file.strip():
+            problems.append(Problem("file", "must be a path"))
+        _fail_if(problems)
+        return self
+
+    def describe(self) -> str:
+        return f"${self.env}" if self.env else f"file {self.file}"
+
+
+class Resources(_Section):
+    """Ray resources one replica reserves (each replica, not the pool)."""
+    num_cpus: float = Field(1.0, ge=0)  # one torch thread per worker process
+    num_gpus: float = Field(0.0, ge=0)
+    custom: dict[str, float] = Field(default_factory=dict)  # e.g. {prefill: 1}: `ray start --resources`
+    _blank_is_default = ("custom",)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Resources":
+        problems = [Problem(f"custom.{k}", f"reserved by Ray ({RAY_RESERVED[k]})") for k in self.custom
+                    if k in RAY_RESERVED]
+        problems += [Problem(f"custom.{k}", f"must be > 0 (got {v!r}); remove the key to not ask for it")
+                     for k, v in self.custom.items() if v <= 0]
+        _fail_if(problems)
+        return self
+
+    def actor_options(self) -> dict[str, Any]:
+        """Keyword arguments for `ActorClass.options(...)`."""
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.custom)}
+
+
+class KVPages(_Section):
+    page_size: int = Field(16, ge=1, le=1024)  # tokens per KV page
+    num_pages: int = Field(1024, ge=1)  # pages per replica: 16k tokens, ~380 MB for SmolLM2 in bf16
+
+
+def _capacity_problem(pool: "Pool", max_len: int) -> Problem | None:
+    cap = pool.kv.num_pages * pool.kv.page_size
+    if cap >= max_len:
+        return None
+    need = -(-max_len // pool.kv.page_size)
+    return Problem("kv.num_pages", f"{pool.kv.num_pages} pages x {pool.kv.page_size} tokens = {cap} tokens cannot "
+                                   f"hold one {max_len}-token sequence; raise num_pages to >= {need} or set "
+                                   f"max_model_len <= {cap}")
+
+
+class Pool(_Section):
+    """One pool of identical replicas (a replica = one engine, later tp x pp workers)."""
+    replicas: int = Field(1, ge=1)
+    tensor_parallel: int = Field(1, ge=1)  # must divide heads and KV heads (checked against the model)
+    pipeline_parallel: int = Field(1, ge=1)  # must divide layers (checked against the model)
+    resources: Resources = Field(default_factory=Resources)
+    max_num_seqs: int = Field(32, ge=1)  # sequences in one step's batch
+    max_num_batched_tokens: int = Field(512, ge=1)  # tokens in one step's batch (prefill chunk budget)
+    max_model_len: int | None = Field(None, ge=1)  # prompt + output; None: the model's limit
+    kv: KVPages = Field(default_factory=KVPages)
+    _blank_is_default = ("resources", "kv")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Pool":
+        problem = _capacity_problem(self, self.max_model_len) if self.max_model_len else None
+        _fail_if([problem] if problem else [])
+        return self
+
+    def describe(self) -> str:
+        r = self.resources
+        parts = [f"tp {self.tensor_parallel}", f"pp {self.pipeline_parallel}", f"{r.num_cpus:g} CPU"]
+        parts += [f"{r.num_gpus:g} GPU"] if r.num_gpus else []
+        parts += [f"{k} {v:g}" for k, v in r.custom.items()]
+        parts.append(f"{self.kv.num_pages} KV pages of {self.kv.page_size}")
+        return f"{self.replicas} replica{'s' if self.replicas != 1 else ''} ({', '.join(parts)})"
+
+
+class Pools(_Section):
+    prefill: Pool | None = None  # disaggregated: runs prompts, ships KV
+    decode: Pool | None = None  # disaggregated: receives KV, generates
+    colocated: Pool | None = None  # colocated: each replica does both phases
+    _blank_is_default = ("prefill", "decode", "colocated")  # `decode:` alone: one replica, defaults
+
+
+class TLSFiles(_Section):
+    """PEM paths for the KV plane; `ca_file` turns on mutual TLS (each side checks the other)."""
+    cert_file: str = Field(min_length=1)
+    key_file: str = Field(min_length=1)
+    ca_file: str | None = Field(None, min_length=1)
+    server_name: str | None = None  # the name clients check in the server certificate
+
+    @property
+    def mutual(self) -> bool:
+        return self.ca_file is not None
+
+
+class KVTransferSpec(_Section):
+    host: str = "127.0.0.1"  # where decode workers' KV receivers listen
+    auth_token: SecretSource | None = None
+    tls: TLSFiles | None = None
+    failure_policy: Literal["fail", "recompute"] = "fail"  # recompute: decode re-runs the prompt itself
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        return _check_host(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> "KVTransferSpec":
+        if self.host not in LOOPBACK_HOSTS and self.auth_token is None:
+            _fail_if([Problem("auth_token", f"required because kv_transfer.host {self.host!r} is not loopback; "
+                                            f"add auth_token: {{env: {TOKEN_ENV}}} or bind 127.0.0.1")])
+        return self
+
+
+class ServerSpec(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: SecretSource | None = None  # clients send it as `Authorization: Bearer <key>`
+    request_timeout_s: float = Field(120.0, gt=0)  # default per-request deadline
+    max_queued_requests: int = Field(256, ge=1)  # beyond this the frontend answers 429
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        return _check_host(v)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServerSpec":
+        if self.host not in LOOPBACK_HOSTS and self.api_key is None:
+            _fail_if([Problem("api_key", f"required because server.host {self.host!r} is not loopback; "
+                                         f"add api_key: {{env: {API_KEY_ENV}}} or bind 127.0.0.1")])
+        return self
+
+
+class SloSpec(_Section):
+    ttft_ms: float = Field(2000.0, gt=0)  # time to first token target
+    tpot_ms: float = Field(150.0, gt=0)  # time per output token target
+
+
+class RaySpec(_Section):
+    address: str = "local"  # local: start a private Ray here; auto: join the running cluster
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        if v in ("local", "auto"):
+            return v
+        m = _RAY_ADDRESS.match(v)
+        if not m or not 1 <= int(m.group(3)) <= 65535:
+            raise ValueError(f"{v!r} is not a Ray address; use local, auto, ray://HOST:PORT (Ray client) or "
+                             f"HOST:PORT (the head's GCS, e.g. 10.0.0.1:6379)")
+        return v
+
+
+class ClusterSpec(_Section):
+    model: str = Field(min_length=1)  # smollm2-135m, a Hugging Face model directory or a .gguf file
+    dtype: Dtype = "bfloat16"
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    pools: Pools = Field(default_factory=Pools)
+    kv_transfer: KVTransferSpec = Field(default_factory=KVTransferSpec)
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    slo: SloSpec = Field(default_factory=SloSpec)
+    ray: RaySpec = Field(default_factory=RaySpec)
+    _blank_is_default = ("pools", "kv_transfer", "server", "slo", "ray")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterSpec":
+        _fail_if(self._mode_problems())
+        return self
+
+    def _mode_problems(self) -> list[Problem]:
+        p, out = self.pools, []
+        if self.mode == "disaggregated":
+            out += [Problem(f"pools.{n}", f"required in disaggregated mode (e.g. `{n}: {{replicas: 1}}`), "
+                                          f"or set mode: colocated") for n in ("prefill", "decode")
+                    if getattr(p, n) is None]
+            if p.colocated is not None:
+                out.append(Problem("pools.colocated", "only used in colocated mode; remove it or set mode: colocated"))
+            return out
+        if p.colocated is None:
+            out.append(Problem("pools.colocated", "required in colocated mode (e.g. `colocated: {replicas: 2}`)"))
+        out += [Problem(f"pools.{n}", "not used in colocated mode (each replica runs both phases); move its "
+                                      "settings to pools.colocated or set mode: disaggregated")
+                for n in ("prefill", "decode") if getattr(p, n) is not None]
+        if "kv_transfer" in self.model_fields_set:
+            out.append(Problem("kv_transfer", "has no effect in colocated mode (no KV moves between workers); "
+                                              "remove it"))
+        return out
+
+    def pools_in_use(self) -> dict[str, Pool]:
+        return {n: getattr(self.pools, n) for n in POOL_ORDER if getattr(self.pools, n) is not None}
+
+    def check_against_model(self, config: ModelConfig) -> None:
+        """What needs the model: raise `SpecError` listing every pool whose settings do not fit it."""
+        problems: list[Problem] = []
+        for name, pool in self.pools_in_use().items():
+            problems += [Problem(f"pools.{name}.{p.key}", p.reason) for p in _model_problems(pool, config)]
+        _fail_if(problems)
+
+    def engine_kwargs(self, pool: str) -> dict[str, Any]:
+        """Keyword arguments for `engine.LLM` for one replica of `pool`."""
+        p = self.pools_in_use()[pool]
+        return {"model": self.model, "dtype": self.dtype, "page_size": p.kv.page_size, "num_pages": p.kv.num_pages,
+                "max_num_seqs": p.max_num_seqs, "max_num_batched_tokens": p.max_num_batched_tokens,
+                "max_model_len": p.max_model_len}
+
+    def summary(self) -> str:
+        pools = "; ".join(f"{n} {pool.describe()}" for n, pool in self.pools_in_use().items())
+        return (f"{self.mode} {self.model} ({self.dtype}): {pools}; ray {self.ray.address}; "
+                f"http {self.server.host}:{self.server.port}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _model_problems(pool: Pool, c: ModelConfig) -> list[Problem]:
+    out: list[Problem] = []
+    tp, pp = pool.tensor_parallel, pool.pipeline_parallel
+    if c.num_heads % tp or c.num_kv_heads % tp:
+        ok = ", ".join(map(str, _divisors(math.gcd(c.num_heads, c.num_kv_heads))))
+        out.append(Problem("tensor_parallel", f"{tp} does not divide the model's {c.num_heads} attention heads "
+                                              f"and {c.num_kv_heads} KV heads (each rank holds whole heads); "
+                                              f"use one of {ok}"))
+    if c.num_layers % pp:
+        ok = ", ".join(map(str, _divisors(c.num_layers)))
+        out.append(Problem("pipeline_parallel", f"{pp} does not divide the model's {c.num_layers} layers; "
+                                                f"use one of {ok}"))
+    if pool.max_model_len is not None and pool.max_model_len > c.max_position:
+        out.append(Problem("max_model_len", f"{pool.max_model_len} exceeds the model's {c.max_position} positions"))
+    problem = _capacity_problem(pool, min(pool.max_model_len or c.max_position, c.max_position))
+    return out + ([problem] if problem else [])
+
+
+def parse_spec(data: dict[str, Any], source: str | None = None) -> ClusterSpec:
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(problems_from_validation(e, ClusterSpec), source) from None
+
+
+def load_spec(path: str | Path) -> ClusterSpec:
+    """Read and validate a spec file; `SpecError` lists every problem found (model checks come later)."""
+    return parse_spec(read_yaml(path), str(path))
+
+
+def resolve_model_config(spec: ClusterSpec) -> ModelConfig:
+    """Resolve `spec.model` (converting a GGUF once into the cache) and read its config."""
+    from engine.errors import PdserveError
+    from engine.loader import load_config, resolve_model  # torch: imported only when a model is resolved
+
+    try:
+        return load_config(resolve_model(spec.model))
+    except PdserveError as e:
+        raise SpecError([Problem("model", str(e))]) from None
