@@ -1,0 +1,193 @@
+"""OpenAI request bodies as pydantic models: what `/v1/completions` and `/v1/chat/completions` accept.
+
+Called by `cluster/http/app.py` with the decoded JSON body, before anything reaches the backend:
+
+    screen_fields(body, kind)  -> 400 naming the first field that is internal, unsupported or unknown
+    parse_request(body, kind)  -> CompletionRequest | ChatRequest (strict types; 400 names the field)
+    sampling_params(req, i)    -> engine SamplingParams for choice i (seed + i when a seed is given)
+
+Every accepted field is listed on the models below (`extra="forbid"`). OpenAI features pdserve does not
+implement (`tools`, `response_format`, `logit_bias`, ...) are accepted only at their neutral value (absent,
+null, false, empty, `{"type": "text"}`) and otherwise answered with a 400 naming them. pdserve's own
+per-request options live under one `pdserve` object (the openai SDK's `extra_body={"pdserve": {...}}`),
+never as loose fields. Fields that name internal state (reservations, transfer parameters, pages, ...) are
+rejected wherever they appear: the server owns that state, clients never set it.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+MAX_N = 16  # choices per prompt
+MAX_STOP = 16
+
+# feature -> the values that mean "not used" (accepted and ignored)
+UNSUPPORTED: dict[str, tuple] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None, False), "response_format": (None, {"type": "text"}), "logit_bias": (None, {}),
+    "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,), "store": (None, False),
+    "metadata": (None, {}), "service_tier": (None, "auto", "default"), "verbosity": (None,),
+    "min_p": (None,), "guided_json": (None,), "guided_regex": (None,),
+}
+# client-supplied names of server-internal state: rejected at any level of the body
+INTERNAL = {"request_id", "reservation", "reservation_id", "reservations", "nonce", "lease", "lease_s",
+            "transfer", "transfer_params", "kv_transfer", "kv_transfer_params", "prefill_only",
+            "prefill_worker", "decode_worker", "worker", "worker_id", "pages", "page_ids", "page_table",
+            "block_table", "slots", "model_fingerprint", "fingerprint", "layout_signature", "auth_token",
+            "first_token_id"}
+_INTERNAL_PARTS = ("reservation", "transfer", "nonce", "lease", "page_table", "block_table", "fingerprint")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class PdserveOptions(_Strict):
+    """pdserve's own per-request options (the `pdserve` object of the body)."""
+    timeline: bool = False  # return the request's timeline (queued, first_token, finish, ...) in the response
+    return_token_ids: bool = False  # each choice (and stream chunk) carries `token_ids`
+    deadline_s: float | None = Field(None, gt=0)  # abort after this many seconds; finish_reason "timeout"
+    ignore_eos: bool = False
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = Field(default_factory=list)
+    skip_special_tokens: bool = True
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = Field(None, ge=0)
+    user: str | None = None  # accepted, unused
+    pdserve: PdserveOptions = Field(default_factory=PdserveOptions)
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt", "is empty")
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        c = self.content
+        text = c if isinstance(c, str) else "".join(p.text for p in c or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+def _is_internal(name: str) -> bool:
+    return name in INTERNAL or any(part in name for part in _INTERNAL_PARTS)
+
+
+def screen_fields(body: Any, kind: Literal["completion", "chat"]) -> dict[str, Any]:
+    """Reject internal, unsupported and unknown fields with a 400 naming them; strip neutral ones."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", "must be a JSON object")
+    model = CompletionRequest if kind == "completion" else ChatRequest
+    out = {}
+    for key, value in body.items():
+        if _is_internal(key):
+            raise InvalidRequestError(key, "names server-internal state; clients cannot set it")
+        if key in UNSUPPORTED:
+            if not any(value == neutral for neutral in UNSUPPORTED[key]):
+                raise InvalidRequestError(key, f"`{key}` is not supported by pdserve")
+            continue
+        if key not in model.model_fields:
+            hint = " (pdserve options go under the `pdserve` object)" if key in PdserveOptions.model_fields else ""
+            raise InvalidRequestError(key, f"unknown field `{key}`{hint}")
+        out[key] = value
+    opts = out.get("pdserve")
+    if isinstance(opts, dict):
+        for key in opts:
+            if _is_internal(key):
+                raise InvalidRequestError(f"pdserve.{key}", "names server-internal state; clients cannot set it")
+    return out
+
+
+def _param(loc: tuple) -> str:
+    """Dotted field path from a pydantic error location, without union member tags."""
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in
+                                                                 ("str", "int", "float", "bool", "list", "dict")))]
+    return ".".join(parts) or "body"
+
+
+def parse_request(body: dict[str, Any], kind: Literal["completion", "chat"]) -> CompletionRequest | ChatRequest:
+    model = CompletionRequest if kind == "completion" else ChatRequest
+    try:
+        req = model.model_validate(screen_fields(body, kind))
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise InvalidRequestError(_param(err["loc"]), err["msg"]) from None
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
+        raise InvalidRequestError("stop", f"at most {MAX_STOP} stop strings")
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError("top_logprobs", "requires `logprobs: true`")
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise InvalidRequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options", "only allowed with `stream: true`")
+    return req
+
+
+def sampling_params(req: CompletionRequest | ChatRequest, choice: int, default_max_tokens: int) -> SamplingParams:
+    """Engine parameters for choice `choice` of `req` (seeds seed, seed+1, ... so n choices differ)."""
+    o = req.pdserve
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatRequest):
+        max_tokens = max_tokens if max_tokens is not None else req.max_completion_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    params = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=o.top_k, repetition_penalty=o.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        stop=list([req.stop] if isinstance(req.stop, str) else req.stop or []),
+        stop_token_ids=list(o.stop_token_ids), ignore_eos=o.ignore_eos, logprobs=logprobs,
+        seed=None if req.seed is None else req.seed + choice, skip_special_tokens=o.skip_special_tokens,
+    )
+    params.validate(vocab_size=2**31)  # early 400s; the engine re-checks token ids against its vocabulary
+    return params
