@@ -3,20 +3,21 @@
 No torch, no grpc, no I/O: bytes in, `kv_transfer_pb2` messages and plain dataclasses out, so the decoder
 can be fuzzed. Only protobuf parses bytes here (never pickle / torch.load).
 
-Sender:   open_frame() -> chunk_frames() per layer and token range -> finish_frame()
-Receiver: parse_frame() (bytes, fake transport / fuzzing) or a message from the gRPC stub, then
+Sender:   encode(open_frame()) -> chunk_wire() per layer and token range -> encode(finish_frame())
+          (transports carry frames as wire bytes)
+Receiver: parse_frame() on the wire bytes (the same decoder the fuzz tests drive), then
           check_open() once, check_chunk() per chunk -- every count, range and size against the
           reservation's `TransferLayout` BEFORE anything is allocated or written -- then
-          verify_payload() (length and CRC-32) before the chunk may be committed to pages.
+          verify_payload() (length and XXH3-64 checksum) before the chunk may be committed to pages.
 A chunk's payload is K then V, each [tokens, heads, head_dim] in the pool's storage format; the layout
 says how many bytes one (token, head) takes, so the codec never interprets the bytes.
 """
 from __future__ import annotations
 
 import hmac
-import zlib
 from dataclasses import dataclass
 
+import xxhash
 from google.protobuf.message import DecodeError
 
 from engine.kv_cache.spec import DTYPES, STORAGE_FORMATS, KVPageSpec
@@ -27,6 +28,8 @@ from kv_transfer.contract import (DataLoss, FailedPrecondition, InvalidFrame, Re
 ALLOWED_DTYPES = frozenset(DTYPES)  # float32, bfloat16, float16
 ALLOWED_FORMATS = frozenset(STORAGE_FORMATS) & {"raw"}  # formats whose byte layout the transfer knows
 _U32 = (1 << 32) - 1
+_CHUNK_TAG = bytes([(2 << 3) | 2])  # Frame.chunk: field 2, length-delimited
+_PAYLOAD_TAG = bytes([(12 << 3) | 2])  # Chunk.payload: field 12, length-delimited
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class ChunkHeader:
     token_start: int
     token_end: int
     byte_length: int
-    crc32: int
+    checksum: int  # XXH3-64 of the payload
 
     @property
     def num_tokens(self) -> int:
@@ -99,15 +102,42 @@ def plan_token_ranges(start: int, stop: int, layout: TransferLayout, target_byte
     return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
-def chunk_frame(layout: TransferLayout, layer: int, token_start: int, token_end: int,
-                k: memoryview, v: memoryview) -> pb.Frame:
-    """One chunk of all local heads: `k`, `v` are the stored bytes of exactly these tokens."""
-    payload = b"".join((k, v))
-    return pb.Frame(chunk=pb.Chunk(
-        layer=layer, head_start=layout.head_start, head_end=layout.head_end, token_start=token_start,
-        token_end=token_end, tp_rank=layout.tp_rank, tp_size=layout.tp_size, dtype=layout.dtype,
-        storage_format=layout.storage_format, byte_length=len(payload), crc32=zlib.crc32(payload),
-        payload=payload))
+def chunk_wire(layout: TransferLayout, layer: int, token_start: int, token_end: int,
+               k: memoryview, v: memoryview) -> bytes:
+    """Wire bytes of `Frame(chunk=Chunk(...))` for all local heads; `k`, `v`: stored bytes of these tokens.
+
+    Protobuf serializes the small header; the payload is appended as field 12 (protobuf fields may be
+    concatenated, and field 12 is the last one, so this is byte-for-byte what `SerializeToString()` makes).
+    The K/V bytes are copied exactly once, straight into the frame, and checksummed in place.
+    """
+    n = len(k) + len(v)
+    head = pb.Chunk(layer=layer, head_start=layout.head_start, head_end=layout.head_end, token_start=token_start,
+                    token_end=token_end, tp_rank=layout.tp_rank, tp_size=layout.tp_size, dtype=layout.dtype,
+                    storage_format=layout.storage_format, byte_length=n,
+                    checksum=checksum(k, v)).SerializeToString()
+    payload_tag = _PAYLOAD_TAG + _varint(n)
+    return b"".join((_CHUNK_TAG, _varint(len(head) + len(payload_tag) + n), head, payload_tag, k, v))
+
+
+def checksum(*parts) -> int:
+    """XXH3-64 of the concatenated parts (bytes-like), without concatenating them."""
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
+
+
+def encode(frame: pb.Frame) -> bytes:
+    return frame.SerializeToString()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def finish_frame(first_token_id: int, num_chunks: int) -> pb.Frame:
@@ -170,17 +200,17 @@ def check_chunk(msg: pb.Chunk, layout: TransferLayout, num_tokens: int, max_chun
     if msg.byte_length != want:
         raise InvalidFrame(f"chunk says {msg.byte_length} bytes; its ranges hold {want}")
     return ChunkHeader(msg.layer, msg.head_start, msg.head_end, msg.token_start, msg.token_end,
-                       msg.byte_length, msg.crc32)
+                       msg.byte_length, msg.checksum)
 
 
 def verify_payload(header: ChunkHeader, payload: bytes) -> None:
-    """Length and CRC-32, before the chunk may be committed."""
+    """Length and checksum, before the chunk may be committed."""
     if len(payload) != header.byte_length:
         raise DataLoss(f"payload is {len(payload)} bytes; header says {header.byte_length}")
-    crc = zlib.crc32(payload)
-    if crc != header.crc32:
+    got = xxhash.xxh3_64_intdigest(payload)
+    if got != header.checksum:
         raise DataLoss(f"checksum mismatch on layer {header.layer} tokens "
-                       f"[{header.token_start}, {header.token_end}): {crc:#010x} != {header.crc32:#010x}")
+                       f"[{header.token_start}, {header.token_end}): {got:#018x} != {header.checksum:#018x}")
 
 
 def decode_chunk(data: bytes, layout: TransferLayout, num_tokens: int,

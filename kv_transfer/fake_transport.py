@@ -1,11 +1,11 @@
 """`FakeTransport`: the in-process transport registered beside gRPC in `contract.TRANSPORTS` as "fake".
 
 Same contract as `kv_transfer.grpc_transport.GrpcTransport`: `serve(sink, config)` registers a sink under
-an address ("fake:N"), `push(address, frames, config)` delivers frames to that sink's `handle_push` on
-the caller's thread and returns its `PushResult` or raises its typed error. Every frame goes through its
-protobuf wire bytes (serialize, size cap, parse), exactly as on the network, and the auth token travels
-beside the frames as metadata would. A `fault(index, frame) -> [frames]` hook lets tests drop, duplicate,
-reorder or corrupt frames in flight.
+an address ("fake:N"), `push(address, frames, config, cancel)` delivers the frames (wire bytes) to
+that sink's `handle_push` on the caller's thread and returns its `PushResult` or raises its typed error.
+The message-size cap applies as on the network, the auth token travels beside the frames as metadata
+would, and setting `cancel` ends the push as a cancelled call. A `fault(index, frame) -> [frames]` hook
+(on parsed `pb.Frame`s) lets tests drop, duplicate, reorder or corrupt frames in flight.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kv_transfer import codec
-from kv_transfer.contract import PushResult, ResourceExhausted, Unavailable
+from kv_transfer.contract import Cancelled, PushResult, ResourceExhausted, Unavailable
 
 Fault = Callable[[int, object], list]  # (frame index, parsed pb.Frame) -> frames that arrive instead
 
@@ -45,24 +45,25 @@ class FakeTransport:
             self._sinks[address] = (sink, config)
         return FakeServer(address, self)
 
-    def push(self, address: str, frames, config) -> PushResult:
+    def push(self, address: str, frames, config, cancel=None) -> PushResult:
         with self._lock:
             entry = self._sinks.get(address)
         if entry is None:
             raise Unavailable(f"no receiver at {address}")
         sink, server_config = entry
         cap = min(config.max_message_bytes, server_config.max_message_bytes)
-        return sink.handle_push(self._wire(frames, cap), config.token())
+        return sink.handle_push(self._wire(frames, cap, cancel), config.token())
 
-    def _wire(self, frames, cap: int):
-        for i, frame in enumerate(frames):
-            data = frame.SerializeToString()
+    def _wire(self, frames, cap: int, cancel):
+        for i, data in enumerate(frames):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("push cancelled by the sender")
             if len(data) > cap:
                 raise ResourceExhausted(f"frame of {len(data)} bytes exceeds the {cap}-byte message cap")
-            arrived = codec.parse_frame(data)
-            for f in (self.fault(i, arrived) if self.fault else [arrived]):
+            arrived = [data] if self.fault is None else [codec.encode(f) for f in self.fault(i, codec.parse_frame(data))]
+            for d in arrived:
                 self.frames_delivered += 1
-                yield f
+                yield d
 
     def close(self) -> None:
         pass

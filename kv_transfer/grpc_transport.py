@@ -1,10 +1,14 @@
 """`GrpcTransport`: the KV plane over gRPC -- the only hand-written module that imports grpc.
 
-Registered as "grpc" in `contract.TRANSPORTS`. Server side, `serve(sink, config)` starts a gRPC server
-whose `Push` handler reads the bearer token from call metadata and hands the request stream to
-`sink.handle_push`; a typed `TransferError` becomes the matching status code. Client side,
-`push(address, frames, config)` streams frames with a per-call deadline and the token as metadata, and
-turns a failed call back into the typed error of its status code. Both ends set message-size caps and
+Registered as "grpc" in `contract.TRANSPORTS`. The service is `KVTransfer.Push` of
+proto/kv_transfer.proto, registered with identity (de)serializers for the request stream: frames travel
+as the wire bytes the codec made, and the receiver parses them with `codec.parse_frame` -- the decoder
+the fuzz tests drive -- with no second copy by a generated stub. Server side, `serve(sink, config)`
+starts a gRPC server whose `Push` handler reads the bearer token from call metadata and hands the
+request stream to `sink.handle_push`; a typed `TransferError` becomes the matching status code. Client
+side, `push(address, frames, config, cancel)` streams frames with a per-call deadline and the token as
+metadata, cancels the call when `cancel` is set, and turns a failed call back into the typed error of
+its status code. Both ends set message-size caps and
 keepalive; TLS or mutual TLS is used when `config.tls` names certificate files. Channels are cached per
 (address, config) and closed by `close()`.
 """
@@ -17,13 +21,14 @@ from dataclasses import dataclass
 import grpc
 
 from kv_transfer import kv_transfer_pb2 as pb
-from kv_transfer import kv_transfer_pb2_grpc as pb_grpc
 from kv_transfer.contract import Cancelled, ErrorCode, PushResult, TransferConfigError, TransferError, error_for
 
 _TO_GRPC = {code: getattr(grpc.StatusCode, code.value) for code in ErrorCode}
 _FROM_GRPC = {status: code for code, status in _TO_GRPC.items()}
 _AUTH_KEY = "authorization"
 REPLY_CAP = 64 << 10
+SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"].full_name  # pdserve.kv_transfer.v1.KVTransfer
+PUSH = f"/{SERVICE}/Push"
 
 
 def _keepalive_options(ka) -> list[tuple[str, int]]:
@@ -47,11 +52,13 @@ def _frames(request_iterator):
         raise Cancelled(f"push stream broken: {e}") from None
 
 
-class _Servicer(pb_grpc.KVTransferServicer):
+class _Push:
+    """The `Push` handler: request messages arrive as wire bytes (no deserializer)."""
+
     def __init__(self, sink):
         self.sink = sink
 
-    def Push(self, request_iterator, context):
+    def __call__(self, request_iterator, context):
         try:
             r = self.sink.handle_push(_frames(request_iterator), _bearer(context.invocation_metadata()))
         except TransferError as e:
@@ -77,7 +84,7 @@ class GrpcTransport:
     name = "grpc"
 
     def __init__(self):
-        self._channels: dict[tuple, tuple[grpc.Channel, pb_grpc.KVTransferStub]] = {}
+        self._channels: dict[tuple, tuple[grpc.Channel, object]] = {}
         self._lock = threading.Lock()  # push threads share the channel cache
 
     # ---- receiving side ----------------------------------------------------------------------
@@ -89,7 +96,9 @@ class GrpcTransport:
                    ("grpc.so_reuseport", 0)] + _keepalive_options(config.keepalive)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_streams, thread_name_prefix="kv-rx"),
                              options=options, maximum_concurrent_rpcs=config.max_streams)
-        pb_grpc.add_KVTransferServicer_to_server(_Servicer(sink), server)
+        push = grpc.stream_unary_rpc_method_handler(_Push(sink), request_deserializer=None,
+                                                    response_serializer=pb.PushReply.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Push": push}),))
         where = _host_port(config.host, config.port)
         if config.tls is not None:
             key, cert = config.tls.read("key_file"), config.tls.read("cert_file")
@@ -106,25 +115,32 @@ class GrpcTransport:
         return GrpcServer(_host_port(config.host, port), server)
 
     # ---- sending side ------------------------------------------------------------------------
-    def push(self, address: str, frames, config) -> PushResult:
-        stub = self._stub(address, config)
+    def push(self, address: str, frames, config, cancel: threading.Event | None = None) -> PushResult:
         token = config.token()
         metadata = ((_AUTH_KEY, f"Bearer {token}"),) if token else None
+        call = self._stub(address, config).future(frames, timeout=config.call_timeout_s, metadata=metadata)
+        done = threading.Event()
+        call.add_done_callback(lambda _: done.set())
+        while not done.wait(0.05):
+            if cancel is not None and cancel.is_set():
+                call.cancel()
         try:
-            reply = stub.Push(frames, timeout=config.call_timeout_s, metadata=metadata)
+            reply = call.result()
+        except grpc.FutureCancelledError:
+            raise Cancelled("push cancelled by the sender") from None
         except grpc.RpcError as e:
             code = _FROM_GRPC.get(e.code(), ErrorCode.INTERNAL)
             raise error_for(code, e.details() or str(e.code())) from None
         return PushResult(reply.state, reply.reason, reply.chunks_accepted, reply.duplicates, reply.bytes_accepted)
 
-    def _stub(self, address: str, config) -> pb_grpc.KVTransferStub:
+    def _stub(self, address: str, config):
         key = (address, config)
         with self._lock:
             if key not in self._channels:
                 self._channels[key] = self._connect(address, config)
             return self._channels[key][1]
 
-    def _connect(self, address: str, config) -> tuple[grpc.Channel, pb_grpc.KVTransferStub]:
+    def _connect(self, address: str, config) -> tuple[grpc.Channel, object]:
         options = [("grpc.max_send_message_length", config.max_message_bytes),
                    ("grpc.max_receive_message_length", REPLY_CAP)] + _keepalive_options(config.keepalive)
         if config.tls is not None:
@@ -136,7 +152,8 @@ class GrpcTransport:
             channel = grpc.secure_channel(address, creds, options=options)
         else:
             channel = grpc.insecure_channel(address, options=options)
-        return channel, pb_grpc.KVTransferStub(channel)
+        return channel, channel.stream_unary(PUSH, request_serializer=None,
+                                             response_deserializer=pb.PushReply.FromString)
 
     def close(self) -> None:
         for channel, _ in self._channels.values():

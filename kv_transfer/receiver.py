@@ -52,6 +52,7 @@ class KVReceiver:
         self._ended: OrderedDict[str, TransferStatus] = OrderedDict()
         self._remember = remember_ended
         self._writes: deque[tuple[Inbound, codec.ChunkHeader, bytes]] = deque()
+        self._work = threading.Event()  # set when pump() has something to do (queued chunk, finish, failure)
         self.server = None
 
     # ---- engine thread -----------------------------------------------------------------------
@@ -76,16 +77,23 @@ class KVReceiver:
             self._live[res.reservation_id] = ib
         return desc
 
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """For an idle decode loop: block until a transport thread gives pump() work (True) or timeout."""
+        return self._work.wait(timeout_s)
+
     def pump(self) -> list[str]:
         """Expire, free failed transfers' pages, write queued chunks, commit ready transfers; returns the
         request ids that joined the engine."""
         self.llm.allocator.expire()
         with self._lock:
+            self._work.clear()
             for rid, ib in self._live.items():
                 why = self.llm.allocator.finished_reason(rid)
                 if why is not None:
                     self._end(ib, TransferState.FAILED, f"reservation {why}", ErrorCode.FAILED_PRECONDITION)
             writes = self._take_writes()
+            if self._writes:  # over the per-pump budget: more next time
+                self._work.set()
         self._free_failed()
         for ib, h, payload in writes:
             slots = flat_slots(ib.pages, self.llm.kv_spec.page_size, h.token_start, h.token_end)
@@ -119,9 +127,10 @@ class KVReceiver:
 
     # ---- transport threads -------------------------------------------------------------------
     def handle_push(self, frames, token: str | None) -> PushResult:
-        """One push stream: open, chunks, finish. Raises a typed error; fatal ones fail the transfer."""
+        """One push stream of wire frames: open, chunks, finish. Raises a typed error; fatal ones fail
+        the transfer."""
         check_token(self._token, token)
-        it = iter(frames)
+        it = map(codec.parse_frame, frames)
         first = next(it, None)
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidFrame("a push must start with an open frame")
@@ -189,6 +198,7 @@ class KVReceiver:
                 ib.bytes += header.byte_length
                 ib.pending_writes += 1
                 self._writes.append((ib, header, payload))
+                self._work.set()
             else:
                 ib.duplicates += 1
 
@@ -200,6 +210,7 @@ class KVReceiver:
             if msg.num_chunks != ib.chunks:
                 raise DataLoss(f"sender sent {msg.num_chunks} chunks, receiver accepted {ib.chunks}")
             ib.first_token = msg.first_token_id
+            self._work.set()
             return PushResult("done", "", ib.chunks, ib.duplicates, ib.bytes)
 
     # ---- both --------------------------------------------------------------------------------
@@ -230,6 +241,7 @@ class KVReceiver:
         (engine thread) has freed their pages."""
         if not ib.end(state, reason, code):
             return
+        self._work.set()
         if state == TransferState.DONE:
             self._retire(ib)
         if self.on_end is not None:

@@ -8,14 +8,15 @@ Order of use (engine thread):
     tx.status(rid)                         # pending / transferring / done / failed(reason)
 
 `send()` registers a layer hook on the engine's runner (once). After every layer of every step, the
-hook copies the K/V of the tokens that step just computed for a sending request (their stored bytes,
-read by the request's own slots) into that transfer's queue -- a cheap memcpy on the engine thread --
-so the transfer of layer i overlaps the compute of layers i+1.. and of later prefill chunks. A push
-thread per transfer runs `transport.push()` over `Outbound.frames()`, which cuts the queued layers into
-~`chunk_bytes` chunks (CRC-32 each) off the engine thread. When the prefill ends HELD, `poll()` queues the
-`Finish` frame (first token); once the push ends, done or failed, `poll()` releases the held pages (or
-aborts a prefill whose transfer failed). A preempted prefill recomputes; tokens already published are
-not sent again.
+hook copies the stored K/V of the tokens that step just computed for a sending request (read by the
+request's own slots) into that transfer's queue -- a memcpy on the engine thread -- so layer i is on the
+wire while layers i+1.. and later prefill chunks compute. A request already HELD when `send()` is called
+is read by the push side instead, layer by layer: its pages cannot change until we release them.
+A push thread per transfer runs `transport.push()` over `Outbound.frames()`, which cuts what is queued
+into ~`chunk_bytes` chunks (XXH3-64 checksum each; frames are wire bytes) off the engine thread. When
+the prefill ends HELD, `poll()` queues the `Finish` frame (first token); once the push has ended, done
+or failed, and its thread has exited, `poll()` releases the held pages (or aborts a prefill whose
+transfer failed). A preempted prefill recomputes; tokens already published are not sent again.
 """
 from __future__ import annotations
 
@@ -38,20 +39,29 @@ class Outbound:
                  prompt: list[int], num_kv_heads: int, chunk_bytes: int, started_at: float):
         self.request_id, self.desc, self.address, self.layout = request_id, desc, address, layout
         self.started_at = started_at
-        self._open = codec.open_frame(desc, layout, prompt, num_kv_heads)
+        self._open = codec.encode(codec.open_frame(desc, layout, prompt, num_kv_heads))
         self._chunk_bytes = chunk_bytes
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self.cancelled = threading.Event()  # set on abort: the transport gives up on the call
         self.published = [0] * layout.num_local_layers  # tokens queued per local layer (engine thread)
         self.input_closed = False  # finish or abort queued (engine thread)
         self.state, self.reason, self.code = TransferState.PENDING, None, None
         self.bytes = self.chunks = 0
-        self.thread: threading.Thread | None = None
+        self.threads: list[threading.Thread] = []  # the push thread
 
     # engine thread
     def publish(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview) -> None:
+        """Queue copies of the stored K/V of tokens [start, stop) of one layer."""
         self._q.put(("kv", layer, start, stop, k, v))
         self.published[layer - self.layout.layer_start] = stop
+
+    def publish_held(self, backend, slots, num_tokens: int) -> None:
+        """Queue every layer of a HELD request, read by the push thread layer by layer (pipelined with
+        sending). Safe off the engine thread: nothing writes or frees a HELD request's pages until the
+        engine thread releases them, which `KVSender` does only after the push thread has exited."""
+        self._q.put(("held", backend, slots))
+        self.published = [num_tokens] * self.layout.num_local_layers
 
     def finish(self, first_token_id: int) -> None:
         self.input_closed = True
@@ -60,30 +70,39 @@ class Outbound:
     def abort(self, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         self.end(TransferState.FAILED, reason, code)
         self.input_closed = True
+        self.cancelled.set()
         self._q.put(("abort",))
 
     # push thread
     def frames(self):
-        """Open, then chunks as layers are published, then finish; ends early (no finish) on abort."""
+        """Wire bytes: open, then chunks as layers are published, then finish; ends early on abort."""
         with self._lock:
             if self.state == TransferState.PENDING:
                 self.state = TransferState.TRANSFERRING
         yield self._open
-        row = self.layout.payload_bytes(1, self.layout.num_heads) // 2  # bytes of one token's K (or V)
         while True:
             item = self._q.get()
             if item[0] == "finish":
-                yield codec.finish_frame(item[1], self.chunks)
+                yield codec.encode(codec.finish_frame(item[1], self.chunks))
                 return
             if item[0] == "abort":
                 return
-            _, layer, start, stop, k, v = item
-            for a, b in codec.plan_token_ranges(start, stop, self.layout, self._chunk_bytes):
-                lo, hi = (a - start) * row, (b - start) * row
-                frame = codec.chunk_frame(self.layout, layer, a, b, k[lo:hi], v[lo:hi])
-                self.chunks += 1
-                self.bytes += frame.chunk.byte_length
-                yield frame
+            if item[0] == "kv":
+                yield from self._chunks(*item[1:])
+                continue
+            _, backend, slots = item
+            for layer in range(self.layout.layer_start, self.layout.layer_end):
+                if self.cancelled.is_set():
+                    return
+                yield from self._chunks(layer, 0, len(slots), *export_kv(backend, layer, slots))
+
+    def _chunks(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview):
+        row = self.layout.payload_bytes(1, self.layout.num_heads) // 2  # bytes of one token's K (or V)
+        for a, b in codec.plan_token_ranges(start, stop, self.layout, self._chunk_bytes):
+            lo, hi = (a - start) * row, (b - start) * row
+            self.chunks += 1
+            self.bytes += 2 * (hi - lo)
+            yield codec.chunk_wire(self.layout, layer, a, b, k[lo:hi], v[lo:hi])
 
     # either thread
     def end(self, state: TransferState, reason: str | None = None, code: ErrorCode | None = None) -> bool:
@@ -96,6 +115,11 @@ class Outbound:
     @property
     def ended(self) -> bool:
         return self.state.terminal
+
+    @property
+    def settled(self) -> bool:
+        """Ended, and no thread of this transfer reads anything any more."""
+        return self.ended and not any(t.is_alive() for t in self.threads)
 
     def status(self) -> TransferStatus:
         return TransferStatus(self.state, self.reason, self.code, self.bytes, self.chunks)
@@ -135,9 +159,10 @@ class KVSender:
                       self.llm.kv_spec.num_kv_heads, self.config.chunk_bytes, self.clock())
         self._out[request_id] = ob
         if request_id in self.llm.tables:  # computed before send(): publish what is already in pages
-            self._publish_cached(ob)
-        ob.thread = threading.Thread(target=self._push, args=(ob,), name=f"kv-push-{request_id}", daemon=True)
-        ob.thread.start()
+            self._publish_cached(ob, req.status == RequestStatus.HELD)
+        push = threading.Thread(target=self._push, args=(ob,), name=f"kv-push-{request_id}", daemon=True)
+        ob.threads = [push]
+        push.start()
         self.poll()
 
     def step(self):
@@ -159,7 +184,9 @@ class KVSender:
             deadline = self.config.deadline_s
             if deadline is not None and not ob.ended and now - ob.started_at >= deadline:
                 ob.abort(f"deadline of {deadline}s exceeded", ErrorCode.DEADLINE_EXCEEDED)
-            if ob.ended:
+            if ob.ended and not ob.input_closed:
+                ob.abort("transfer ended")  # no-op on the state; unblocks frames() wherever it waits
+            if ob.settled:
                 self._settle(ob, req)
 
     def status(self, request_id: str) -> TransferStatus:
@@ -176,9 +203,13 @@ class KVSender:
             self.poll()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Abort what is still sending, settle it, and wait for the push threads."""
-        for rid in list(self._out):
-            self.cancel(rid, "sender closed")
+        """Abort what is still sending, wait for the push threads, and settle everything."""
+        for ob in list(self._out.values()):
+            ob.abort("sender closed")
+        for ob in list(self._out.values()):
+            for t in ob.threads:
+                t.join(timeout_s)
+        self.poll()
         for t in self._threads:
             t.join(timeout_s)
         self._threads = [t for t in self._threads if t.is_alive()]
@@ -205,18 +236,22 @@ class KVSender:
                 slots = flat_slots(s.pages, self.llm.kv_spec.page_size, start, stop)
                 ob.publish(layer, start, stop, *export_kv(self.llm.backend, layer, slots))
 
-    def _publish_cached(self, ob: Outbound) -> None:
+    def _publish_cached(self, ob: Outbound, held: bool) -> None:
         table = self.llm.tables.get(ob.request_id)
         n = min(table.num_slots, ob.desc.num_tokens)
-        if n:
-            slots = flat_slots(table.pages, self.llm.kv_spec.page_size, 0, n)
-            for layer in self.llm.kv_spec.local_layers:
-                ob.publish(layer, 0, n, *export_kv(self.llm.backend, layer, slots))
+        if not n:
+            return
+        slots = flat_slots(table.pages, self.llm.kv_spec.page_size, 0, n)
+        if held:  # pages frozen until we release them: let the push thread read them, layer by layer
+            ob.publish_held(self.llm.backend, slots, n)
+            return
+        for layer in self.llm.kv_spec.local_layers:  # still running (chunked prefill): copy now
+            ob.publish(layer, 0, n, *export_kv(self.llm.backend, layer, slots))
 
     def _push(self, ob: Outbound) -> None:
         """Push thread: run the transport; every outcome ends the transfer (once)."""
         try:
-            result = self.transport.push(ob.address, ob.frames(), self.config)
+            result = self.transport.push(ob.address, ob.frames(), self.config, ob.cancelled)
         except TransferError as e:
             ob.end(TransferState.FAILED, e.message, e.code)
         except Exception as e:  # a thread boundary: any bug still ends the transfer, typed as INTERNAL
@@ -233,14 +268,10 @@ class KVSender:
             self.llm.release_held(ob.request_id)
         elif req is not None and not req.finished:
             self.llm.abort(ob.request_id)  # the KV has nowhere to go: stop computing it
-        if not ob.input_closed:
-            ob.abort("transfer ended")  # unblocks frames() if the push ended before the prefill did
         self._out.pop(ob.request_id)
         self._ended[ob.request_id] = ob.status()
         while len(self._ended) > self._remember:
             self._ended.popitem(last=False)
-        self._threads = [t for t in self._threads if t.is_alive()]
-        if ob.thread is not None:
-            self._threads.append(ob.thread)
+        self._threads = [t for t in self._threads if t.is_alive()] + ob.threads
         if self.on_end is not None:
             self.on_end(ob.request_id, ob.status())

@@ -48,7 +48,7 @@ def drive(tx, rx, timeout_s: float = 60.0) -> list:
             tx.step()
         else:
             tx.poll()
-            time.sleep(0.0005)  # waiting on a push thread, not on a deadline
+            rx.wait_for_work(0.002)  # waiting on a push thread, not on a deadline
         outs += rx.step()
         assert time.monotonic() < end, f"transfers did not settle: {tx.num_live} sending, {rx.num_live} receiving"
     return outs
@@ -68,8 +68,14 @@ def prefill_held(llm, prompt, params) -> tuple[str, int]:
     return rid, first.token_ids[0]
 
 
+def wire(frames) -> list[bytes]:
+    """Frames as a transport carries them."""
+    return [f.SerializeToString() for f in frames]
+
+
 def hand_frames(llm, request_id: str, first_token: int, desc, chunk_bytes: int = 1024) -> list:
-    """[open, chunks (every layer, in order), finish] of a HELD request, built with the codec."""
+    """[open, chunks (every layer, in order), finish] of a HELD request as `pb.Frame`s (mutable, for
+    failure tests; `wire()` them for `handle_push`), built with the codec."""
     spec = llm.kv_spec
     layout = codec.TransferLayout.from_spec(spec, stored_token_head_bytes(spec))
     pages, n = llm.held_pages(request_id)
@@ -80,7 +86,8 @@ def hand_frames(llm, request_id: str, first_token: int, desc, chunk_bytes: int =
     for layer in spec.local_layers:
         k, v = export_kv(llm.backend, layer, slots)
         for a, b in codec.plan_token_ranges(0, n, layout, chunk_bytes):
-            frames.append(codec.chunk_frame(layout, layer, a, b, k[a * row:b * row], v[a * row:b * row]))
+            frames.append(codec.parse_frame(codec.chunk_wire(layout, layer, a, b, k[a * row:b * row],
+                                                              v[a * row:b * row])))
     frames.append(codec.finish_frame(first_token, len(frames) - 1))
     return frames
 
@@ -120,7 +127,8 @@ def prefill_child_main(conn, model: str, dtype: str, page_size: int, chunk_bytes
         if msg["op"] == "close":
             tx.close()
             transport.close()
-            conn.send(json.dumps({"usage": llm.kv_usage(), "unfinished": llm.has_unfinished() or bool(llm.scheduler.held)}))
+            unfinished = llm.has_unfinished() or bool(llm.scheduler.held)
+            conn.send(json.dumps({"usage": llm.kv_usage(), "unfinished": unfinished}))
             return
         rids = []
         for job in msg["jobs"]:

@@ -17,7 +17,7 @@ from kv_transfer.contract import (DataLoss, DeadlineExceeded, ErrorCode, FailedP
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
-from tests.kv_helpers import close_all, decode_all, drive, hand_frames, prefill_held
+from tests.kv_helpers import close_all, decode_all, drive, hand_frames, prefill_held, wire
 from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -45,7 +45,7 @@ class Pair:
         self.tx = KVSender(self.pre, self.tx_transport, self.tx_config)
 
     def push(self, frames, config=None):
-        return self.tx_transport.push(self.address, iter(frames), config or self.tx_config)
+        return self.tx_transport.push(self.address, iter(wire(frames)), config or self.tx_config)
 
     def close(self):
         for rid in list(self.pre.scheduler.held):
@@ -82,7 +82,7 @@ def test_failures_map_to_grpc_status_codes(tiny_dir):
     assert p.rx.status(desc.reservation_id).state == TransferState.PENDING  # none of that touched it
     corrupt = [f for f in frames]
     corrupt[2] = _copy(frames[2])
-    corrupt[2].chunk.crc32 ^= 1
+    corrupt[2].chunk.checksum ^= 1
     with pytest.raises(DataLoss):
         p.push(corrupt)
     assert p.rx.status(desc.reservation_id).code == ErrorCode.DATA_LOSS
@@ -117,7 +117,7 @@ def test_per_call_deadline_ends_a_stalled_push(tiny_dir):
     release = threading.Event()
 
     def stalled():
-        yield from frames[:3]
+        yield from wire(frames[:3])
         release.wait(10)  # the sender stalls mid-stream
 
     with pytest.raises(DeadlineExceeded):
@@ -206,7 +206,7 @@ def _reopen(frame, **fields):
 def _bogus_open():
     from kv_transfer import kv_transfer_pb2 as pb
 
-    return [pb.Frame(open=pb.Open(reservation_id="0" * 16))]
+    return [pb.Frame(open=pb.Open(reservation_id="0" * 16)).SerializeToString()]
 
 
 def _settle(p: Pair, desc, timeout_s: float = 10.0) -> None:

@@ -3,7 +3,7 @@ truncated, oversized, wrong-dtype, wrong-range -- raises a typed `TransferError`
 `Inbound` recognises duplicates and refuses partial overlaps. Pure: no engine, no network."""
 from __future__ import annotations
 
-import zlib
+import xxhash
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,7 +30,7 @@ def kv_bytes(layer: int, a: int, b: int) -> tuple[memoryview, memoryview]:
 
 
 def good_chunk(layer=1, a=2, b=5) -> pb.Frame:
-    return codec.chunk_frame(LAYOUT, layer, a, b, *kv_bytes(layer, a, b))
+    return codec.parse_frame(codec.chunk_wire(LAYOUT, layer, a, b, *kv_bytes(layer, a, b)))
 
 
 def decode(frame_or_bytes):
@@ -44,7 +44,16 @@ def test_chunk_round_trip_is_bit_exact():
     header, payload = decode(good_chunk())
     assert (header.layer, header.token_start, header.token_end, header.head_start, header.head_end) == (1, 2, 5, 0, 2)
     assert payload == bytes(k) + bytes(v) and header.byte_length == len(payload) == 2 * 3 * 2 * 8
-    assert header.crc32 == zlib.crc32(payload)
+    assert header.checksum == xxhash.xxh3_64_intdigest(payload)
+
+
+@given(layer=st.integers(0, 2), a=st.integers(0, 9), n=st.integers(1, 10))
+def test_chunk_wire_is_exactly_what_protobuf_serializes(layer, a, n):
+    b = min(a + n, NUM_TOKENS)
+    data = codec.chunk_wire(LAYOUT, layer, a, b, *kv_bytes(layer, a, b))
+    assert data == codec.parse_frame(data).SerializeToString()  # hand-appended payload field, same bytes
+    big = codec.chunk_wire(LAYOUT, 0, 0, 1, memoryview(b"k" * 70000), memoryview(b"v" * 70000))
+    assert big == codec.parse_frame(big).SerializeToString()  # multi-byte length varints
 
 
 @given(start=st.integers(0, 50), length=st.integers(1, 300), target=st.integers(1, 5000))
@@ -77,7 +86,7 @@ def _with(**fields) -> pb.Frame:
     (dict(byte_length=95), InvalidFrame, "ranges hold"),
     (dict(byte_length=CAP + 1), ResourceExhausted, "cap"),
     (dict(payload=b"\x00" * 95), DataLoss, "payload is 95 bytes"),
-    (dict(crc32=1), DataLoss, "checksum"),
+    (dict(checksum=1), DataLoss, "checksum"),
 ])
 def test_bad_chunk_field_raises_its_typed_error(fields, error, match):
     with pytest.raises(error, match=match):
@@ -117,7 +126,7 @@ def _accepted_is_consistent(header, payload) -> None:
     assert LAYOUT.layer_start <= header.layer < LAYOUT.layer_end
     assert LAYOUT.head_start <= header.head_start < header.head_end <= LAYOUT.head_end
     assert 0 <= header.token_start < header.token_end <= NUM_TOKENS
-    assert len(payload) == header.byte_length <= CAP and zlib.crc32(payload) == header.crc32
+    assert len(payload) == header.byte_length <= CAP and xxhash.xxh3_64_intdigest(payload) == header.checksum
 
 
 def _decode_typed(data: bytes):
@@ -152,7 +161,7 @@ _FIELDS = st.fixed_dictionaries({}, optional={
     "dtype": st.sampled_from(["float32", "bfloat16", "float16", "int8", "float64", "", "bfloat16\x00"]),
     "storage_format": st.sampled_from(["raw", "int8", "fp8", ""]),
     "byte_length": st.one_of(st.integers(0, 2**64 - 1), st.integers(0, 200)),
-    "crc32": st.integers(0, 2**32 - 1),
+    "checksum": st.integers(0, 2**64 - 1),
     "payload": st.one_of(st.binary(max_size=300), st.just(b"\x00" * (CAP + 7))),
 })
 

@@ -8,6 +8,7 @@ transfer only. Each test ends with zero pages and reservations on both engines.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -20,7 +21,12 @@ from kv_transfer.fake_transport import FakeTransport
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
-from tests.kv_helpers import Ends, FakeClock, close_all, decode_all, drive, hand_frames, prefill_held
+from tests.kv_helpers import Ends, FakeClock, close_all, decode_all, drive, hand_frames, prefill_held, wire
+
+
+def wire_stream(frames):
+    for f in frames:
+        yield f.SerializeToString()
 from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -88,14 +94,14 @@ def test_expired_lease_frees_pages_and_late_chunks_are_never_written(tiny_dir):
         yield frames[2]
 
     with pytest.raises(FailedPrecondition, match="expired"):
-        s.rx.handle_push(stream(), None)
+        s.rx.handle_push(wire_stream(stream()), None)
     st = s.rx.status(desc.reservation_id)
     assert st.state == TransferState.FAILED and st.reason == "reservation expired" and st.chunks == 1
     s.rx.pump()
     assert s.dec.kv_usage()["pages_in_use"] == 0 and s.dec.kv_usage()["reservations"] == 0
     assert s.reserved_pages_are_zero(desc), "a chunk of an expired reservation was written"
     with pytest.raises(FailedPrecondition, match="already ended: failed"):
-        s.rx.handle_push(iter(frames), None)  # a late stream for it
+        s.rx.handle_push(wire(frames), None)  # a late stream for it
     s.rx_ends.assert_each_once([desc.reservation_id])
     s.close()
 
@@ -104,7 +110,7 @@ def test_lease_lapsing_after_the_push_but_before_pump_drops_the_queued_chunks(ti
     s = Side(tiny_dir)
     desc = s.reserve(lease_s=5.0)
     _, frames = s.held(desc)
-    assert s.rx.handle_push(iter(frames), None).state == "done"  # every chunk validated and queued
+    assert s.rx.handle_push(wire(frames), None).state == "done"  # every chunk validated and queued
     s.clock.t += 5.0
     s.dec.step()  # the engine's own step expires the lease before the receiver pumps
     assert s.rx.pump() == []
@@ -119,11 +125,11 @@ def test_finished_reservation_rejects_late_chunks_and_decoding_is_unaffected(tin
     s = Side(tiny_dir)
     desc = s.reserve()
     rid, frames = s.held(desc)
-    assert s.rx.handle_push(iter(frames), None).state == "done"
+    assert s.rx.handle_push(wire(frames), None).state == "done"
     assert s.rx.pump() == [desc.request_id]
     assert s.rx.status(desc.reservation_id).state == TransferState.DONE
     with pytest.raises(FailedPrecondition, match="already ended: done"):
-        s.rx.handle_push(iter(frames), None)  # the same stream again, after the commit
+        s.rx.handle_push(wire(frames), None)  # the same stream again, after the commit
     s.pre.release_held(rid)
     got = decode_all(s.dec, [desc.request_id], [])
     assert_greedy_equal([reference], got)
@@ -159,7 +165,7 @@ def test_unknown_reservation_is_not_found_and_the_prefill_is_aborted(tiny_dir):
     assert s.pre.kv_usage()["pages_in_use"] == 0 and not s.pre.has_unfinished()
     rid2, frames = s.held(bogus)
     with pytest.raises(UnknownReservation):
-        s.rx.handle_push(iter(frames), None)
+        s.rx.handle_push(wire(frames), None)
     s.pre.release_held(rid2)
     assert s.rx.status(desc.reservation_id).state == TransferState.PENDING  # the real one is untouched
     s.rx.cancel(desc.reservation_id)
@@ -168,10 +174,14 @@ def test_unknown_reservation_is_not_found_and_the_prefill_is_aborted(tiny_dir):
 
 
 class _Idle:
+    """Stands in for a receiver when only the sender has work."""
     num_live = 0
 
     def step(self):
         return []
+
+    def wait_for_work(self, timeout_s):
+        time.sleep(min(timeout_s, 0.0005))
 
 
 def test_bad_token_is_unauthenticated_and_leaves_the_transfer_alone(tiny_dir, reference):
@@ -180,14 +190,14 @@ def test_bad_token_is_unauthenticated_and_leaves_the_transfer_alone(tiny_dir, re
     rid, frames = s.held(desc)
     for token in (None, "", "s3cre", "s3cret!", "S3CRET"):
         with pytest.raises(Unauthenticated):
-            s.rx.handle_push(iter(frames), token)
+            s.rx.handle_push(wire(frames), token)
     assert s.rx.status(desc.reservation_id).state == TransferState.PENDING
     tx = s.sender(SenderConfig(chunk_bytes=1024, auth_token="wrong"))
     rid2 = s.pre.add_request(PROMPT, GREEDY, prefill_only=True)
     tx.send(rid2, desc, s.address)
     drive(tx, _Idle())
     assert tx.status(rid2).code == ErrorCode.UNAUTHENTICATED
-    assert s.rx.handle_push(iter(frames), "s3cret").state == "done"  # the right token still gets in
+    assert s.rx.handle_push(wire(frames), "s3cret").state == "done"  # the right token still gets in
     s.rx.pump()
     s.pre.release_held(rid)
     assert_greedy_equal([reference], decode_all(s.dec, [desc.request_id], []))
@@ -228,7 +238,7 @@ def test_corruption_fails_that_transfer_only(tiny_dir, reference):
     tx = s.sender()
     tx.send(s.pre.add_request(PROMPT, GREEDY, prefill_only=True), good, s.address)
     with pytest.raises(DataLoss, match="checksum"):
-        s.rx.handle_push(iter(frames), None)
+        s.rx.handle_push(wire(frames), None)
     got = decode_all(s.dec, [good.request_id], drive(tx, s.rx))
     assert s.rx.status(bad.reservation_id).state == TransferState.FAILED
     assert s.rx.status(bad.reservation_id).code == ErrorCode.DATA_LOSS
@@ -245,12 +255,12 @@ def test_wrong_nonce_is_denied_without_harming_the_owner(tiny_dir):
     rid, frames = s.held(desc)
     frames[0].open.nonce = "0" * 32
     with pytest.raises(PermissionDenied):
-        s.rx.handle_push(iter(frames), None)
+        s.rx.handle_push(wire(frames), None)
     assert s.rx.status(desc.reservation_id).state == TransferState.PENDING
     frames[0].open.nonce = desc.nonce
     frames[0].open.model_fingerprint = "another-model"
     with pytest.raises(FailedPrecondition, match="fingerprint"):  # the owner with the wrong model: fatal
-        s.rx.handle_push(iter(frames), None)
+        s.rx.handle_push(wire(frames), None)
     assert s.rx.status(desc.reservation_id).state == TransferState.FAILED
     s.pre.release_held(rid)
     s.close()
@@ -276,13 +286,13 @@ def test_stream_ending_before_finish_fails_the_transfer(tiny_dir):
     desc = s.reserve()
     rid, frames = s.held(desc)
     with pytest.raises(Cancelled, match="before its finish"):
-        s.rx.handle_push(iter(frames[:-1]), None)
+        s.rx.handle_push(wire(frames[:-1]), None)
     desc2 = s.reserve()
     opened = frames[0].open
     opened.reservation_id, opened.nonce, opened.request_id = desc2.reservation_id, desc2.nonce, desc2.request_id
     missing = frames[:3] + [frames[-1]]  # open, two chunks, finish
     with pytest.raises(FailedPrecondition, match="finish before all KV arrived"):
-        s.rx.handle_push(iter(missing), None)
+        s.rx.handle_push(wire(missing), None)
     s.rx.pump()
     assert s.rx.status(desc.reservation_id).state == s.rx.status(desc2.reservation_id).state == TransferState.FAILED
     s.pre.release_held(rid)
@@ -301,8 +311,8 @@ def test_sender_deadline_on_its_clock_fails_and_frees_both_sides(tiny_dir):
     tx.poll()
     st = tx.status(rid)
     assert st.state == TransferState.FAILED and st.code == ErrorCode.DEADLINE_EXCEEDED
+    drive(tx, s.rx)  # settles once the push thread let go
     assert not s.pre.has_unfinished() and s.pre.kv_usage()["pages_in_use"] == 0  # the prefill was aborted
-    drive(tx, s.rx)
     assert s.rx.status(desc.reservation_id).state == TransferState.FAILED  # its stream ended without finish
     s.tx_ends.assert_each_once([rid])
     s.rx_ends.assert_each_once([desc.reservation_id])

@@ -1,0 +1,345 @@
+"""KV-transfer benchmark: moving a 2,048-token SmolLM2 cache between processes, side by side, as ratios.
+
+The receiver (decode side) is this process; the sender (prefill side) is a spawned child driven over a
+pipe (JSON control messages only). Clocks: `time.monotonic()` is system-wide, so a start stamped by the
+child and an end stamped here measure one interval. Per dtype (bfloat16, float32):
+  socket   plain TCP on loopback: sendall of the cache in chunks / recv_into one buffer
+  grpc     bare gRPC with the same chunking: pre-made payloads through `GrpcTransport`, a sink that only
+           takes each payload (no checksum, no validation, no pages)
+  full     the real path: `KVSender.send()` of a HELD 2,048-token prefill (export from pages, XXH3-64 checksums,
+           gRPC) -> `KVReceiver` (validation, checksum, writes into reserved pages, commit)
+           targets: full >= 0.5x socket, >= 0.85x grpc (throughput ratios; best of --reps)
+  overlap  prefill start -> KV committed on the decode side, sending layer by layer during the prefill,
+           over the same prefill alone (best of --reps each)                         target <= 1.05x
+  p99      decode step time (pump + LLM.step, batch 8) while a transfer is being received, over idle
+           steps interleaved with them; the sender replays a held cache back to back   target <= 1.2x
+Run:   .venv/bin/python bench/kv_transfer_bench.py [--tokens 2048] [--reps 3] [--dtypes bfloat16,float32]
+Writes bench/out/kv_transfer.json (or --out PATH).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.kv_cache.page_io import export_kv, flat_slots, stored_token_head_bytes  # noqa: E402
+from kv_transfer import codec  # noqa: E402
+from kv_transfer import kv_transfer_pb2 as pb  # noqa: E402
+from kv_transfer.config import ReceiverConfig, SenderConfig  # noqa: E402
+from kv_transfer.contract import PushResult, TransferDescriptor, TransferState, make_transport  # noqa: E402
+from kv_transfer.receiver import KVReceiver  # noqa: E402
+from kv_transfer.sender import KVSender  # noqa: E402
+
+CHUNK = 512 << 10
+ONE = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # >1: a prefill must end HELD
+
+
+def prompt_ids(n: int, salt: int = 0) -> list[int]:
+    return [1 + (i * 7919 + salt * 104729) % 40000 for i in range(n)]
+
+
+# ---- sender side: the child process ------------------------------------------------------------
+class Child:
+    def __init__(self, conn):
+        self.conn, self.transport, self.llm, self.salt = conn, make_transport("grpc"), None, 0
+
+    def serve(self) -> None:
+        while True:
+            msg = json.loads(self.conn.recv())
+            reply = getattr(self, "op_" + msg.pop("op"))(**msg)
+            self.conn.send(json.dumps(reply))
+            if reply.get("closed"):
+                return
+
+    def op_load(self, dtype: str, tokens: int) -> dict:
+        self.tokens = tokens
+        self.llm = LLM(model="smollm2-135m", dtype=dtype, page_size=16, num_pages=4 * tokens // 16 + 64)
+        self.tx = KVSender(self.llm, self.transport, SenderConfig(chunk_bytes=CHUNK))
+        return {"fingerprint": self.llm.fingerprint}
+
+    def op_socket(self, port: int, nbytes: int) -> dict:
+        data = memoryview(os.urandom(nbytes))
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            t0 = time.monotonic()
+            for off in range(0, nbytes, CHUNK):
+                s.sendall(data[off:off + CHUNK])
+        return {"t_start": t0}
+
+    def op_bare(self, address: str, nbytes: int) -> dict:
+        """Frames made before the clock starts: what is timed is gRPC streaming alone."""
+        frames = [pb.Frame(open=pb.Open(reservation_id="bare")).SerializeToString()]
+        frames += [pb.Frame(chunk=pb.Chunk(byte_length=min(CHUNK, nbytes - off),
+                                           payload=os.urandom(min(CHUNK, nbytes - off)))).SerializeToString()
+                   for off in range(0, nbytes, CHUNK)]
+        frames.append(pb.Frame(finish=pb.Finish(num_chunks=len(frames) - 1)).SerializeToString())
+        t0 = time.monotonic()
+        self.transport.push(address, iter(frames), SenderConfig(chunk_bytes=CHUNK))
+        return {"t_start": t0}
+
+    def _prefill(self, rid: str) -> None:
+        while self.llm.requests[rid].first_token_time is None:
+            self.tx.step()
+
+    def op_hold(self) -> dict:
+        self.salt += 1
+        rid = self.llm.add_request(prompt_ids(self.tokens, self.salt), ONE, prefill_only=True)
+        self._prefill(rid)
+        return {"rid": rid, "first": self.llm.requests[rid].output_token_ids[0]}
+
+    def op_send(self, rid: str, desc: dict, address: str) -> dict:
+        t0 = time.monotonic()
+        self.tx.send(rid, TransferDescriptor(**desc), address)
+        while self.tx.num_live:
+            self.tx.poll()
+            time.sleep(0.005)
+        return {"t_start": t0, "state": self.tx.status(rid).state.value}
+
+    def op_prefill_alone(self) -> dict:
+        self.salt += 1
+        t0 = time.monotonic()
+        rid = self.llm.add_request(prompt_ids(self.tokens, self.salt), ONE, prefill_only=True)
+        self._prefill(rid)
+        seconds = time.monotonic() - t0
+        self.llm.release_held(rid)
+        return {"seconds": seconds}
+
+    def op_prefill_send(self, desc: dict, address: str) -> dict:
+        self.salt += 1
+        t0 = time.monotonic()
+        rid = self.llm.add_request(prompt_ids(self.tokens, self.salt), ONE, prefill_only=True)
+        self.tx.send(rid, TransferDescriptor(**desc), address)
+        self._prefill(rid)
+        t_held = time.monotonic()
+        while self.tx.num_live:
+            self.tx.poll()
+            time.sleep(0.005)
+        return {"t_start": t0, "prefill_s": t_held - t0, "state": self.tx.status(rid).state.value}
+
+    def op_replay(self, rid: str, first: int, desc: dict, address: str) -> dict:
+        """Push a HELD request's cache again (the engine is idle meanwhile, so reading its pages off the
+        engine thread is safe here): sender-side work identical to KVSender's, request kept held."""
+        result = self.transport.push(address, replay_frames(self.llm, rid, first, TransferDescriptor(**desc)),
+                                     SenderConfig(chunk_bytes=CHUNK))
+        return {"state": result.state}
+
+    def op_release(self, rid: str) -> dict:
+        self.llm.release_held(rid)
+        return {}
+
+    def op_close(self) -> dict:
+        self.tx.close()
+        self.transport.close()
+        return {"closed": True, "usage": self.llm.kv_usage() if self.llm else None}
+
+
+def replay_frames(llm, rid: str, first: int, desc: TransferDescriptor):
+    spec = llm.kv_spec
+    layout = codec.TransferLayout.from_spec(spec, stored_token_head_bytes(spec))
+    pages, n = llm.held_pages(rid)
+    yield codec.encode(codec.open_frame(desc, layout, llm.requests[rid].prompt_token_ids, spec.num_kv_heads))
+    slots, row, count = flat_slots(pages, spec.page_size, 0, n), layout.payload_bytes(1, layout.num_heads) // 2, 0
+    for layer in spec.local_layers:
+        k, v = export_kv(llm.backend, layer, slots)
+        for a, b in codec.plan_token_ranges(0, n, layout, CHUNK):
+            count += 1
+            yield codec.chunk_wire(layout, layer, a, b, k[a * row:b * row], v[a * row:b * row])
+    yield codec.encode(codec.finish_frame(first, count))
+
+
+def child_main(conn) -> None:
+    Child(conn).serve()
+
+
+# ---- receiver side: this process ---------------------------------------------------------------
+class Remote:
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=child_main, args=(child,), daemon=True)
+        self.proc.start()
+
+    def start(self, op: str, **kw) -> None:
+        self.conn.send(json.dumps({"op": op, **kw}))
+
+    def result(self) -> dict:
+        return json.loads(self.conn.recv())
+
+    def call(self, op: str, **kw) -> dict:
+        self.start(op, **kw)
+        return self.result()
+
+
+class NullSink:
+    """Bare gRPC: take each frame's bytes as gRPC hands them over, nothing else."""
+
+    def handle_push(self, frames, token) -> PushResult:
+        n = 0
+        for f in frames:
+            n += len(f)
+        self.t_end = time.monotonic()
+        return PushResult("done", bytes_accepted=n)
+
+
+def time_socket(remote: Remote, nbytes: int) -> float:
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        remote.start("socket", port=srv.getsockname()[1], nbytes=nbytes)
+        conn, _ = srv.accept()
+        buf, got = memoryview(bytearray(nbytes)), 0
+        with conn:
+            while got < nbytes:
+                got += conn.recv_into(buf[got:], min(CHUNK, nbytes - got))
+        t_end = time.monotonic()
+    return t_end - remote.result()["t_start"]
+
+
+def time_bare(remote: Remote, nbytes: int) -> float:
+    sink, transport = NullSink(), make_transport("grpc")
+    server = transport.serve(sink, ReceiverConfig())
+    try:
+        t0 = remote.call("bare", address=server.address, nbytes=nbytes)["t_start"]
+    finally:
+        server.stop()
+    return sink.t_end - t0
+
+
+def until_committed(rx: KVReceiver, desc) -> float:
+    """Pump (blocking on work when idle) until `desc` is committed; commit time. The request is aborted."""
+    while True:
+        committed = rx.pump()
+        if desc.request_id in committed:
+            t = time.monotonic()
+            rx.llm.abort(desc.request_id)
+            return t
+        assert not rx.status(desc.reservation_id).state.terminal, rx.status(desc.reservation_id)
+        rx.wait_for_work(0.05)
+
+
+def time_full(remote: Remote, rx: KVReceiver, address: str, tokens: int) -> float:
+    held = remote.call("hold")
+    desc = rx.reserve(tokens, ONE)
+    remote.start("send", rid=held["rid"], desc=desc.__dict__, address=address)
+    t_end = until_committed(rx, desc)
+    reply = remote.result()
+    assert reply["state"] == "done", reply
+    return t_end - reply["t_start"]
+
+
+def bench_overlap(remote: Remote, rx: KVReceiver, address: str, tokens: int, reps: int) -> dict:
+    alone = [remote.call("prefill_alone")["seconds"] for _ in range(reps)]
+    shipped, prefill_while_sending = [], []
+    for _ in range(reps):
+        desc = rx.reserve(tokens, ONE)
+        remote.start("prefill_send", desc=desc.__dict__, address=address)
+        t_end = until_committed(rx, desc)
+        reply = remote.result()
+        shipped.append(t_end - reply["t_start"])
+        prefill_while_sending.append(reply["prefill_s"])
+    return {"prefill_alone_s": min(alone), "start_to_committed_s": min(shipped),
+            "prefill_while_sending_s": min(prefill_while_sending), "ratio": min(shipped) / min(alone)}
+
+
+def timed_step(rx: KVReceiver) -> float:
+    t0 = time.monotonic()
+    for rid in rx.pump():
+        rx.llm.abort(rid)  # replayed caches are not decoded: the batch stays the same size
+    rx.llm.step()
+    return time.monotonic() - t0
+
+
+def bench_p99(remote: Remote, rx: KVReceiver, address: str, tokens: int, transfers: int) -> dict:
+    dec = rx.llm
+    for i in range(8):
+        dec.add_request(prompt_ids(256, 100 + i), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    for _ in range(12):  # prefill the batch, settle into decode
+        dec.step()
+    held = remote.call("hold")
+    idle, loaded = [], []
+    for _ in range(transfers):
+        idle += [timed_step(rx) for _ in range(6)]
+        desc = rx.reserve(tokens, ONE)
+        remote.start("replay", rid=held["rid"], first=held["first"], desc=desc.__dict__, address=address)
+        while rx.status(desc.reservation_id).state not in (TransferState.DONE, TransferState.FAILED):
+            loaded.append(timed_step(rx))
+        assert remote.result()["state"] == "done"
+    remote.call("release", rid=held["rid"])
+    for rid in list(dec.requests):
+        dec.abort(rid)
+
+    def p99(xs):
+        return statistics.quantiles(xs, n=100, method="inclusive")[98] if len(xs) > 1 else xs[0]
+
+    return {"idle_p50_ms": 1e3 * statistics.median(idle), "idle_p99_ms": 1e3 * p99(idle),
+            "loaded_p50_ms": 1e3 * statistics.median(loaded), "loaded_p99_ms": 1e3 * p99(loaded),
+            "loaded_steps": len(loaded), "idle_steps": len(idle), "ratio": p99(loaded) / p99(idle)}
+
+
+def bench_dtype(dtype: str, args) -> dict:
+    remote = Remote()
+    remote.call("load", dtype=dtype, tokens=args.tokens)
+    dec = LLM(model="smollm2-135m", dtype=dtype, page_size=32, num_pages=(8 * 700 + 2 * args.tokens) // 32 + 64)
+    nbytes = args.tokens * dec.kv_spec.bytes_per_token_layer() * dec.config.num_layers
+    transport = make_transport("grpc")
+    rx = KVReceiver(dec, ReceiverConfig(apply_bytes_per_pump=args.apply_mib << 20 if args.apply_mib else None))
+    address = rx.serve(transport)
+    out = {"dtype": dtype, "tokens": args.tokens, "mb": nbytes / 1e6, "chunk_kib": CHUNK >> 10}
+    for name, fn in (("socket", lambda: time_socket(remote, nbytes)), ("grpc", lambda: time_bare(remote, nbytes)),
+                     ("full", lambda: time_full(remote, rx, address, args.tokens))):
+        times = [fn() for _ in range(args.reps)]
+        out[name] = {"best_s": min(times), "gb_per_s": nbytes / min(times) / 1e9, "all_s": times}
+    out["full_vs_socket"] = out["full"]["gb_per_s"] / out["socket"]["gb_per_s"]
+    out["full_vs_grpc"] = out["full"]["gb_per_s"] / out["grpc"]["gb_per_s"]
+    out["overlap"] = bench_overlap(remote, rx, address, args.tokens, args.reps)
+    out["p99"] = bench_p99(remote, rx, address, args.tokens, args.transfers)
+    out["receiver_leaks"] = dec.kv_usage()
+    out["sender_leaks"] = remote.call("close")["usage"]
+    rx.close()
+    transport.close()
+    remote.proc.join(30)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| dtype | MB | socket GB/s | bare gRPC GB/s | full GB/s | full/socket (>=0.5) | full/gRPC (>=0.85) "
+            "| overlap (<=1.05) | decode P99 loaded/idle (<=1.2) |", "|" + "---|" * 9]
+    for r in results:
+        o, p = r["overlap"], r["p99"]
+        rows.append(f"| {r['dtype']} | {r['mb']:.1f} | {r['socket']['gb_per_s']:.2f} | {r['grpc']['gb_per_s']:.2f} | "
+                    f"{r['full']['gb_per_s']:.2f} | {r['full_vs_socket']:.2f}x | {r['full_vs_grpc']:.2f}x | "
+                    f"{o['ratio']:.3f}x ({o['start_to_committed_s']:.2f} s / {o['prefill_alone_s']:.2f} s) | "
+                    f"{p['ratio']:.2f}x ({p['loaded_p99_ms']:.0f} / {p['idle_p99_ms']:.0f} ms, "
+                    f"{p['loaded_steps']} loaded steps) |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--transfers", type=int, default=12, help="transfers received during the P99 run")
+    ap.add_argument("--apply-mib", type=int, default=0, help="receiver: max MiB written per pump (0: all)")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "kv_transfer.json"))
+    args = ap.parse_args()
+    results = [bench_dtype(d, args) for d in args.dtypes.split(",")]
+    print(table(results))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
