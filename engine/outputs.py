@@ -4,7 +4,9 @@ The LLM calls `OutputProcessor.advance` after each scheduler update for every re
 Text grows incrementally: only a short window of recent tokens is decoded each step (decoding the whole
 output every step would cost O(length) per token), and a multi-byte character split across tokens is held
 back until complete. Stop strings are searched only in the newly added text plus a tail as long as the
-longest stop string; the text is cut at the first stop and the LLM finishes the request.
+longest stop string; the text is cut at the first stop and the LLM finishes the request. Until the
+request finishes, a tail of the text that could still become a stop string is held back from `text` and
+`new_text`, so a stream never shows part of a stop string.
 """
 from __future__ import annotations
 
@@ -73,6 +75,8 @@ class OutputProcessor:
         text = st.text
         if req.finished and st.read_offset < len(out_ids):
             text = self.tokenizer.decode(out_ids, req.params.skip_special_tokens)  # flush held-back bytes
+        if not req.finished:  # hold back a tail that may still grow into a stop string
+            text = text[:len(text) - _stop_prefix_len(text, req.params.stop)]
         out = RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(out_ids),
             text=text, finished=req.finished, finish_reason=req.finish_reason,
@@ -88,3 +92,14 @@ class OutputProcessor:
 
     def forget(self, request_id: str) -> None:
         self._state.pop(request_id, None)
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best

@@ -126,3 +126,20 @@ def test_attention_observation_matches_eager_attention(tiny_dir):
         torch.testing.assert_close(rec["window"], att[0, :, -4:].mean(0), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(rec["slot_mass"], att[0].sum((0, 1)), atol=1e-4, rtol=1e-5)
     assert_engine_empty(llm)
+
+
+def test_stream_never_shows_part_of_a_stop_string(tiny_dir):
+    llm = make(tiny_dir)
+    full = llm.generate(PROMPTS[0], GREEDY)[0]
+    words = full.text.split()
+    stop = f"{words[3]} {words[4]} t999"  # words 3-4 appear, then a word that never comes: never hits
+    rid = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]))
+    shown = ""
+    for o in llm.generate_until_idle():
+        assert o.request_id == rid
+        shown += o.new_text
+        if not o.finished:
+            partial = (words[3], f"{words[3]} {words[4]}")
+            assert not o.text.endswith(partial), f"a partial stop string reached the stream: {o.text!r}"
+    assert shown == full.text
+    assert_engine_empty(llm)
