@@ -12,11 +12,8 @@ there, driven by a command queue. Life of a request:
                                        (abort + a final delta with finish_reason "timeout")
     generate() exits early (client gone, task cancelled) -> ("abort", id) -> llm.abort frees its pages
 
-Text: the engine already holds back incomplete UTF-8 characters and cuts text at a stop string, but it
-streams text that may turn out to be the start of a stop string (text "... EN" then "D" with stop "END":
-"EN" was already sent). `_Stream.visible_text` therefore holds back the longest suffix of the text that
-is a prefix of any stop string until the next token resolves it; on finish the engine's final text is
-authoritative. Concatenated deltas thus equal the non-streamed text.
+Text: the engine holds back incomplete UTF-8 characters and any tail that may still become a stop string
+(engine/outputs.py), so the engine's `text` only grows and concatenated deltas equal the final text.
 
 Queue limit: `max_queued` bounds requests accepted but without a first token yet (waiting in the command
 queue or the engine's scheduler); running requests do not count. `pause()`/`resume()` hold the engine
@@ -53,18 +50,6 @@ class _Stream:
     preemptions: int = 0
     started: bool = False  # has produced its first token (no longer counts as queued)
     done: bool = False
-
-    def visible_text(self, text: str, finished: bool) -> str:
-        """`text` minus a trailing possible start of a stop string (kept until resolved)."""
-        stops = self.req.params.stop
-        if finished or not stops:
-            return text
-        longest = max(len(s) for s in stops)
-        for k in range(min(longest - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in stops):
-                return text[:-k]
-        return text
 
     def put(self, item) -> None:
         try:
@@ -247,7 +232,7 @@ class LocalEngineBackend:
                 self._preemptions += out.num_preemptions - stream.preemptions
             stream.preemptions = out.num_preemptions
         stream.prompt_tokens = len(out.prompt_token_ids)
-        text = stream.visible_text(out.text, out.finished)
+        text = out.text
         new_text = text[stream.sent_chars:] if len(text) > stream.sent_chars else ""
         new_ids = out.token_ids[stream.sent_tokens:]
         logprobs = None

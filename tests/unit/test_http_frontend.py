@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cluster.client import AsyncClient, BadRequest, Client, NotFound, Overloaded, Unauthorized
-from cluster.local_backend import LocalEngineBackend, _Stream
+from cluster.local_backend import LocalEngineBackend
 from cluster.server import BackgroundServer
 from cluster.serving_api import BackendUnavailableError, GenerateRequest
 from engine import SamplingParams
@@ -169,17 +169,6 @@ def test_stop_strings_are_held_back_until_resolved(served):
     assert full.text == expected and full.choices[0].finish_reason == "stop"
     assert "".join(c.text for c in chunks) == expected
     assert not any(stop[:3] in c.text for c in chunks)
-
-
-def test_visible_text_holds_back_a_possible_stop_prefix():
-    loop = asyncio.new_event_loop()
-    s = _Stream(GenerateRequest("r", [1], SamplingParams(stop=["END", "xy"])), loop, None, 0.0)
-    assert s.visible_text("abc EN", False) == "abc "
-    assert s.visible_text("abc E", False) == "abc "
-    assert s.visible_text("abc x", False) == "abc "
-    assert s.visible_text("abc ENx", False) == "abc EN"
-    assert s.visible_text("abc EN", True) == "abc EN"
-    loop.close()
 
 
 def test_backend_directly_and_shutdown_with_requests_in_flight(tiny_dir):

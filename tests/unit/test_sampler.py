@@ -214,3 +214,16 @@ def test_stop_given_as_a_bare_string_is_rejected_or_kept_whole():
         assert e.field == "stop"
         return
     assert list(p.stop) == ["END"], f"stop={p.stop!r} is used as the stop strings {list(p.stop)}"
+
+
+def test_stop_prefix_hold_back_length():
+    from engine.outputs import _stop_prefix_len
+
+    stops = ["END", "xy"]
+    assert _stop_prefix_len("abc EN", stops) == 2
+    assert _stop_prefix_len("abc E", stops) == 1
+    assert _stop_prefix_len("abc x", stops) == 1
+    assert _stop_prefix_len("abc ENx", stops) == 1
+    assert _stop_prefix_len("abc", stops) == 0
+    assert _stop_prefix_len("", stops) == 0
+    assert _stop_prefix_len("abc END", stops) == 0  # a whole stop is cut by the processor, not held
