@@ -1,1 +1,7 @@
-"""pdserve decode_worker (see ../shared/DESIGN.md): to be built by its issue."""
+"""pdserve decode_worker: KV in, tokens out (see ../shared/DESIGN.md).
+
+- `worker`  `DecodeWorker`: an `engine.LLM` (continuous batching; preemption by local recompute) plus a
+            `kv_transfer` `KVReceiver`; `reserve` (admission by free pages) / `abort` / `step() ->
+            DecodeDelta`s / `stats()`; without a receiver it is a colocated replica (`add_request`). A plain
+            class: `cluster/actors.py` runs it in a Ray actor, tests run it in-process.
+"""

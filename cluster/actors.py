@@ -1,0 +1,257 @@
+"""Ray actors for the workers, placement groups per pool, and `start_cluster` (what `ClusterRouter.from_spec`
+runs). With `cluster/router.py`'s `from_spec` path, the only code that imports ray.
+
+Order: `init_ray(address)` (a private local Ray bound to 127.0.0.1 with auth mode set explicitly, or join
+an existing one) -> one placement group per pool (`replicas` bundles of the pool's `resources`; Ray refuses
+a pool that cannot be placed) -> one `WorkerActor` per bundle, each building its worker on its own
+`WorkerLoop` thread (one torch thread unless `num_threads` says otherwise) -> `RayHandle`s (the router's
+async handle interface) -> `ClusterRouter`. `shutdown()` stops every actor's loop (its worker aborts what
+it holds), kills the actors, removes the placement groups and, if it started Ray, shuts Ray down.
+
+Deltas flow back by long polling: the router keeps one `drain(timeout_s)` call outstanding per actor; the
+actor (a threaded actor: Ray runs its methods on a small thread pool) answers as soon as its step loop
+published events, with the latest stats. One round trip per step and no router actor to keep alive.
+Typed errors cross the actor boundary as (class, attributes, message) and are rebuilt on the router side:
+pdserve errors have constructors Ray's exception pickling cannot call, and only pdserve error classes are
+ever rebuilt.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+from typing import Any
+
+from cluster.serving_api import BackendUnavailableError
+from cluster.worker_loop import DECODE_METHODS, PREFILL_METHODS, WorkerLoop
+from engine.errors import PdserveError
+
+
+# ---- Ray ---------------------------------------------------------------------------------------
+def init_ray(address: str = "local", num_cpus: float | None = None) -> bool:
+    """Start a private local Ray (127.0.0.1, token auth off unless RAY_AUTH_MODE says otherwise) or join
+    `address`; True if this call started it (the caller shuts it down), False if Ray was already up."""
+    if address == "local":
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-machine cluster
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray then binds loopback only
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address == "local":
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 configure_logging=False, log_to_driver=True)
+    else:
+        ray.init(address=address, include_dashboard=False)
+    return True
+
+
+class WorkerActor:
+    """One prefill, decode or colocated worker in its own process (wrapped by `ray.remote` in `_actor`)."""
+
+    def __init__(self, kind: str, name: str, engine_kwargs: dict, kv: dict, num_threads: int = 1):
+        import torch
+
+        torch.set_num_threads(num_threads)  # one process per worker, one thread each (2-core machines)
+        engine_kwargs = dict(engine_kwargs, num_threads=num_threads)
+        methods = PREFILL_METHODS if kind == "prefill" else DECODE_METHODS
+        self.loop = WorkerLoop(lambda: _build(kind, engine_kwargs, kv), methods, name, _info)
+
+    def ready(self, timeout_s: float) -> dict:
+        return self.loop.wait_ready(timeout_s)
+
+    def call(self, method: str, *args) -> tuple[str, Any]:
+        try:
+            return "ok", self.loop.call(method, *args)
+        except PdserveError as e:
+            return "error", (type(e).__module__, type(e).__qualname__, _plain(vars(e)), str(e))
+
+    def drain(self, timeout_s: float):
+        return self.loop.drain(timeout_s)
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+
+def _build(kind: str, engine_kwargs: dict, kv: dict):
+    if kind == "prefill":
+        from prefill_worker.worker import PrefillWorker
+
+        return PrefillWorker(engine_kwargs, kv.get("sender"), kv.get("transport", "grpc"))
+    from decode_worker.worker import DecodeWorker
+
+    return DecodeWorker(engine_kwargs, kv.get("receiver"), kv.get("transport", "grpc"),
+                        kv.get("failure_policy", "fail"), serve_kv=kind == "decode")
+
+
+def _info(worker) -> dict:
+    address = getattr(worker, "address", None)
+    if address and address.startswith(("0.0.0.0:", "[::]:")):  # listening on every interface: say which
+        import ray
+
+        address = f"{ray.util.get_node_ip_address()}:{address.rsplit(':', 1)[1]}"
+    return {"address": address}
+
+
+def _plain(attrs: dict) -> dict:
+    return {k: v for k, v in attrs.items() if isinstance(v, (str, int, float, bool, type(None)))}
+
+
+def _rebuild(module: str, qualname: str, attrs: dict, message: str) -> PdserveError:
+    cls = getattr(importlib.import_module(module), qualname, None)
+    if not (isinstance(cls, type) and issubclass(cls, PdserveError)):
+        return BackendUnavailableError(f"{qualname}: {message}")
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(attrs)
+    return err
+
+
+_ACTOR = None
+
+
+def _actor():
+    global _ACTOR
+    if _ACTOR is None:
+        import ray
+
+        _ACTOR = ray.remote(max_concurrency=16)(WorkerActor)  # threads: drain blocks while calls run
+    return _ACTOR
+
+
+class RayHandle:
+    """A `WorkerActor` behind the router's async handle interface."""
+
+    def __init__(self, name: str, actor, info: dict):
+        self.name, self.actor, self.info = name, actor, info
+
+    async def call(self, method: str, *args) -> Any:
+        status, value = await self._ray(self.actor.call.remote(method, *args))
+        if status == "error":
+            raise _rebuild(*value)
+        return value
+
+    async def drain(self, timeout_s: float):
+        return await self._ray(self.actor.drain.remote(timeout_s))
+
+    async def close(self) -> None:
+        try:
+            await asyncio.wait_for(self._ray(self.actor.stop.remote()), 60)
+        except (PdserveError, asyncio.TimeoutError):
+            pass
+
+    async def _ray(self, ref):
+        import ray
+
+        try:
+            return await ref
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, PdserveError):
+                raise cause from None
+            raise BackendUnavailableError(f"worker {self.name}: {type(cause or e).__name__}: {cause or e}") from None
+        except ray.exceptions.RayError as e:  # actor died, node lost
+            raise BackendUnavailableError(f"worker {self.name} is gone: {type(e).__name__}") from None
+
+
+# ---- the cluster -------------------------------------------------------------------------------
+def kv_configs(spec) -> dict:
+    """Sender/receiver settings of the KV plane from the spec's `kv_transfer` section."""
+    from kv_transfer.config import ReceiverConfig, SenderConfig, TLSConfig
+
+    kt = spec.kv_transfer
+    auth = {}
+    if kt.auth_token is not None:
+        auth = {"token_env": kt.auth_token.env} if kt.auth_token.env else {"token_file": kt.auth_token.file}
+    tls = TLSConfig(kt.tls.cert_file, kt.tls.key_file, kt.tls.ca_file, kt.tls.server_name) if kt.tls else None
+    return {"sender": SenderConfig(tls=tls, **auth), "receiver": ReceiverConfig(host=kt.host, tls=tls, **auth),
+            "failure_policy": kt.failure_policy}
+
+
+def _bundle(pool) -> dict[str, float]:
+    r = pool.resources
+    b = {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.custom}
+    return {k: float(v) for k, v in b.items() if v > 0}
+
+
+def _start_pool(name: str, pool, spec, kv: dict, num_threads: int, ready_timeout_s: float):
+    """One placement group and `replicas` actors for a pool; (handles, placement group)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = _bundle(pool)
+    pg = placement_group([bundle] * pool.replicas, strategy="SPREAD") if bundle else None
+    if pg is not None:
+        try:
+            ray.get(pg.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise BackendUnavailableError(f"pools.{name}: Ray cannot place {pool.replicas} x {bundle} "
+                                          f"(cluster resources: {ray.cluster_resources()})") from None
+    engine_kwargs = spec.engine_kwargs(name)
+    if pool.resources.num_gpus > 0:
+        engine_kwargs["device"] = "cuda"
+    actors = []
+    for i in range(pool.replicas):
+        opts = dict(pool.resources.actor_options())
+        if pg is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        actors.append(_actor().options(**opts).remote(name, f"{name}-{i}", engine_kwargs, kv, num_threads))
+    return actors, pg
+
+
+def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: int = 1,
+                  ready_timeout_s: float = 600.0, transport: str = "grpc"):
+    """Start (or join) Ray, place every pool, wait until each worker is ready, return the router."""
+    import ray
+
+    from cluster.router import RouterConfig
+    from cluster.spec import Problem, SpecError, resolve_model_config
+    from engine.loader import resolve_model
+    from engine.tokenizer import Tokenizer
+
+    config = resolve_model_config(spec)
+    spec.check_against_model(config)
+    pools = spec.pools_in_use()
+    bad = [Problem(f"pools.{n}.tensor_parallel", "serve supports 1 for now") for n, p in pools.items()
+           if p.tensor_parallel > 1] + [Problem(f"pools.{n}.pipeline_parallel", "serve supports 1 for now")
+                                        for n, p in pools.items() if p.pipeline_parallel > 1]
+    if bad:
+        raise SpecError(bad)
+    owns_ray = init_ray(spec.ray.address, num_cpus)
+    kv = {**(kv_configs(spec) if spec.mode == "disaggregated" else {}), "transport": transport}
+    started: list[tuple[str, list, Any]] = []
+    try:
+        for name, pool in pools.items():
+            started.append((name, *_start_pool(name, pool, spec, kv, num_threads, ready_timeout_s)))
+        infos = {name: ray.get([a.ready.remote(ready_timeout_s) for a in actors], timeout=ready_timeout_s)
+                 for name, actors, _ in started}
+    except BaseException:
+        _teardown_sync(started, owns_ray)
+        raise
+    handles = {name: [RayHandle(f"{name}-{i}", a, infos[name][i]) for i, a in enumerate(actors)]
+               for name, actors, _ in started}
+    serving = [p for n, p in pools.items() if n != "prefill"]
+    max_len = min(min(p.max_model_len or config.max_position, config.max_position) for p in pools.values())
+    rcfg = RouterConfig(spec.mode, spec.model, config.vocab_size, max_len,
+                        min(p.kv.num_pages * p.kv.page_size for p in serving),
+                        pools["prefill"].kv.num_pages * pools["prefill"].kv.page_size if "prefill" in pools else None,
+                        spec.server.max_queued_requests, spec.server.request_timeout_s)
+
+    async def teardown() -> None:
+        await asyncio.to_thread(_teardown_sync, started, owns_ray)
+
+    return router_cls(rcfg, handles, Tokenizer(resolve_model(spec.model)), serving[0].kv.page_size, teardown)
+
+
+def _teardown_sync(started, owns_ray: bool) -> None:
+    import ray
+
+    for _, actors, pg in started:
+        for a in actors:
+            ray.kill(a)
+        if pg is not None:
+            ray.util.remove_placement_group(pg)
+    if owns_ray:
+        ray.shutdown()

@@ -1,0 +1,222 @@
+"""`DecodeWorker`: one decode engine (`engine.LLM`) and its `KVReceiver`, driven by a plain step loop.
+
+Who calls it: `cluster/actors.py` runs it on one thread of a Ray actor (tests run it in-process); every
+method runs on that thread, while the receiver's transport threads accept pushes beside it. Life of a
+request here (DESIGN.md "Life of a request", steps 3 and 6):
+
+    reserve(rid, prompt_ids, params, lease_s) -> TransferDescriptor, or None ("no pages now": the router
+        tries another worker or waits). Admission by free pages: refused while preempted requests wait
+        for pages, when the pages for the prompt are not free, or when the running batch is full.
+    ... the prefill worker pushes the KV into the reserved pages ...
+    step()  = receiver.step(): pump (write chunks, commit complete transfers, which join the running
+              batch) then one engine step (continuous batching) -> a `DecodeDelta` per request that
+              advanced (new tokens and text; the last one finished)
+    abort(rid) -> cancel the reservation or abort the running request; pages freed at once (idempotent)
+
+Preemption: when a running request needs a page and none is free, the engine's scheduler preempts the
+newest running request and re-queues it to be recomputed from prompt + generated tokens *on this worker*
+(a local prefill; its outputs are kept, so the stream neither loses nor repeats a token). Recomputing
+here rather than sending it back through a prefill worker is the simplest correct choice: no second
+reservation or transfer can fail, and the prompt is short next to the KV it would move.
+
+Transfer failure: with `failure_policy="recompute"` the request is re-run from its prompt on this worker
+(same seed, so the first token the prefill side already streamed comes out again and the router skips
+it); with "fail" it ends with a `DecodeDelta` whose `finish_reason` is "error" and `error` says why.
+
+Colocated mode uses the same class without a receiver (`serve_kv=False`): `add_request()` runs both
+phases on this engine.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.errors import OutOfPagesError, PdserveError
+from engine.llm import LLM
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from kv_transfer.config import ReceiverConfig
+from kv_transfer.contract import TransferDescriptor, TransferState, TransferStatus, make_transport
+
+__all__ = ["DecodeWorker", "DecodeDelta", "DecodeStats"]
+
+
+@dataclass
+class DecodeDelta:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    num_output: int  # output tokens so far (new_token_ids are the last len(new_token_ids) of them)
+    text_len: int  # characters of output text so far (new_text is its tail)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None  # new tokens only
+    num_preemptions: int = 0
+    error: str | None = None  # finish_reason "error": why (a failed transfer)
+
+
+@dataclass
+class DecodeStats:
+    free_pages: int = 0
+    num_pages: int = 0
+    pages_in_use: int = 0
+    reservations: int = 0  # pages held for KV in flight (leases)
+    receiving: int = 0  # live transfers
+    running: int = 0
+    waiting: int = 0  # preempted (or colocated) requests waiting for pages
+    max_num_seqs: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_transfer_failures: int = 0  # of requests this worker still owned (recomputed or ended "error")
+
+
+@dataclass
+class _Entry:
+    prompt_ids: list[int]
+    params: SamplingParams
+    reservation_id: str | None = None  # None once it runs here (committed, recomputed or colocated)
+
+
+class DecodeWorker:
+    def __init__(self, engine_kwargs: dict, receiver_config: ReceiverConfig | None = None, transport="grpc",
+                 failure_policy: str = "fail", serve_kv: bool = True, llm: LLM | None = None):
+        """`transport`: a name in `kv_transfer.contract.TRANSPORTS` or a transport object (tests);
+        `serve_kv=False`: a colocated replica (no receiver); `llm`: an engine built by the caller (tests)."""
+        assert failure_policy in ("fail", "recompute"), failure_policy
+        self.llm = llm if llm is not None else LLM(**engine_kwargs)
+        self.failure_policy = failure_policy
+        self._entries: dict[str, _Entry] = {}
+        self._by_reservation: dict[str, str] = {}
+        self._failed: deque[tuple[str, TransferStatus]] = deque()  # appended by transport threads
+        self._failed_lock = threading.Lock()
+        self._pending: list[DecodeDelta] = []  # produced outside step() (failures), returned by the next
+        self.num_transfer_failures = 0
+        self.receiver = self.transport = None
+        self.address: str | None = None
+        if serve_kv:
+            from kv_transfer.receiver import KVReceiver
+
+            self.transport = make_transport(transport) if isinstance(transport, str) else transport
+            self.receiver = KVReceiver(self.llm, receiver_config, on_end=self._on_end)
+            self.address = self.receiver.serve(self.transport)
+        self.closed = False
+
+    # ---- commands (the loop thread) ----------------------------------------------------------
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                lease_s: float = 30.0) -> TransferDescriptor | None:
+        """Hold pages for the prompt's KV; None when this worker cannot admit it now."""
+        assert self.receiver is not None, "a colocated worker takes add_request(), not reserve()"
+        s, n = self.llm.scheduler, len(prompt_ids)
+        self.llm._check_lengths(n, params)  # InvalidRequestError now, not when the KV arrives
+        busy = len(s.running) + len(s.waiting) + self.receiver.num_live
+        if s.waiting or busy >= s.cfg.max_num_seqs or self.llm.tables.pages_for(n) > self.llm.allocator.num_free:
+            return None
+        try:
+            desc = self.receiver.reserve(n, params, request_id, lease_s)
+        except OutOfPagesError:
+            return None
+        self._entries[request_id] = _Entry(list(prompt_ids), params, desc.reservation_id)
+        self._by_reservation[desc.reservation_id] = request_id
+        return desc
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Run a request from its prompt here (colocated mode; the engine admits it by free pages)."""
+        self.llm.add_request(list(prompt_ids), params, request_id=request_id)
+        self._entries[request_id] = _Entry(list(prompt_ids), params)
+
+    def fail_transfer(self, request_id: str, reason: str) -> None:
+        """The prefill side gave up on this request's KV: end the reservation now (the failure policy
+        applies) instead of waiting for its lease to lapse."""
+        e = self._entries.get(request_id)
+        if e is not None and e.reservation_id is not None and self.receiver is not None:
+            self.receiver.cancel(e.reservation_id, f"prefill side: {reason}")
+
+    def abort(self, request_id: str) -> None:
+        """Free everything of `request_id`: its reservation or its running request (idempotent)."""
+        e = self._entries.pop(request_id, None)
+        if e is not None and e.reservation_id is not None:
+            self._by_reservation.pop(e.reservation_id, None)
+            self.receiver.cancel(e.reservation_id, "aborted")
+        self.llm.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.llm.has_unfinished() or bool(self.receiver and self.receiver.num_live) or bool(self._failed)
+
+    def step(self) -> list[DecodeDelta]:
+        """Pump transfers, handle failed ones, run one engine step; the deltas."""
+        if self.receiver is not None:
+            self.receiver.pump()
+            self._handle_failures()
+        steps = self.llm.scheduler.stats.num_steps
+        outs = self.llm.step() if self.llm.has_unfinished() else []
+        if self.llm.scheduler.stats.num_steps == steps:  # nothing to compute: wait for the KV plane, not spin
+            if self.receiver is not None:
+                self.receiver.wait_for_work(0.002)
+            else:
+                time.sleep(0.002)
+        deltas, self._pending = self._pending, []
+        deltas += [self._delta(o) for o in outs]
+        return deltas
+
+    def stats(self) -> DecodeStats:
+        s, u = self.llm.scheduler, self.llm.kv_usage()
+        return DecodeStats(self.llm.allocator.num_free, u["num_pages"], u["pages_in_use"], u["reservations"],
+                           self.receiver.num_live if self.receiver else 0, len(s.running), len(s.waiting),
+                           s.cfg.max_num_seqs, s.stats.num_preemptions, s.stats.num_steps,
+                           self.num_transfer_failures)
+
+    def close(self) -> None:
+        """Stop receiving, fail live transfers, abort every request (their pages return to the pool)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.receiver is not None:
+            self.receiver.close()
+            self.transport.close()
+        for rid in list(self.llm.requests):
+            self.llm.abort(rid)
+        self._entries.clear()
+        self._by_reservation.clear()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _on_end(self, reservation_id: str, status: TransferStatus) -> None:
+        """Receiver observer (any thread, receiver lock held): just record failures for the loop thread."""
+        if status.state == TransferState.FAILED:
+            with self._failed_lock:
+                self._failed.append((reservation_id, status))
+
+    def _handle_failures(self) -> None:
+        with self._failed_lock:
+            failed, self._failed = list(self._failed), deque()
+        for res_id, status in failed:
+            rid = self._by_reservation.pop(res_id, None)
+            e = self._entries.get(rid) if rid is not None else None
+            if e is None or e.reservation_id != res_id:
+                continue  # aborted by the router: nothing to report
+            e.reservation_id = None
+            self.num_transfer_failures += 1
+            why = f"KV transfer failed: {status.reason or status.state.value}"
+            if self.failure_policy == "recompute":
+                try:
+                    self.llm.add_request(e.prompt_ids, e.params, request_id=rid)
+                    continue
+                except PdserveError as err:  # (validated at reserve; never expected)
+                    why += f"; recompute refused: {err}"
+            del self._entries[rid]
+            self._pending.append(DecodeDelta(rid, [], "", 0, 0, True, "error", error=why))
+
+    def _delta(self, out: RequestOutput) -> DecodeDelta:
+        e = self._entries.get(out.request_id)
+        if e is not None and e.reservation_id is not None:  # the transfer committed: it runs here now
+            self._by_reservation.pop(e.reservation_id, None)
+            e.reservation_id = None
+        if out.finished:
+            self._entries.pop(out.request_id, None)
+        logprobs = None
+        if out.logprobs is not None:
+            k = len(out.new_token_ids)
+            logprobs = [(t.token_id, t.logprob, list(t.top_logprobs or [])) for t in out.logprobs[-k:]] if k else []
+        return DecodeDelta(out.request_id, list(out.new_token_ids), out.new_text, len(out.token_ids), len(out.text),
+                           out.finished, out.finish_reason, logprobs, out.num_preemptions)

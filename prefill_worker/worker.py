@@ -1,0 +1,156 @@
+"""`PrefillWorker`: one prefill engine (`engine.LLM`) and its `KVSender`, driven by a plain step loop.
+
+Who calls it: `cluster/actors.py` runs it on one thread of a Ray actor (tests run it in-process); every
+method runs on that thread. Life of a request here (DESIGN.md "Life of a request", steps 4-5):
+
+    submit(rid, prompt_ids, params, descriptor, decode_address)
+        -> llm.add_request(prefill_only=True); sender.send(): each layer's KV is published as it is computed
+    step()  = sender.step() (one engine step, then poll) -> events:
+        PrefillEvent("first_token")      the prefill ended HELD: first token (+ text, logprob), prompt ids
+        PrefillEvent("finished")         the request ended at its first token (EOS, max_tokens=1, stop
+                                         string): nothing is left to decode; the caller frees the decode side
+        PrefillEvent("transfer_done" | "transfer_failed")   the push ended; the held pages are released
+    cancel(rid)  -> abort the transfer and the prefill (pages released at once; idempotent)
+
+The engine batches waiting prompts by its token budget (`max_num_batched_tokens`) and admits them by free
+pages. `stats()` reports the queued prefill tokens the router balances on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from engine.errors import PdserveError
+from engine.llm import LLM
+from engine.outputs import RequestOutput
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+from kv_transfer.config import SenderConfig
+from kv_transfer.contract import (TransferDescriptor, TransferState, TransferStatus, UnknownReservation,
+                                  make_transport)
+
+__all__ = ["PrefillWorker", "PrefillEvent", "PrefillStats"]
+
+
+@dataclass
+class PrefillEvent:
+    request_id: str
+    kind: str  # "first_token" | "finished" | "transfer_done" | "transfer_failed"
+    token_ids: list[int] = field(default_factory=list)  # the first token (first_token / finished)
+    text: str = ""  # its text (may be "" while a multi-byte character is incomplete)
+    finish_reason: str | None = None  # finished: "stop" | "length"
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    prompt_token_ids: list[int] | None = None
+    reason: str | None = None  # transfer_failed: why
+
+
+@dataclass
+class PrefillStats:
+    queued_prefill_tokens: int = 0  # prompt tokens not yet computed (waiting + running)
+    waiting: int = 0
+    running: int = 0
+    held: int = 0  # prefilled, KV still leaving
+    sending: int = 0  # live transfers
+    pages_in_use: int = 0
+    num_pages: int = 0
+    reservations: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class PrefillWorker:
+    def __init__(self, engine_kwargs: dict, sender_config: SenderConfig | None = None, transport="grpc",
+                 llm: LLM | None = None):
+        """`transport`: a name in `kv_transfer.contract.TRANSPORTS` or a transport object (tests share
+        one in-process `FakeTransport` between workers). `llm`: an engine built by the caller (tests)."""
+        self.llm = llm if llm is not None else LLM(**engine_kwargs)
+        self.transport = make_transport(transport) if isinstance(transport, str) else transport
+        from kv_transfer.sender import KVSender  # after the engine: the sender hooks into its runner
+
+        self.sender = KVSender(self.llm, self.transport, sender_config, on_end=self._on_end)
+        self._events: list[PrefillEvent] = []
+        self._finished_early: set[str] = set()  # ended at their first token: their transfer abort is expected
+        self.closed = False
+
+    # ---- commands (the loop thread) ----------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               descriptor: TransferDescriptor, decode_address: str) -> None:
+        """Queue the prompt for prefill and ship its KV into `descriptor`'s pages at `decode_address`."""
+        # This engine only ever makes the first token: its KV pool and context need not fit max_tokens
+        # (2 keeps a longer request HELD after its first token; 1 still ends it there, as it must).
+        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, 2))
+        rid = self.llm.add_request(list(prompt_ids), params, request_id=request_id, prefill_only=True)
+        try:
+            self.sender.send(rid, descriptor, decode_address)
+        except PdserveError:
+            self.llm.abort(rid)
+            raise
+
+    def cancel(self, request_id: str) -> None:
+        """Stop the prefill and its transfer, free its pages (no-op for an unknown or ended request)."""
+        try:
+            self.sender.status(request_id)
+        except UnknownReservation:  # never sent (or long forgotten): only the engine may hold it
+            self.llm.abort(request_id)
+        else:  # the sender releases the held pages / aborts the prefill once its push thread has stopped
+            self.sender.cancel(request_id, "cancelled by the router")
+        self._finished_early.discard(request_id)
+
+    def has_work(self) -> bool:
+        return self.llm.has_unfinished() or self.sender.num_live > 0
+
+    def step(self) -> list[PrefillEvent]:
+        """One engine step (or, with only transfers in flight, a short wait and a poll); the events."""
+        steps = self.llm.scheduler.stats.num_steps
+        for out in self.llm.step() if self.llm.has_unfinished() else []:
+            self._on_output(out)  # (= sender.step(), with the outputs seen before the poll)
+        if self.llm.scheduler.stats.num_steps == steps:
+            time.sleep(0.001)  # nothing to compute (push threads working, or no free pages): do not spin
+        self.sender.poll()
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> PrefillStats:
+        s = self.llm.scheduler
+        queued = sum(len(r.token_ids) - r.num_computed for r in [*s.waiting, *s.running])
+        u = self.llm.kv_usage()
+        return PrefillStats(queued, len(s.waiting), len(s.running), len(s.held), self.sender.num_live,
+                            u["pages_in_use"], u["num_pages"], u["reservations"], s.stats.num_preemptions,
+                            s.stats.num_steps)
+
+    def close(self) -> None:
+        """Abort every transfer and prefill, stop the push threads and the transport."""
+        if self.closed:
+            return
+        self.closed = True
+        self.sender.close()
+        for rid in list(self.llm.requests):
+            self.llm.abort(rid)
+        self.transport.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _on_output(self, out: RequestOutput) -> None:
+        """A prefill produced its first token: HELD (its KV is leaving) or finished right there."""
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = [(t.token_id, t.logprob, list(t.top_logprobs or [])) for t in out.logprobs]
+        held = self.llm.scheduler.held.get(out.request_id)
+        if out.finished or held is None or held.status != RequestStatus.HELD:
+            self._finished_early.add(out.request_id)
+            self._events.append(PrefillEvent(out.request_id, "finished", list(out.token_ids), out.text,
+                                             out.finish_reason or "stop", logprobs, list(out.prompt_token_ids)))
+            return
+        self._events.append(PrefillEvent(out.request_id, "first_token", list(out.token_ids), out.text, None,
+                                         logprobs, list(out.prompt_token_ids)))
+        self.llm.outputs.forget(out.request_id)  # a held request produces no more text
+
+    def _on_end(self, request_id: str, status: TransferStatus) -> None:
+        """The sender settled a transfer (engine thread): report it, unless its abort was expected."""
+        if request_id in self._finished_early:
+            self._finished_early.discard(request_id)
+            return
+        if status.state == TransferState.DONE:
+            self._events.append(PrefillEvent(request_id, "transfer_done"))
+        else:
+            self._events.append(PrefillEvent(request_id, "transfer_failed", reason=status.reason))

@@ -1,0 +1,173 @@
+"""`ClusterRouter` over real workers on a tiny random Llama, in this process (no Ray): each worker runs on its
+own `WorkerLoop` thread and KV moves over the in-process fake transport. Disaggregated (two decode workers)
+and colocated output is greedy-equal to one `engine.LLM`; a decode worker short of pages preempts and
+recomputes without losing or repeating a streamed token; a failed transfer is recomputed or ends with a
+typed error per policy; deadline and disconnect free both sides. Every test ends with every worker empty."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.router import ClusterRouter, RouterConfig
+from cluster.serving_api import BackendUnavailableError, GenerateRequest
+from cluster.worker_loop import start_local
+from decode_worker.worker import DecodeWorker
+from engine import SamplingParams
+from engine.llm import LLM
+from engine.tokenizer import Tokenizer
+from kv_transfer.config import ReceiverConfig, SenderConfig
+from kv_transfer.fake_transport import FakeTransport
+from prefill_worker.worker import PrefillWorker
+from tests.cluster_helpers import assert_cluster_empty
+from tests.cluster_helpers import collect as collect_stream
+from tests.exactness import assert_greedy_equal
+from tests.tiny_models import write_tiny
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 9, [100, 3],
+           list(range(200, 230))]
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    alone = LLM(model=str(tiny_dir), dtype="float32", num_pages=128, page_size=PAGE)
+    return [o.token_ids for o in alone.generate(PROMPTS, GREEDY)]
+
+
+def cluster(tiny_dir, mode="disaggregated", decode_pages=64, n_decode=2, policy="fail", fault=None,
+            timeout_s=60.0, max_model_len=256):
+    transport = FakeTransport(fault)
+    kw = dict(model=str(tiny_dir), dtype="float32", page_size=PAGE, max_model_len=max_model_len)
+    pools = {}
+    if mode == "disaggregated":
+        pools["prefill"] = [start_local("prefill", "prefill-0", lambda: PrefillWorker(
+            dict(kw, num_pages=64, max_num_batched_tokens=32), SenderConfig(chunk_bytes=1024), transport))]
+        pools["decode"] = [start_local("decode", f"decode-{i}", lambda: DecodeWorker(
+            dict(kw, num_pages=decode_pages), ReceiverConfig(), transport, policy)) for i in range(n_decode)]
+    else:
+        pools["colocated"] = [start_local("colocated", f"colocated-{i}", lambda: DecodeWorker(
+            dict(kw, num_pages=decode_pages), serve_kv=False)) for i in range(2)]
+    cfg = RouterConfig(mode, "tiny", 256, max_model_len, decode_pages * PAGE, 64 * PAGE, max_queued_requests=64,
+                       request_timeout_s=timeout_s, drain_timeout_s=0.2)
+    return ClusterRouter(cfg, pools, Tokenizer(tiny_dir), PAGE)
+
+
+async def collect(router, rid, prompt, params=GREEDY, **kw):
+    return await collect_stream(router, rid, prompt, params, "tiny", **kw)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_disaggregated_router_is_greedy_equal_and_spreads_over_decode_workers(tiny_dir, reference):
+    async def main():
+        router = cluster(tiny_dir)
+        try:
+            results = await asyncio.gather(*(collect(router, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            assert_greedy_equal(reference, [toks for toks, _ in results])
+            for toks, deltas in results:
+                assert "".join(d.new_text for d in deltas) == router.tokenizer().decode(toks)
+                assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+                assert deltas[-1].completion_tokens == len(toks) and sum(not d.finished for d in deltas) >= 1
+            stats = await assert_cluster_empty(router)
+            assert all(stats[f"decode-{i}"].num_steps > 0 for i in range(2)), "one decode worker got nothing"
+        finally:
+            await router.shutdown()
+    run(main())
+
+
+def test_decode_preemption_recomputes_without_losing_or_repeating_tokens(tiny_dir, reference):
+    async def main():  # 14 pages of 4 tokens: the six requests need ~50 pages at their longest
+        router = cluster(tiny_dir, decode_pages=14, n_decode=1, max_model_len=56)
+        try:
+            results = await asyncio.gather(*(collect(router, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            assert_greedy_equal(reference, [toks for toks, _ in results])
+            stats = await assert_cluster_empty(router)
+            assert stats["decode-0"].num_preemptions > 0
+            assert (await router.stats()).preemptions > 0
+        finally:
+            await router.shutdown()
+    run(main())
+
+
+def test_colocated_router_is_greedy_equal(tiny_dir, reference):
+    async def main():
+        router = cluster(tiny_dir, mode="colocated")
+        try:
+            results = await asyncio.gather(*(collect(router, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            assert_greedy_equal(reference, [toks for toks, _ in results])
+            await assert_cluster_empty(router)
+        finally:
+            await router.shutdown()
+    run(main())
+
+
+def _corrupt_first_chunk(index, frame):
+    if frame.WhichOneof("kind") == "chunk" and frame.chunk.token_start == 0 and frame.chunk.layer == 0:
+        frame.chunk.payload = bytes(len(frame.chunk.payload))  # checksum mismatch: DATA_LOSS
+    return [frame]
+
+
+def test_failed_transfer_is_recomputed_on_the_decode_worker(tiny_dir, reference):
+    async def main():
+        router = cluster(tiny_dir, policy="recompute", fault=_corrupt_first_chunk)
+        try:
+            results = await asyncio.gather(*(collect(router, f"r{i}", p) for i, p in enumerate(PROMPTS[:3])))
+            assert_greedy_equal(reference[:3], [toks for toks, _ in results])
+            stats = await assert_cluster_empty(router)
+            assert sum(s.num_transfer_failures for n, s in stats.items() if n.startswith("decode")) == 3
+        finally:
+            await router.shutdown()
+    run(main())
+
+
+def test_failed_transfer_under_policy_fail_is_a_typed_error(tiny_dir):
+    async def main():
+        router = cluster(tiny_dir, policy="fail", fault=_corrupt_first_chunk, n_decode=1)
+        try:
+            with pytest.raises(BackendUnavailableError, match="transfer failed"):
+                await collect(router, "r0", PROMPTS[0])
+            await assert_cluster_empty(router)
+        finally:
+            await router.shutdown()
+    run(main())
+
+
+def test_deadline_and_disconnect_free_both_sides(tiny_dir):
+    async def main():
+        router = cluster(tiny_dir, n_decode=1, decode_pages=128, max_model_len=512)
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        try:
+            toks, deltas = await collect(router, "late", PROMPTS[0], long, deadline_s=0.3)
+            assert deltas[-1].finish_reason == "timeout" and len(toks) < 400
+            gen = router.generate(GenerateRequest("gone", PROMPTS[1], long, model="tiny"))
+            assert (await gen.__anext__()).new_token_ids  # a token streamed, then the client goes away
+            await gen.aclose()
+            gen = router.generate(GenerateRequest("stopped", PROMPTS[2], long, model="tiny"))
+            await gen.__anext__()
+            await router.abort("stopped")
+            assert [d.finish_reason async for d in gen][-1] == "abort"
+            await assert_cluster_empty(router)
+        finally:
+            await router.shutdown()
+    run(main())
+
+
+def test_a_request_that_ends_at_its_first_token_frees_its_decode_reservation(tiny_dir, reference):
+    async def main():
+        router = cluster(tiny_dir, n_decode=1)
+        try:
+            toks, deltas = await collect(router, "one", PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.0))
+            assert toks == reference[0][:1] and deltas[-1].finish_reason == "length"
+            await assert_cluster_empty(router)
+        finally:
+            await router.shutdown()
+    run(main())
