@@ -109,7 +109,7 @@ class DecodeWorker:
         """Hold pages for the prompt's KV; None when this worker cannot admit it now."""
         assert self.receiver is not None, "a colocated worker takes add_request(), not reserve()"
         s, n = self.llm.scheduler, len(prompt_ids)
-        self.llm._check_lengths(n, params)  # InvalidRequestError now, not when the KV arrives
+        self.llm.check_request(n, params)  # InvalidRequestError now, not when the KV arrives
         busy = len(s.running) + len(s.waiting) + self.receiver.num_live
         if s.waiting or busy >= s.cfg.max_num_seqs or self.llm.tables.pages_for(n) > self.llm.allocator.num_free:
             return None

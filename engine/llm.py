@@ -25,7 +25,7 @@ from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
 from engine.model import LlamaForward
 from engine.outputs import OutputProcessor, RequestOutput
-from engine.request import Request, SampledToken
+from engine.request import Request, RequestStatus, SampledToken
 from engine.runner import ModelRunner
 from engine.sampler import SampleRequest
 from engine.sampling_params import SamplingParams
@@ -82,7 +82,11 @@ class LLM:
             raise InvalidRequestError("prompt", f"token id {bad} outside the vocabulary [0, {vocab})")
         return ids
 
-    def _check_lengths(self, n_prompt: int, params: SamplingParams) -> None:
+    def check_request(self, n_prompt: int, params: SamplingParams, prefill_only: bool = False) -> None:
+        """InvalidRequestError if a prompt of `n_prompt` tokens with `params` can never run here. A
+        prefill-only request makes one token, so only that one must fit."""
+        if prefill_only:
+            params = SamplingParams(max_tokens=1)
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError("prompt", f"{n_prompt} tokens; the model's context is {self.max_model_len}")
         if n_prompt + params.max_tokens > self.max_model_len:
@@ -101,7 +105,7 @@ class LLM:
         params = params or SamplingParams()
         params.validate(self.config.vocab_size)
         ids = self._tokens(prompt)
-        self._check_lengths(len(ids), params)
+        self.check_request(len(ids), params, prefill_only)
         rid = request_id if request_id is not None else f"req-{next(_ids)}"
         if rid in self.requests:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")
@@ -186,7 +190,10 @@ class LLM:
             self.scheduler.finish(req, "stop")
         if req.finished:
             self.requests.pop(req.request_id, None)
-        return self.outputs.make_output(req)
+        out = self.outputs.make_output(req)
+        if req.status == RequestStatus.HELD:
+            self.outputs.forget(req.request_id)  # a held prefill produces no more text
+        return out
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

@@ -17,7 +17,6 @@ pages. `stats()` reports the queued prefill tokens the router balances on.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -77,9 +76,6 @@ class PrefillWorker:
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                descriptor: TransferDescriptor, decode_address: str) -> None:
         """Queue the prompt for prefill and ship its KV into `descriptor`'s pages at `decode_address`."""
-        # This engine only ever makes the first token: its KV pool and context need not fit max_tokens
-        # (2 keeps a longer request HELD after its first token; 1 still ends it there, as it must).
-        params = dataclasses.replace(params, max_tokens=min(params.max_tokens, 2))
         rid = self.llm.add_request(list(prompt_ids), params, request_id=request_id, prefill_only=True)
         try:
             self.sender.send(rid, descriptor, decode_address)
@@ -143,7 +139,6 @@ class PrefillWorker:
             return
         self._events.append(PrefillEvent(out.request_id, "first_token", list(out.token_ids), out.text, None,
                                          logprobs, list(out.prompt_token_ids)))
-        self.llm.outputs.forget(out.request_id)  # a held request produces no more text
 
     def _on_end(self, request_id: str, status: TransferStatus) -> None:
         """The sender settled a transfer (engine thread): report it, unless its abort was expected."""

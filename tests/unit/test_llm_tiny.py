@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import ReservationError, SamplingParams
+from engine import InvalidRequestError, ReservationError, SamplingParams
 from engine.attention_context import ObserveSpec
 from engine.batch import SeqStep, StepBatch
 from engine.llm import LLM
@@ -142,4 +142,18 @@ def test_stream_never_shows_part_of_a_stop_string(tiny_dir):
             partial = (words[3], f"{words[3]} {words[4]}")
             assert not o.text.endswith(partial), f"a partial stop string reached the stream: {o.text!r}"
     assert shown == full.text
+    assert_engine_empty(llm)
+
+
+def test_prefill_only_needs_room_for_one_token(tiny_dir):
+    llm = make(tiny_dir, num_pages=4, page_size=4)  # 16 slots: a 12-token prompt + 1
+    prompt = list(range(10, 22))
+    big = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    with pytest.raises(InvalidRequestError):
+        llm.add_request(prompt, big)  # a whole generation does not fit
+    rid = llm.add_request(prompt, big, prefill_only=True)
+    outs = llm.generate_until_idle()
+    assert len(outs) == 1 and len(outs[0].token_ids) == 1 and not outs[0].finished
+    assert llm.outputs._state == {}, "held request kept detokenizer state"
+    llm.release_held(rid)
     assert_engine_empty(llm)
