@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.kv_cache.page_io import export_kv, flat_slots, stored_token_head_bytes  # noqa: E402
+from engine.kv_cache.page_io import export_kv, slot_runs, stored_token_head_bytes  # noqa: E402
 from kv_transfer import codec  # noqa: E402
 from kv_transfer import kv_transfer_pb2 as pb  # noqa: E402
 from kv_transfer.config import ReceiverConfig, SenderConfig  # noqa: E402
@@ -151,9 +151,9 @@ def replay_frames(llm, rid: str, first: int, desc: TransferDescriptor):
     layout = codec.TransferLayout.from_spec(spec, stored_token_head_bytes(spec))
     pages, n = llm.held_pages(rid)
     yield codec.encode(codec.open_frame(desc, layout, llm.requests[rid].prompt_token_ids, spec.num_kv_heads))
-    slots, row, count = flat_slots(pages, spec.page_size, 0, n), layout.payload_bytes(1, layout.num_heads) // 2, 0
+    runs, row, count = slot_runs(pages, spec.page_size, 0, n), layout.payload_bytes(1, layout.num_heads) // 2, 0
     for layer in spec.local_layers:
-        k, v = export_kv(llm.backend, layer, slots)
+        k, v = export_kv(llm.backend, layer, runs, copy=False)  # HELD: as KVSender reads it
         for a, b in codec.plan_token_ranges(0, n, layout, CHUNK):
             count += 1
             yield codec.chunk_wire(layout, layer, a, b, k[a * row:b * row], v[a * row:b * row])

@@ -5,7 +5,8 @@ can be fuzzed. Only protobuf parses bytes here (never pickle / torch.load).
 
 Sender:   encode(open_frame()) -> chunk_wire() per layer and token range -> encode(finish_frame())
           (transports carry frames as wire bytes)
-Receiver: parse_frame() on the wire bytes (the same decoder the fuzz tests drive), then
+Receiver: parse_wire() on the wire bytes (the decoder the fuzz tests drive; chunk payloads come back as
+          zero-copy views), then
           check_open() once, check_chunk() per chunk -- every count, range and size against the
           reservation's `TransferLayout` BEFORE anything is allocated or written -- then
           verify_payload() (length and XXH3-64 checksum) before the chunk may be committed to pages.
@@ -156,6 +157,79 @@ def parse_frame(data: bytes) -> pb.Frame:
     return frame
 
 
+def parse_wire(data: bytes) -> tuple[pb.Frame, memoryview | bytes | None]:
+    """Bytes -> (frame, payload). For a chunk frame the payload is returned beside it -- a zero-copy view
+    of `data` on the fast path -- and `frame.chunk.payload` is left empty; otherwise payload is None.
+
+    Fast path: `data` is exactly one chunk field whose payload (field 12) occurs once; protobuf then
+    parses the header with the payload cut out, which is what it would make of the whole. Anything else
+    goes through a full protobuf parse (same result, one more copy). Typed errors only."""
+    view = memoryview(data)
+    span = _single_chunk_payload(view)
+    if span is None:
+        frame = parse_frame(data)
+        if frame.WhichOneof("kind") != "chunk":
+            return frame, None
+        payload = frame.chunk.payload
+        frame.chunk.ClearField("payload")
+        return frame, payload
+    chunk_start, key_start, pay_start, pay_end = span
+    head = bytes(view[chunk_start:key_start]) + bytes(view[pay_end:])
+    try:
+        chunk = pb.Chunk.FromString(head)
+    except DecodeError as e:
+        raise InvalidFrame(f"chunk header does not parse: {e}") from None
+    return pb.Frame(chunk=chunk), view[pay_start:pay_end]
+
+
+def _single_chunk_payload(buf: memoryview) -> tuple[int, int, int, int] | None:
+    """(chunk start, payload key start, payload start, payload end) when `buf` is one Frame.chunk field
+    spanning the buffer with exactly one well-formed payload field; None to fall back to protobuf."""
+    end = len(buf)
+    if end < 2 or buf[0] != _CHUNK_TAG[0]:
+        return None
+    length, pos = _read_varint(buf, 1, end)
+    if length is None or pos + length != end:
+        return None
+    start, span = pos, None
+    while pos < end:
+        key_start = pos
+        key, pos = _read_varint(buf, pos, end)
+        if key is None:
+            return None
+        wire_type = key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(buf, pos, end)
+        elif wire_type == 1 or wire_type == 5:
+            pos += 8 if wire_type == 1 else 4
+        elif wire_type == 2:
+            n, pos = _read_varint(buf, pos, end)
+            if n is None or pos + n > end:
+                return None
+            if key >> 3 == 12:
+                if span is not None:
+                    return None  # repeated payload field: protobuf's last-one-wins, not ours
+                span = (start, key_start, pos, pos + n)
+            pos += n
+        else:
+            return None
+        if pos is None or pos > end:
+            return None
+    return span
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int | None, int | None]:
+    value = shift = 0
+    while pos < end and shift < 64:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+    return None, None
+
+
 def check_layout(msg: pb.Open, layout: TransferLayout, num_kv_heads: int) -> None:
     """The sender's layout, field by field, against ours (FailedPrecondition naming the first mismatch)."""
     if msg.dtype not in ALLOWED_DTYPES:
@@ -203,7 +277,7 @@ def check_chunk(msg: pb.Chunk, layout: TransferLayout, num_tokens: int, max_chun
                        msg.byte_length, msg.checksum)
 
 
-def verify_payload(header: ChunkHeader, payload: bytes) -> None:
+def verify_payload(header: ChunkHeader, payload: memoryview | bytes) -> None:
     """Length and checksum, before the chunk may be committed."""
     if len(payload) != header.byte_length:
         raise DataLoss(f"payload is {len(payload)} bytes; header says {header.byte_length}")
@@ -214,13 +288,12 @@ def verify_payload(header: ChunkHeader, payload: bytes) -> None:
 
 
 def decode_chunk(data: bytes, layout: TransferLayout, num_tokens: int,
-                 max_chunk_bytes: int) -> tuple[ChunkHeader, bytes]:
+                 max_chunk_bytes: int) -> tuple[ChunkHeader, memoryview | bytes]:
     """Bytes of one frame -> a checked chunk header and its verified payload (typed errors only)."""
-    frame = parse_frame(data)
-    if frame.WhichOneof("kind") != "chunk":
+    frame, payload = parse_wire(data)
+    if payload is None:
         raise InvalidFrame(f"expected a chunk frame, got {frame.WhichOneof('kind')}")
     header = check_chunk(frame.chunk, layout, num_tokens, max_chunk_bytes)
-    payload = frame.chunk.payload
     verify_payload(header, payload)
     return header, payload
 

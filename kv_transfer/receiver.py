@@ -23,7 +23,7 @@ import threading
 from collections import OrderedDict, deque
 
 from engine.errors import InvalidRequestError, ReservationError
-from engine.kv_cache.page_io import flat_slots, import_kv, stored_token_head_bytes
+from engine.kv_cache.page_io import import_kv, slot_runs, stored_token_head_bytes
 from kv_transfer import codec
 from kv_transfer.config import ReceiverConfig, check_bind, check_token
 from kv_transfer.contract import (Cancelled, DataLoss, EndObserver, ErrorCode, FailedPrecondition,
@@ -51,7 +51,7 @@ class KVReceiver:
         self._live: dict[str, Inbound] = {}  # reservation id -> transfer (failed ones until pump frees them)
         self._ended: OrderedDict[str, TransferStatus] = OrderedDict()
         self._remember = remember_ended
-        self._writes: deque[tuple[Inbound, codec.ChunkHeader, bytes]] = deque()
+        self._writes: deque[tuple[Inbound, codec.ChunkHeader, memoryview]] = deque()
         self._work = threading.Event()  # set when pump() has something to do (queued chunk, finish, failure)
         self.server = None
 
@@ -96,8 +96,8 @@ class KVReceiver:
                 self._work.set()
         self._free_failed()
         for ib, h, payload in writes:
-            slots = flat_slots(ib.pages, self.llm.kv_spec.page_size, h.token_start, h.token_end)
-            import_kv(self.llm.backend, h.layer, slots, payload, h.head_start - self.layout.head_start,
+            runs = slot_runs(ib.pages, self.llm.kv_spec.page_size, h.token_start, h.token_end)
+            import_kv(self.llm.backend, h.layer, runs, payload, h.head_start - self.layout.head_start,
                       h.head_end - self.layout.head_start)
         with self._lock:
             for ib, _, _ in writes:
@@ -130,8 +130,8 @@ class KVReceiver:
         """One push stream of wire frames: open, chunks, finish. Raises a typed error; fatal ones fail
         the transfer."""
         check_token(self._token, token)
-        it = map(codec.parse_frame, frames)
-        first = next(it, None)
+        it = map(codec.parse_wire, frames)
+        first, _ = next(it, (None, None))
         if first is None or first.WhichOneof("kind") != "open":
             raise InvalidFrame("a push must start with an open frame")
         ib = self._admit(first.open)
@@ -144,10 +144,10 @@ class KVReceiver:
                 ib.prompt = list(first.open.prompt_token_ids)
                 if ib.state == TransferState.PENDING:
                     ib.state = TransferState.TRANSFERRING
-            for frame in it:
+            for frame, payload in it:
                 kind = frame.WhichOneof("kind")
                 if kind == "chunk":
-                    self._accept_chunk(ib, frame.chunk)
+                    self._accept_chunk(ib, frame.chunk, payload)
                 elif kind == "finish":
                     return self._accept_finish(ib, frame.finish)
                 else:
@@ -181,7 +181,7 @@ class KVReceiver:
             ib.streams += 1
             return ib
 
-    def _accept_chunk(self, ib: Inbound, msg) -> None:
+    def _accept_chunk(self, ib: Inbound, msg, payload) -> None:
         header = codec.check_chunk(msg, self.layout, ib.desc.num_tokens, self.config.max_chunk_bytes)
         with self._lock:
             self._check_live(ib)
@@ -189,7 +189,6 @@ class KVReceiver:
             if ib.received_bytes > ib.max_stream_bytes:
                 raise ResourceExhausted(f"transfer received {ib.received_bytes} bytes, over its "
                                         f"{ib.max_stream_bytes}-byte budget")
-        payload = msg.payload  # the copy happens only after the header passed
         codec.verify_payload(header, payload)
         with self._lock:
             self._check_live(ib)
@@ -254,7 +253,7 @@ class KVReceiver:
         while len(self._ended) > self._remember:
             self._ended.popitem(last=False)
 
-    def _take_writes(self) -> list[tuple[Inbound, codec.ChunkHeader, bytes]]:
+    def _take_writes(self) -> list[tuple[Inbound, codec.ChunkHeader, memoryview]]:
         """Lock held. Queued writes of live transfers, up to the per-pump byte budget."""
         budget = self.config.apply_bytes_per_pump
         out, used = [], 0
@@ -271,7 +270,8 @@ class KVReceiver:
         """Engine thread: cancel the reservations of failed transfers (their pages return to the pool)."""
         with self._lock:
             failed = [ib for ib in self._live.values() if ib.state == TransferState.FAILED]
-            self._writes = deque(w for w in self._writes if w[0].state != TransferState.FAILED)
+            if failed:
+                self._writes = deque(w for w in self._writes if w[0].state != TransferState.FAILED)
             for ib in failed:
                 self._retire(ib)
         for ib in failed:

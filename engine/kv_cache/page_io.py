@@ -5,11 +5,14 @@ without knowing tensors: it asks this module for the stored bytes of some slots 
 and hands the bytes back on the other side. Bytes are exactly what the backend stores (the `KVPageSpec`'s
 storage format), never re-encoded, so quantized formats flow through unchanged once they register here.
 
-    slots = flat_slots(pages, page_size, start, stop)       # token range -> flat slot ids of this pool
-    k, v = export_kv(backend, layer, slots)                  # bytes-like, each [n, kv_heads, head_dim]
-    import_kv(backend, layer, slots, payload, h0, h1)        # payload = K bytes then V bytes
+    runs = slot_runs(pages, page_size, start, stop)     # token range -> runs of consecutive flat slots
+    k, v = export_kv(backend, layer, runs)               # bytes-like, each [n, kv_heads, head_dim]
+    import_kv(backend, layer, runs, payload, h0, h1)     # payload = K bytes then V bytes
 
-Only the engine thread may call these on a live engine (they touch cache tensors).
+Storage per layer is `[num_pages, page_size, kv_heads, head_dim]` (the raw backend's layout), so runs of
+consecutive slots -- whole pages, or a whole cache when its pages are consecutive -- move as slices.
+Only the engine thread may call these on a live engine (they touch cache tensors), except that
+`export_kv(copy=False)` may read pages nobody can write meanwhile (a HELD request's).
 """
 from __future__ import annotations
 
@@ -33,38 +36,61 @@ def stored_token_head_bytes(spec: KVPageSpec) -> int:
         raise ValueError(f"storage format {spec.storage_format!r} has no byte layout for transfer") from None
 
 
-def flat_slots(pages: Sequence[int], page_size: int, start: int, stop: int) -> torch.Tensor:
-    """Flat slot ids (page * page_size + offset) of slots [start, stop) of a page list: [stop - start]."""
-    idx = torch.arange(start, stop, dtype=torch.long)
-    table = torch.as_tensor(list(pages), dtype=torch.long)
-    return table[idx // page_size] * page_size + idx % page_size
+Runs = list[tuple[int, int, int]]  # (first flat slot, offset into the token range, length)
 
 
-def export_kv(backend, layer: int, slots: torch.Tensor) -> tuple[memoryview, memoryview]:
-    """Stored K and V of the slots as flat byte views (a copy; the pool may change afterwards)."""
-    assert backend.spec.storage_format == "raw", backend.spec.storage_format
-    k, v = backend.read(layer, slots)  # [n, kv_heads, head_dim] each, fresh tensors
-    return _bytes_view(k), _bytes_view(v)
+def slot_runs(pages: Sequence[int], page_size: int, start: int, stop: int) -> Runs:
+    """Maximal runs of consecutive flat slots holding slots [start, stop) of a page list (pure Python:
+    a page at a time, consecutive page ids merge)."""
+    runs: Runs = []
+    t = start
+    while t < stop:
+        page, off = divmod(t, page_size)
+        n = min(page_size - off, stop - t)
+        slot = pages[page] * page_size + off
+        if runs and runs[-1][0] + runs[-1][2] == slot:
+            first, at, length = runs[-1]
+            runs[-1] = (first, at, length + n)
+        else:
+            runs.append((slot, t - start, n))
+        t += n
+    return runs
 
 
-def import_kv(backend, layer: int, slots: torch.Tensor, payload: bytes, head_start: int = 0,
-              head_end: int | None = None) -> None:
-    """Write K-then-V `payload` ([n, head_end - head_start, head_dim] each) into the slots' heads."""
+def export_kv(backend, layer: int, runs: Runs, copy: bool = True) -> tuple[memoryview, memoryview]:
+    """Stored K and V of the slot runs as flat byte views, each [n, kv_heads, head_dim].
+
+    copy=True snapshots them (the pool may change afterwards); copy=False returns views of the pool itself
+    when the runs are one -- only for pages nobody can write while the views are in use."""
+    spec: KVPageSpec = backend.spec
+    assert spec.storage_format == "raw", spec.storage_format
+    out = []
+    for pool in (backend.k[layer], backend.v[layer]):
+        flat = pool.view(-1, spec.num_kv_heads, spec.head_dim)  # [num_slots, kv_heads, head_dim]
+        if len(runs) == 1:
+            first, _, n = runs[0]
+            out.append(_bytes_view(flat[first:first + n].clone() if copy else flat[first:first + n]))
+        else:
+            out.append(_bytes_view(torch.cat([flat[first:first + n] for first, _, n in runs])))
+    return out[0], out[1]
+
+
+def import_kv(backend, layer: int, runs: Runs, payload, head_start: int = 0, head_end: int | None = None) -> None:
+    """Write K-then-V `payload` (bytes-like, [n, head_end - head_start, head_dim] each, n = the runs'
+    total length) into those heads of the runs' slots, a slice copy per run (several times faster than
+    scattering rows)."""
     spec: KVPageSpec = backend.spec
     assert spec.storage_format == "raw", spec.storage_format
     head_end = spec.num_kv_heads if head_end is None else head_end
-    n, heads = slots.shape[0], head_end - head_start
-    with warnings.catch_warnings():  # the payload is read-only bytes; we only ever read it
+    n = sum(length for _, _, length in runs)
+    with warnings.catch_warnings():  # a read-only payload; we only ever read it
         warnings.simplefilter("ignore", UserWarning)
         kv = torch.frombuffer(payload, dtype=torch_dtype(spec.dtype))
-    kv = kv.view(2, n, heads, spec.head_dim)  # [K|V, tokens, heads, head_dim]
-    if heads == spec.num_kv_heads:
-        backend.write(layer, slots, kv[0], kv[1])
-        return
-    k, v = backend.read(layer, slots)  # a head sub-range: read, patch those heads, write back
-    k[:, head_start:head_end] = kv[0]
-    v[:, head_start:head_end] = kv[1]
-    backend.write(layer, slots, k, v)
+    kv = kv.view(2, n, head_end - head_start, spec.head_dim)  # [K|V, tokens, heads, head_dim]
+    for pool, src in ((backend.k[layer], kv[0]), (backend.v[layer], kv[1])):
+        flat = pool.view(-1, spec.num_kv_heads, spec.head_dim)
+        for first, at, length in runs:
+            flat[first:first + length, head_start:head_end].copy_(src[at:at + length])
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:

@@ -185,6 +185,43 @@ def test_fuzz_bytes_spliced_into_a_valid_frame(noise, at):
         _accepted_is_consistent(*got)
 
 
+def _valid_or_spliced():
+    wires = st.builds(lambda layer, a, n: codec.chunk_wire(LAYOUT, layer, a, min(a + n, NUM_TOKENS),
+                                                           *kv_bytes(layer, a, min(a + n, NUM_TOKENS))),
+                      st.integers(0, 2), st.integers(0, 9), st.integers(1, 4))
+    noise = st.tuples(wires, st.binary(min_size=1, max_size=8), st.integers(0, 400), st.integers(0, 3))
+
+    def splice(args):
+        data, junk, at, mode = args
+        data, at = bytearray(data), at % len(data)
+        if mode == 0:
+            data[at:at + len(junk)] = junk  # overwrite
+        elif mode == 1:
+            data[at:at] = junk  # insert
+        elif mode == 2:
+            del data[at:]  # truncate
+        else:
+            data = data + (codec.encode(codec.finish_frame(1, 1)) if at % 2 else bytes(data))  # extra fields
+        return bytes(data)
+
+    return st.one_of(wires, st.binary(max_size=600), noise.map(splice))
+
+
+@FUZZ
+@given(_valid_or_spliced())
+def test_fuzz_fast_chunk_parse_agrees_with_protobuf(data):
+    try:
+        frame, payload = codec.parse_wire(data)
+    except TransferError:
+        return
+    whole = pb.Frame.FromString(data)  # whatever the fast path accepts, protobuf parses the same way
+    if payload is None:
+        assert frame == whole and whole.WhichOneof("kind") != "chunk"
+        return
+    frame.chunk.payload = bytes(payload)
+    assert frame == whole
+
+
 # ---- coverage bookkeeping ------------------------------------------------------------------------
 def _inbound() -> Inbound:
     desc = TransferDescriptor("r", "res", "n", "fp", "sig", NUM_TOKENS)
