@@ -1,8 +1,9 @@
 """`pdserve` command line.
 
-Subcommands: `generate` (one engine in this process, prints text, TTFT, tok/s); `validate SPEC` (reads a
-cluster spec, resolves its model and checks the spec against it; prints "ok: <summary>" or each problem as
-`SPEC: <dotted.key>: <reason>` on stderr and exits 2).
+Subcommands: `serve SPEC` (start the spec's pools on Ray behind the OpenAI-compatible HTTP API, see
+`cluster/launch.py`); `generate PROMPT` (one engine in this process, or with `--spec` through a cluster;
+prints text, TTFT, tok/s); `validate SPEC` (reads a cluster spec, resolves its model and checks the spec
+against it; prints "ok: <summary>" or each problem as `SPEC: <dotted.key>: <reason>` on stderr, exit 2).
 """
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ import time
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, PdserveError, SamplingParams
+
+    if args.spec:
+        from cluster.launch import generate_on_spec
+
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+        return generate_on_spec(args.spec, args.prompt, params, chat=args.chat, address=args.address)
 
     try:
         llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
@@ -65,6 +73,12 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.launch import serve
+
+    return serve(args.spec, args.address, args.port, args.self_test)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = p.add_subparsers(dest="command", required=True)
@@ -79,7 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=1, help="torch threads (one per worker process is best)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    g.add_argument("--spec", help="run through the cluster of this YAML spec instead of one engine")
+    g.add_argument("--address", help="with --spec: Ray address to join (auto, host:port)")
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="serve a cluster spec behind the OpenAI-compatible HTTP API")
+    s.add_argument("spec", help="path to the YAML cluster spec, e.g. deploy/local.yaml")
+    s.add_argument("--address", help="Ray address to join (auto, host:port, ray://...); default: the spec's")
+    s.add_argument("--port", type=int, help="HTTP port; default: the spec's (8000)")
+    s.add_argument("--self-test", metavar="PROMPT", help="answer one completion over HTTP, print it, exit")
+    s.set_defaults(func=_serve)
     v = sub.add_parser("validate", help="check a cluster spec (YAML) and the model it names")
     v.add_argument("spec", help="path to the YAML cluster spec, e.g. deploy/local.yaml")
     v.add_argument("--skip-model", action="store_true",
