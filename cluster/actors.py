@@ -85,12 +85,13 @@ def _build(kind: str, engine_kwargs: dict, kv: dict):
 
 
 def _info(worker) -> dict:
+    """What `ready()` returns: the worker's KV receiver address (decode) and the Ray node it landed on."""
+    import ray
+
     address = getattr(worker, "address", None)
     if address and address.startswith(("0.0.0.0:", "[::]:")):  # listening on every interface: say which
-        import ray
-
         address = f"{ray.util.get_node_ip_address()}:{address.rsplit(':', 1)[1]}"
-    return {"address": address}
+    return {"address": address, "node_id": ray.get_runtime_context().get_node_id()}
 
 
 def _plain(attrs: dict) -> dict:

@@ -1,0 +1,118 @@
+"""Acceptance: a multi-node Ray cluster on one machine (`ray.cluster_utils.Cluster`: a head with no pool
+resources, a node carrying `{prefill: 1}` and one carrying `{decode: 1}`, each its own raylet, all on
+127.0.0.1). A spec shaped like deploy/multinode.yaml (custom resources per pool, a KV auth token from the
+environment of every node; loopback, so no TLS) joins it by its GCS address. Checked:
+- each actor runs on the node that carries its pool's custom resource, prefill and decode on different nodes;
+- 4 concurrent SmolLM2 (float32) requests are greedy-equal to one `engine.LLM`. Their KV must cross nodes
+  over gRPC: failure policy "fail" (no recompute fallback), so a decode token exists only if the prefill
+  node's KV arrived; no transfer failed;
+- the workers end with nothing held (leak check); the router shuts down the Ray connection, the test
+  shuts down the cluster it started and restores the environment.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.router import ClusterRouter
+from cluster.spec import parse_spec
+from engine import LLM, SamplingParams
+from tests.cluster_helpers import assert_cluster_empty, collect
+from tests.exactness import assert_greedy_equal
+from tests.prompts import token_prompts
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m"
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LENGTHS = [24, 57, 90, 123]
+TOKEN_ENV = "PDSERVE_KV_TOKEN"
+# Every node's processes inherit these (set before the nodes start): loopback-only Ray, auth mode set
+# explicitly, and the KV plane's shared token, as deploy/multinode.yaml reads it on each node.
+ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+       TOKEN_ENV: "multinode-test-token"}
+ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # Cluster() overwrites it
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """(Cluster, {pool: id of the node carrying its resource}); the head carries neither."""
+    saved_env = {k: os.environ.get(k) for k in ENV}
+    saved_address = ADDRESS_FILE.read_text() if ADDRESS_FILE.is_file() else None
+    temp = tempfile.mkdtemp(prefix="pdmn-")  # short: Ray's unix sockets live under it (108-byte cap)
+    os.environ.update(ENV)
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        assert not ray.is_initialized(), "another test left Ray connected"
+        node = {"node_ip_address": "127.0.0.1", "temp_dir": temp}
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, **node})
+        try:
+            nodes = {pool: c.add_node(num_cpus=1, resources={pool: 1}, **node).node_id
+                     for pool in ("prefill", "decode")}
+            yield c, nodes
+        finally:
+            ray.shutdown()  # the router normally did; the driver must be gone before its node is removed
+            c.shutdown()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if saved_address is not None:
+            ADDRESS_FILE.write_text(saved_address)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    alone = LLM(model=MODEL, dtype="float32", page_size=16, num_pages=64, keep_logits=True)
+    prompts = token_prompts(alone.tokenizer, LENGTHS)
+    outs = alone.generate(prompts, PARAMS)
+    return prompts, [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
+
+
+def multinode_spec(address: str):
+    def pool(kind: str) -> dict:
+        return {"replicas": 1, "resources": {"num_cpus": 1, "custom": {kind: 1}}, "max_num_seqs": 8,
+                "kv": {"page_size": 16, "num_pages": 64}, "max_model_len": 512}
+
+    return parse_spec({"model": MODEL, "dtype": "float32", "mode": "disaggregated",
+                       "pools": {"prefill": pool("prefill"), "decode": pool("decode")},
+                       "kv_transfer": {"host": "127.0.0.1", "auth_token": {"env": TOKEN_ENV},
+                                       "failure_policy": "fail"},
+                       "server": {"request_timeout_s": 300.0}, "ray": {"address": address}})
+
+
+def test_pools_on_their_nodes_and_kv_crosses_nodes(cluster, reference):
+    import ray
+
+    c, nodes = cluster
+    prompts, ref, logits = reference
+    router = ClusterRouter.from_spec(multinode_spec(c.address))
+
+    async def main():
+        try:
+            carriers = {pool: [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(pool)]
+                        for pool in ("prefill", "decode")}
+            assert carriers == {pool: [node_id] for pool, node_id in nodes.items()}, carriers
+            placed = {pool: [w.handle.info["node_id"] for w in ws] for pool, ws in router.workers.items()}
+            assert placed == carriers and nodes["prefill"] != nodes["decode"], (placed, carriers)
+            assert router.workers["decode"][0].handle.info["address"].startswith("127.0.0.1:")
+            results = await asyncio.gather(*(collect(router, f"mn-{i}", p, PARAMS, MODEL)
+                                             for i, p in enumerate(prompts)))
+            assert_greedy_equal(ref, [toks for toks, _ in results], logits)
+            stats = await assert_cluster_empty(router)
+            assert stats["decode-0"].num_transfer_failures == 0, stats["decode-0"]
+            assert stats["decode-0"].num_steps > 0 and stats["prefill-0"].num_steps > 0, stats
+        finally:
+            await router.shutdown()
+    asyncio.run(main())
+    assert not ray.is_initialized(), "the router joined Ray by address: its shutdown disconnects"
