@@ -77,9 +77,14 @@ class ReceiverConfig(_Auth):
     stream_bytes_factor: float = 2.0  # payload bytes a transfer may receive, as a multiple of its size
     max_streams: int = 8  # concurrent pushes (server threads)
     keepalive: Keepalive = field(default_factory=Keepalive)
-    apply_bytes_per_pump: int | None = None  # cap on bytes written into pages per pump (decode latency)
+    # Decode priority: cap on the receive rate while the decode loop is inside `KVReceiver.step()`, so a
+    # burst of KV (a cache shipped after its prefill) cannot take the CPU from decode steps. None: no cap.
+    # KV streamed during a prefill arrives at prefill speed (~20 MB/s for SmolLM2 bf16) and is not held up.
+    paced_bytes_per_s: int | None = None
 
     def __post_init__(self) -> None:
+        if self.paced_bytes_per_s is not None and self.paced_bytes_per_s < 1 * MiB:
+            raise TransferConfigError("paced_bytes_per_s", "must be >= 1 MiB/s (or None)")
         if not 1 * KiB <= self.max_chunk_bytes <= 64 * MiB:
             raise TransferConfigError("max_chunk_bytes", f"{self.max_chunk_bytes} outside [1 KiB, 64 MiB]")
         if self.max_message_bytes < self.max_chunk_bytes + 1 * KiB:

@@ -60,7 +60,10 @@ class FakeTransport:
                 raise Cancelled("push cancelled by the sender")
             if len(data) > cap:
                 raise ResourceExhausted(f"frame of {len(data)} bytes exceeds the {cap}-byte message cap")
-            arrived = [data] if self.fault is None else [codec.encode(f) for f in self.fault(i, codec.parse_frame(data))]
+            if self.fault is not None:  # tamper on parsed frames, deliver wire bytes again
+                arrived = [codec.encode(f) for f in self.fault(i, codec.parse_frame(data))]
+            else:
+                arrived = [data]
             for d in arrived:
                 self.frames_delivered += 1
                 yield d

@@ -7,23 +7,30 @@ Order of use (engine thread unless noted):
     rx.step()                                  # = rx.pump() then llm.step(), in the decode loop
     rx.status(desc.reservation_id)             # pending / transferring / done / failed(reason)
 
-Threading: the engine is single-threaded, so transport threads never touch engine tensors or the page
-allocator. They authenticate, admit the stream against the reservation (nonce, model fingerprint,
-layout signature), check every chunk's counts and sizes, verify its checksum, record its cells, and
-queue it. `pump()`, on the engine thread, first expires leases and frees the pages of failed transfers
-(so a chunk queued for a lapsed reservation is dropped, never written), then writes queued chunks into
-the reserved pages (token range -> slots of this engine's page size), then commits every transfer whose
-cells and first token are all in through `LLM.add_prefilled_request`. A `threading.RLock` guards the
-transfer records; it is never held while tensors are written.
+Threading. The engine is single-threaded; transport threads never touch the allocator, the scheduler or
+any page a step may read. `reserve()` pins the reserved pages with a second owner (`kvrx:<id>`), so
+they stay out of the free list -- whatever happens to the reservation's lease -- until the engine
+thread unpins them. A transport thread authenticates, admits the stream against the reservation
+(nonce, model fingerprint, layout signature), checks each chunk's counts and sizes, verifies its
+checksum, records its cells under a small lock (refusing chunks of a transfer that ended or whose lease
+lapsed), and then writes it straight into the pinned pages (token range -> slot runs of this engine's
+page size): those pages are disjoint from everything a decode step reads or writes, so no engine lock
+is needed and the decode step loop pays nothing per chunk. `pump()`, on the engine thread, expires
+leases, fails transfers whose reservation ended, frees (cancel + unpin) failed transfers once no write
+of theirs is in flight -- so a late chunk can only ever land in pages still pinned for it -- and commits
+ready transfers through `LLM.add_prefilled_request`. An `RLock` guards the transfer records; it is never
+held while bytes are copied.
 """
 from __future__ import annotations
 
+import contextlib
 import hmac
 import threading
-from collections import OrderedDict, deque
+import time
+from collections import OrderedDict
 
 from engine.errors import InvalidRequestError, ReservationError
-from engine.kv_cache.page_io import import_kv, slot_runs, stored_token_head_bytes
+from engine.kv_cache.page_io import import_kv, stored_token_head_bytes
 from kv_transfer import codec
 from kv_transfer.config import ReceiverConfig, check_bind, check_token
 from kv_transfer.contract import (Cancelled, DataLoss, EndObserver, ErrorCode, FailedPrecondition,
@@ -31,6 +38,10 @@ from kv_transfer.contract import (Cancelled, DataLoss, EndObserver, ErrorCode, F
                                   TransferDescriptor, TransferError, TransferState, TransferStatus,
                                   UnknownReservation)
 from kv_transfer.inbound import Inbound
+
+
+def _pin(reservation_id: str) -> str:
+    return f"kvrx:{reservation_id}"
 
 
 def _not_fatal(err: TransferError) -> TransferError:
@@ -46,13 +57,15 @@ class KVReceiver:
         self.on_end = on_end
         self.layout = codec.TransferLayout.from_spec(llm.kv_spec, stored_token_head_bytes(llm.kv_spec))
         self.clock = llm.allocator.clock  # leases and deadlines read the engine's (injectable) clock
+        self.clock_wall = time.monotonic  # only for close()'s bounded wait on writes in flight
         self._token = self.config.token()
         self._lock = threading.RLock()
         self._live: dict[str, Inbound] = {}  # reservation id -> transfer (failed ones until pump frees them)
         self._ended: OrderedDict[str, TransferStatus] = OrderedDict()
         self._remember = remember_ended
-        self._writes: deque[tuple[Inbound, codec.ChunkHeader, memoryview]] = deque()
-        self._work = threading.Event()  # set when pump() has something to do (queued chunk, finish, failure)
+        self._work = threading.Event()  # set when pump() has something to do (ready, failed, write done)
+        self._stepping = False  # inside step()'s engine step: chunks are paced (decode priority)
+        self._pace_next = 0.0
         self.server = None
 
     # ---- engine thread -----------------------------------------------------------------------
@@ -68,6 +81,7 @@ class KVReceiver:
         if num_tokens < 1:
             raise InvalidFrame(f"cannot reserve for {num_tokens} tokens")
         res = self.llm.reserve(num_tokens, lease_s)
+        self.llm.allocator.share(_pin(res.reservation_id), res.pages)  # ours until the engine thread unpins
         desc = TransferDescriptor(request_id or f"kv-{res.reservation_id}", res.reservation_id, res.nonce,
                                   self.llm.fingerprint, self.llm.kv_spec.signature(), num_tokens)
         cap = int(self.layout.transfer_bytes(num_tokens) * self.config.stream_bytes_factor)
@@ -82,8 +96,8 @@ class KVReceiver:
         return self._work.wait(timeout_s)
 
     def pump(self) -> list[str]:
-        """Expire, free failed transfers' pages, write queued chunks, commit ready transfers; returns the
-        request ids that joined the engine."""
+        """Expire leases, free failed transfers' pages, commit ready transfers; returns the request ids
+        that joined the engine."""
         self.llm.allocator.expire()
         with self._lock:
             self._work.clear()
@@ -91,24 +105,25 @@ class KVReceiver:
                 why = self.llm.allocator.finished_reason(rid)
                 if why is not None:
                     self._end(ib, TransferState.FAILED, f"reservation {why}", ErrorCode.FAILED_PRECONDITION)
-            writes = self._take_writes()
-            if self._writes:  # over the per-pump budget: more next time
-                self._work.set()
-        self._free_failed()
-        for ib, h, payload in writes:
-            runs = slot_runs(ib.pages, self.llm.kv_spec.page_size, h.token_start, h.token_end)
-            import_kv(self.llm.backend, h.layer, runs, payload, h.head_start - self.layout.head_start,
-                      h.head_end - self.layout.head_start)
-        with self._lock:
-            for ib, _, _ in writes:
-                ib.pending_writes -= 1
             ready = [ib for ib in self._live.values() if ib.ready]
+        self._free_failed()
         return [rid for rid in map(self._commit, ready) if rid is not None]
 
     def step(self):
         """One decode-loop iteration: pump, then one engine step (its outputs)."""
         self.pump()
-        return self.llm.step()
+        with self.decoding():
+            return self.llm.step()
+
+    @contextlib.contextmanager
+    def decoding(self):
+        """Wrap an engine step: while inside, incoming chunks are paced to `config.paced_bytes_per_s`
+        (decode priority), if set. `step()` uses it; a worker with its own loop wraps its steps."""
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
 
     def cancel(self, reservation_id: str, reason: str = "cancelled") -> None:
         with self._lock:
@@ -117,13 +132,17 @@ class KVReceiver:
                 self._end(ib, TransferState.FAILED, reason, ErrorCode.CANCELLED)
         self._free_failed()
 
-    def close(self) -> None:
-        """Stop serving, fail every live transfer and free its pages."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop serving, fail every live transfer and free its pages (once its writes in flight land)."""
         if self.server is not None:
             self.server.stop()
             self.server = None
         for rid in list(self._live):
             self.cancel(rid, "receiver closed")
+        end = self.clock_wall() + timeout_s
+        while self._live and self.clock_wall() < end:
+            self._work.wait(0.01)
+            self._free_failed()
 
     # ---- transport threads -------------------------------------------------------------------
     def handle_push(self, frames, token: str | None) -> PushResult:
@@ -183,6 +202,7 @@ class KVReceiver:
 
     def _accept_chunk(self, ib: Inbound, msg, payload) -> None:
         header = codec.check_chunk(msg, self.layout, ib.desc.num_tokens, self.config.max_chunk_bytes)
+        self._pace(header.byte_length)
         with self._lock:
             self._check_live(ib)
             ib.received_bytes += header.byte_length
@@ -192,14 +212,20 @@ class KVReceiver:
         codec.verify_payload(header, payload)
         with self._lock:
             self._check_live(ib)
-            if ib.mark(header):
-                ib.chunks += 1
-                ib.bytes += header.byte_length
-                ib.pending_writes += 1
-                self._writes.append((ib, header, payload))
-                self._work.set()
-            else:
+            if not ib.mark(header):
                 ib.duplicates += 1
+                return
+            ib.chunks += 1
+            ib.bytes += header.byte_length
+            ib.pending_writes += 1
+        try:  # outside the lock: the pages are pinned for this transfer, and no step touches them
+            import_kv(self.llm.backend, header.layer, ib.pages, header.token_start, header.token_end, payload,
+                      header.head_start - self.layout.head_start, header.head_end - self.layout.head_start)
+        finally:
+            with self._lock:
+                ib.pending_writes -= 1
+                if ib.ready or (ib.state.terminal and not ib.pending_writes):
+                    self._work.set()  # pump has something to do: commit, or free
 
     def _accept_finish(self, ib: Inbound, msg) -> PushResult:
         with self._lock:
@@ -227,6 +253,20 @@ class KVReceiver:
         return len(self._live)
 
     # ---- internals ---------------------------------------------------------------------------
+    def _pace(self, nbytes: int) -> None:
+        """Decode priority: while the engine steps, take chunks no faster than `paced_bytes_per_s`
+        (gRPC flow control then holds the sender back too), leaving the CPU to the decode step.
+        Wall-clock pacing, not a deadline: it does not read the injectable clock."""
+        rate = self.config.paced_bytes_per_s
+        if rate is None or not self._stepping:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(self._pace_next, now)
+            self._pace_next = start + nbytes / rate
+        if start > now:
+            time.sleep(start - now)
+
     def _check_live(self, ib: Inbound) -> None:
         """Lock held. Refuse frames for an ended transfer; end it if its lease lapsed."""
         if not ib.state.terminal and self.clock() >= ib.expires_at:
@@ -253,29 +293,20 @@ class KVReceiver:
         while len(self._ended) > self._remember:
             self._ended.popitem(last=False)
 
-    def _take_writes(self) -> list[tuple[Inbound, codec.ChunkHeader, memoryview]]:
-        """Lock held. Queued writes of live transfers, up to the per-pump byte budget."""
-        budget = self.config.apply_bytes_per_pump
-        out, used = [], 0
-        while self._writes and (budget is None or used < budget or not out):
-            ib, h, payload = self._writes.popleft()
-            if ib.state.terminal:
-                ib.pending_writes -= 1
-                continue
-            out.append((ib, h, payload))
-            used += h.byte_length
-        return out
-
     def _free_failed(self) -> None:
-        """Engine thread: cancel the reservations of failed transfers (their pages return to the pool)."""
+        """Engine thread: cancel and unpin failed transfers whose writes have all landed (their pages
+        return to the pool; a write still in flight keeps them pinned until the next pump)."""
         with self._lock:
-            failed = [ib for ib in self._live.values() if ib.state == TransferState.FAILED]
-            if failed:
-                self._writes = deque(w for w in self._writes if w[0].state != TransferState.FAILED)
+            failed = [ib for ib in self._live.values()
+                      if ib.state == TransferState.FAILED and ib.pending_writes == 0]
             for ib in failed:
                 self._retire(ib)
         for ib in failed:
             self.llm.allocator.cancel(ib.desc.reservation_id, "failed")
+            self._unpin(ib)
+
+    def _unpin(self, ib: Inbound) -> None:
+        self.llm.allocator.release(_pin(ib.desc.reservation_id), ib.pages)
 
     def _commit(self, ib: Inbound) -> str | None:
         """Engine thread: hand the filled reservation to the engine as a running request."""
@@ -287,6 +318,7 @@ class KVReceiver:
                 self._end(ib, TransferState.FAILED, f"commit refused: {e}", ErrorCode.FAILED_PRECONDITION)
             self._free_failed()
             return None
+        self._unpin(ib)  # the request's own reference keeps the pages now
         with self._lock:
             self._end(ib, TransferState.DONE, None, None)
         return rid

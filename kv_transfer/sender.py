@@ -24,7 +24,7 @@ import queue
 import threading
 from collections import OrderedDict
 
-from engine.kv_cache.page_io import export_kv, slot_runs, stored_token_head_bytes
+from engine.kv_cache.page_io import export_kv, stored_token_head_bytes
 from engine.request import RequestStatus
 from kv_transfer import codec
 from kv_transfer.config import SenderConfig
@@ -56,11 +56,11 @@ class Outbound:
         self._q.put(("kv", layer, start, stop, k, v))
         self.published[layer - self.layout.layer_start] = stop
 
-    def publish_held(self, backend, runs, num_tokens: int) -> None:
+    def publish_held(self, backend, pages: list[int], num_tokens: int) -> None:
         """Queue every layer of a HELD request, read by the push thread layer by layer (pipelined with
         sending). Safe off the engine thread: nothing writes or frees a HELD request's pages until the
         engine thread releases them, which `KVSender` does only after the push thread has exited."""
-        self._q.put(("held", backend, runs, num_tokens))
+        self._q.put(("held", backend, pages, num_tokens))
         self.published = [num_tokens] * self.layout.num_local_layers
 
     def finish(self, first_token_id: int) -> None:
@@ -90,11 +90,11 @@ class Outbound:
             if item[0] == "kv":
                 yield from self._chunks(*item[1:])
                 continue
-            _, backend, runs, n = item
+            _, backend, pages, n = item
             for layer in range(self.layout.layer_start, self.layout.layer_end):
                 if self.cancelled.is_set():
                     return
-                yield from self._chunks(layer, 0, n, *export_kv(backend, layer, runs, copy=False))
+                yield from self._chunks(layer, 0, n, *export_kv(backend, layer, pages, 0, n, copy=False))
 
     def _chunks(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview):
         row = self.layout.payload_bytes(1, self.layout.num_heads) // 2  # bytes of one token's K (or V)
@@ -233,20 +233,18 @@ class KVSender:
             start = max(s.num_cached, ob.published[layer - self.layout.layer_start])
             stop = s.num_cached + len(s.token_ids)
             if stop > start:
-                runs = slot_runs(s.pages, self.llm.kv_spec.page_size, start, stop)
-                ob.publish(layer, start, stop, *export_kv(self.llm.backend, layer, runs))
+                ob.publish(layer, start, stop, *export_kv(self.llm.backend, layer, s.pages, start, stop))
 
     def _publish_cached(self, ob: Outbound, held: bool) -> None:
         table = self.llm.tables.get(ob.request_id)
         n = min(table.num_slots, ob.desc.num_tokens)
         if not n:
             return
-        runs = slot_runs(table.pages, self.llm.kv_spec.page_size, 0, n)
         if held:  # pages frozen until we release them: let the push thread read them, layer by layer
-            ob.publish_held(self.llm.backend, runs, n)
+            ob.publish_held(self.llm.backend, list(table.pages), n)
             return
         for layer in self.llm.kv_spec.local_layers:  # still running (chunked prefill): copy now
-            ob.publish(layer, 0, n, *export_kv(self.llm.backend, layer, runs))
+            ob.publish(layer, 0, n, *export_kv(self.llm.backend, layer, table.pages, 0, n))
 
     def _push(self, ob: Outbound) -> None:
         """Push thread: run the transport; every outcome ends the transfer (once)."""

@@ -5,12 +5,13 @@ without knowing tensors: it asks this module for the stored bytes of some slots 
 and hands the bytes back on the other side. Bytes are exactly what the backend stores (the `KVPageSpec`'s
 storage format), never re-encoded, so quantized formats flow through unchanged once they register here.
 
-    runs = slot_runs(pages, page_size, start, stop)     # token range -> runs of consecutive flat slots
-    k, v = export_kv(backend, layer, runs)               # bytes-like, each [n, kv_heads, head_dim]
-    import_kv(backend, layer, runs, payload, h0, h1)     # payload = K bytes then V bytes
+    k, v = export_kv(backend, layer, pages, start, stop)            # bytes-like, [n, kv_heads, head_dim]
+    import_kv(backend, layer, pages, start, stop, payload, h0, h1)  # payload = K bytes then V bytes
 
-Storage per layer is `[num_pages, page_size, kv_heads, head_dim]` (the raw backend's layout), so runs of
-consecutive slots -- whole pages, or a whole cache when its pages are consecutive -- move as slices.
+Slots [start, stop) of a page list are addressed with the pool's own page size. Storage per layer is
+`[num_pages, page_size, kv_heads, head_dim]` (the raw backend's layout): consecutive slots move as one
+slice, scattered pages as one gather/scatter of whole pages (plus the partial edge pages), so the cost
+does not depend on how fragmented the free list was.
 Only the engine thread may call these on a live engine (they touch cache tensors), except that
 `export_kv(copy=False)` may read pages nobody can write meanwhile (a HELD request's).
 """
@@ -23,6 +24,11 @@ import torch
 
 from engine.kv_cache.backend import torch_dtype
 from engine.kv_cache.spec import KVPageSpec
+
+# torch.frombuffer warns (once) that a read-only buffer such as a received payload is not writable; we
+# only read those tensors. Filtered here, by message, because a catch_warnings() per chunk costs more
+# than the copy of a small chunk.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 # Storage formats whose bytes this module can move, with bytes per (token, head) of K (or of V).
 _TOKEN_HEAD_BYTES = {"raw": lambda spec: spec.head_dim * spec.itemsize}
@@ -57,40 +63,68 @@ def slot_runs(pages: Sequence[int], page_size: int, start: int, stop: int) -> Ru
     return runs
 
 
-def export_kv(backend, layer: int, runs: Runs, copy: bool = True) -> tuple[memoryview, memoryview]:
-    """Stored K and V of the slot runs as flat byte views, each [n, kv_heads, head_dim].
+def export_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int,
+              copy: bool = True) -> tuple[memoryview, memoryview]:
+    """Stored K and V of slots [start, stop) of a page list, as flat byte views [n, kv_heads, head_dim].
 
-    copy=True snapshots them (the pool may change afterwards); copy=False returns views of the pool itself
-    when the runs are one -- only for pages nobody can write while the views are in use."""
+    copy=True snapshots them (the pool may change afterwards); copy=False returns views of the pool
+    itself when the slots are consecutive -- only for pages nobody writes while the views are in use.
+    Scattered pages are gathered whole, in one op (a page is a contiguous block of the pool)."""
     spec: KVPageSpec = backend.spec
     assert spec.storage_format == "raw", spec.storage_format
+    ps, runs = spec.page_size, slot_runs(pages, spec.page_size, start, stop)
+    p0, p1 = start // ps, -(-stop // ps)
     out = []
-    for pool in (backend.k[layer], backend.v[layer]):
-        flat = pool.view(-1, spec.num_kv_heads, spec.head_dim)  # [num_slots, kv_heads, head_dim]
+    for pool in (backend.k[layer], backend.v[layer]):  # [num_pages, page_size, kv_heads, head_dim]
+        flat = pool.view(-1, spec.num_kv_heads, spec.head_dim)
         if len(runs) == 1:
-            first, _, n = runs[0]
-            out.append(_bytes_view(flat[first:first + n].clone() if copy else flat[first:first + n]))
+            t = flat[runs[0][0]:runs[0][0] + runs[0][2]]
+            t = t.clone() if copy else t
         else:
-            out.append(_bytes_view(torch.cat([flat[first:first + n] for first, _, n in runs])))
+            block = pool.index_select(0, torch.as_tensor(pages[p0:p1], dtype=torch.long))
+            t = block.view(-1, spec.num_kv_heads, spec.head_dim)[start - p0 * ps:stop - p0 * ps]
+        out.append(_bytes_view(t))
     return out[0], out[1]
 
 
-def import_kv(backend, layer: int, runs: Runs, payload, head_start: int = 0, head_end: int | None = None) -> None:
-    """Write K-then-V `payload` (bytes-like, [n, head_end - head_start, head_dim] each, n = the runs'
-    total length) into those heads of the runs' slots, a slice copy per run (several times faster than
-    scattering rows)."""
+def import_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int, payload,
+              head_start: int = 0, head_end: int | None = None) -> None:
+    """Write K-then-V `payload` (bytes-like, [stop - start, head_end - head_start, head_dim] each) into
+    those heads of slots [start, stop) of a page list: a slice copy per run of consecutive slots, or --
+    for scattered pages with every head -- one scatter of whole pages plus the partial edge pages."""
     spec: KVPageSpec = backend.spec
     assert spec.storage_format == "raw", spec.storage_format
     head_end = spec.num_kv_heads if head_end is None else head_end
-    n = sum(length for _, _, length in runs)
-    with warnings.catch_warnings():  # a read-only payload; we only ever read it
-        warnings.simplefilter("ignore", UserWarning)
-        kv = torch.frombuffer(payload, dtype=torch_dtype(spec.dtype))
-    kv = kv.view(2, n, head_end - head_start, spec.head_dim)  # [K|V, tokens, heads, head_dim]
+    ps, n, heads = spec.page_size, stop - start, head_end - head_start
+    kv = torch.frombuffer(payload, dtype=torch_dtype(spec.dtype))  # read-only payload: only ever read
+    kv = kv.view(2, n, heads, spec.head_dim)  # [K|V, tokens, heads, head_dim]
+    runs = slot_runs(pages, ps, start, stop)
+    first_full, end_full = -(-start // ps), stop // ps  # pages wholly inside [start, stop)
+    scatter = len(runs) > 2 and heads == spec.num_kv_heads and end_full - first_full >= 2
     for pool, src in ((backend.k[layer], kv[0]), (backend.v[layer], kv[1])):
         flat = pool.view(-1, spec.num_kv_heads, spec.head_dim)
-        for first, at, length in runs:
-            flat[first:first + length, head_start:head_end].copy_(src[at:at + length])
+        if scatter:
+            lo, hi = first_full * ps - start, end_full * ps - start  # src rows of the whole pages
+            idx = torch.as_tensor(pages[first_full:end_full], dtype=torch.long)
+            pool.index_copy_(0, idx, src[lo:hi].reshape(end_full - first_full, ps, heads, spec.head_dim))
+            todo = _clip_edges(runs, lo, hi)
+        else:
+            todo = runs
+        for first, at, length in todo:
+            dst = flat[first:first + length]
+            (dst if heads == spec.num_kv_heads else dst[:, head_start:head_end]).copy_(src[at:at + length])
+
+
+def _clip_edges(runs: Runs, lo: int, hi: int) -> Runs:
+    """The parts of `runs` outside token offsets [lo, hi) (the partial first and last pages)."""
+    out: Runs = []
+    for first, at, length in runs:
+        if at < lo:
+            out.append((first, at, min(length, lo - at)))
+        if at + length > hi:
+            cut = max(at, hi)
+            out.append((first + cut - at, cut, at + length - cut))
+    return out
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:

@@ -154,3 +154,27 @@ def test_config_validation_names_the_field(tmp_path):
         SenderConfig(chunk_bytes=8 << 20)
     with pytest.raises(TransferConfigError, match="tls.cert_file"):
         TLSConfig(cert_file=str(tmp_path / "nope.pem")).read("cert_file")
+
+
+def test_preempted_prefill_recomputes_without_sending_twice(tiny_dir):
+    pre = make(tiny_dir, page_size=4, num_pages=12, max_num_batched_tokens=16)  # 48 token slots
+    dec, transport = make(tiny_dir, page_size=8), FakeTransport()
+    rx = KVReceiver(dec)
+    address = rx.serve(transport)
+    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=1024))
+    pre.add_request([7] * 8, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    pre.step()  # the grower is running; the prefill arrives after it, so it is the one preempted
+    p = PROMPTS[2]  # 40 tokens: 10 pages, which the grower will need too
+    desc = rx.reserve(len(p), GREEDY)
+    rid = pre.add_request(p, GREEDY, prefill_only=True)
+    tx.send(rid, desc, address)
+    prefill = pre.requests[rid]
+    outs = drive(tx, rx)
+    assert prefill.num_preemptions > 0, "the sending prefill was never preempted"
+    st = rx.status(desc.reservation_id)
+    assert st.state == TransferState.DONE and st.duplicates == 0, st
+    got = decode_all(dec, [desc.request_id], outs)
+    alone = make(tiny_dir)
+    assert_greedy_equal([alone.generate(p, GREEDY)[0].token_ids], got)
+    pre.generate_until_idle()
+    close_all(tx, rx, transport, [pre, dec, alone])
