@@ -33,7 +33,8 @@ class Inbound:
     bytes: int = 0  # bytes of distinct chunks
     chunks: int = 0
     duplicates: int = 0
-    pending_writes: int = 0  # validated chunks queued for the engine thread
+    pending_writes: int = 0  # chunks being written by transport threads right now
+    committing: bool = False  # picked by pump() for commit: transport threads leave it alone
     covered: int = 0
     _cells: list[bytearray] = field(default_factory=list)
 
@@ -48,8 +49,9 @@ class Inbound:
     @property
     def ready(self) -> bool:
         """Every cell written and the first token known: the engine may commit the request."""
-        return (self.state == TransferState.TRANSFERRING and self.first_token is not None
-                and self.covered == self.total_cells and self.pending_writes == 0)
+        return (self.state == TransferState.TRANSFERRING and not self.committing
+                and self.first_token is not None and self.covered == self.total_cells
+                and self.pending_writes == 0)
 
     def mark(self, h: ChunkHeader) -> bool:
         """Record the chunk's cells: True if new, False for a duplicate; InvalidFrame on partial overlap."""

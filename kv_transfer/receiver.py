@@ -106,6 +106,8 @@ class KVReceiver:
                 if why is not None:
                     self._end(ib, TransferState.FAILED, f"reservation {why}", ErrorCode.FAILED_PRECONDITION)
             ready = [ib for ib in self._live.values() if ib.ready]
+            for ib in ready:
+                ib.committing = True  # from here on only this thread ends it
         self._free_failed()
         return [rid for rid in map(self._commit, ready) if rid is not None]
 
@@ -175,7 +177,8 @@ class KVReceiver:
         except TransferError as e:
             if e.fatal:
                 with self._lock:
-                    self._end(ib, TransferState.FAILED, e.message, e.code)
+                    if not ib.committing:
+                        self._end(ib, TransferState.FAILED, e.message, e.code)
             raise
         finally:
             with self._lock:
@@ -232,6 +235,8 @@ class KVReceiver:
             self._check_live(ib)
             if ib.covered != ib.total_cells:
                 raise FailedPrecondition(f"finish before all KV arrived: {ib.missing()}")
+            if ib.first_token is not None:
+                raise _not_fatal(FailedPrecondition("transfer already finished"))
             if msg.num_chunks != ib.chunks:
                 raise DataLoss(f"sender sent {msg.num_chunks} chunks, receiver accepted {ib.chunks}")
             ib.first_token = msg.first_token_id
@@ -269,11 +274,13 @@ class KVReceiver:
 
     def _check_live(self, ib: Inbound) -> None:
         """Lock held. Refuse frames for an ended transfer; end it if its lease lapsed."""
-        if not ib.state.terminal and self.clock() >= ib.expires_at:
+        if not ib.state.terminal and not ib.committing and self.clock() >= ib.expires_at:
             self._end(ib, TransferState.FAILED, "reservation expired", ErrorCode.FAILED_PRECONDITION)
         if ib.state.terminal:
             raise _not_fatal(FailedPrecondition(f"reservation {ib.desc.reservation_id} already ended: "
                                                 f"{ib.state.value} ({ib.reason})"))
+        if ib.committing:
+            raise _not_fatal(FailedPrecondition(f"reservation {ib.desc.reservation_id} is complete"))
 
     def _end(self, ib: Inbound, state: TransferState, reason: str | None, code: ErrorCode | None) -> None:
         """Lock held. Ends the transfer once; DONE ones leave the live table now, FAILED ones when pump

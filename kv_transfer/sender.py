@@ -259,6 +259,8 @@ class KVSender:
                 ob.end(TransferState.DONE)
             else:
                 ob.end(TransferState.FAILED, result.reason or "receiver reported failure", ErrorCode.INTERNAL)
+        finally:
+            ob.cancelled.set()  # a transport thread still inside frames() stops before reading more pages
 
     def _settle(self, ob: Outbound, req) -> None:
         """Engine thread: the push ended; give the prefill's pages back and forget the transfer."""

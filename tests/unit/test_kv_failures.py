@@ -350,3 +350,19 @@ def test_receiver_close_fails_live_transfers_once(tiny_dir):
         s.transport.push(s.address, iter([]), SenderConfig())
     s.rx_ends.assert_each_once([d.reservation_id for d in descs])
     s.close()
+
+
+def test_a_second_stream_after_completion_cannot_finish_it_again(tiny_dir, reference):
+    s = Side(tiny_dir)
+    desc = s.reserve()
+    rid, frames = s.held(desc)
+    assert s.rx.handle_push(wire(frames), None).state == "done"
+    with pytest.raises(FailedPrecondition, match="already finished"):  # duplicates, then a second finish
+        s.rx.handle_push(wire(frames), None)
+    st = s.rx.status(desc.reservation_id)
+    assert st.state == TransferState.TRANSFERRING and st.duplicates == len(frames) - 2
+    assert s.rx.pump() == [desc.request_id]
+    s.pre.release_held(rid)
+    assert_greedy_equal([reference], decode_all(s.dec, [desc.request_id], []))
+    s.rx_ends.assert_each_once([desc.reservation_id])
+    s.close()
