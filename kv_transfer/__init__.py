@@ -3,13 +3,15 @@
 Map (each module opens with its own):
 - `contract`       descriptors, polled state (pending/transferring/done/failed), typed errors with
                    grpc-independent codes, the `KVSource`/`KVSink`/`Transport` protocols, `TRANSPORTS`.
-- `codec`          pure: build frames, check them against a reservation (sizes before allocation,
-                   checksum before commit), dtype/format allow-list. Fuzzed.
+- `codec`          pure: build frames (wire bytes), parse them (zero-copy payloads), check them against
+                   a reservation (sizes before allocation, XXH3-64 checksum before commit), dtype/format
+                   allow-list. Fuzzed.
 - `config`         endpoint settings (caps, deadlines, keepalive, TLS, auth token) and the start-up
                    security checks (loopback unless a token is set; `hmac.compare_digest`).
 - `sender`         `KVSender` (KVSource): layer hook on the prefill engine, push threads.
-- `receiver`       `KVReceiver` (KVSink): admits pushes into reservations, writes pages on the engine
-                   thread, commits through `LLM.add_prefilled_request`; `inbound` is its per-transfer record.
+- `receiver`       `KVReceiver` (KVSink): admits pushes into reservations, writes validated chunks into
+                   pages pinned for them (off the engine thread), commits through
+                   `LLM.add_prefilled_request`; `inbound` is its per-transfer record.
 - `grpc_transport` the only hand-written module importing grpc; `fake_transport` its in-process twin.
 - `kv_transfer_pb2*` generated from `proto/kv_transfer.proto` by `stubs` (committed; a test regenerates).
 

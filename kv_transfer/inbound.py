@@ -4,7 +4,8 @@ Owned by `kv_transfer.receiver.KVReceiver`, always touched under its lock. Track
 (PENDING -> TRANSFERRING -> DONE | FAILED, ended exactly once through `end()`), which (layer, head,
 token) cells have arrived -- one bytearray per local layer, [tokens * heads] cells -- so a duplicated
 chunk is recognised and ignored and a partly overlapping one refused, the byte budget of the stream,
-the writes still queued for the engine thread, and what the `Finish` frame brought (first token).
+the chunk writes in flight (pages stay pinned until they land), whether pump() picked it for commit,
+and what the `Finish` frame brought (first token).
 """
 from __future__ import annotations
 
