@@ -1,7 +1,7 @@
 """Frames on the KV plane: build them (sender) and check them against a reservation (receiver). Pure.
 
 No torch, no grpc, no I/O: bytes in, `kv_transfer_pb2` messages and plain dataclasses out, so the decoder
-can be fuzzed. Only protobuf parses bytes here (never pickle / torch.load).
+can be fuzzed. Only protobuf parses bytes here (no Python object serialization of any kind).
 
 Sender:   encode(open_frame()) -> chunk_wire() per layer and token range -> encode(finish_frame())
           (transports carry frames as wire bytes)
