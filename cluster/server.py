@@ -20,12 +20,12 @@ import uvicorn
 from cluster.http.app import DEFAULT_MAX_BODY_BYTES, build_app
 from cluster.serving_api import ServingBackend
 from engine.errors import InvalidRequestError
+from kv_transfer.config import LOOPBACK_HOSTS  # one list of loopback names for HTTP, KV plane and spec
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _check_bind(host: str, api_key: str | None) -> None:
-    if host not in LOOPBACK and not api_key:
+    if host not in LOOPBACK_HOSTS and not api_key:
         raise InvalidRequestError("host", f"{host!r} is not loopback: set an API key or bind 127.0.0.1")
 
 
