@@ -4,12 +4,17 @@ Subcommands: `serve SPEC` (start the spec's pools on Ray behind the OpenAI-compa
 `cluster/launch.py`); `generate PROMPT` (one engine in this process, or with `--spec` through a cluster;
 prints text, TTFT, tok/s); `validate SPEC` (reads a cluster spec, resolves its model and checks the spec
 against it; prints "ok: <summary>" or each problem as `SPEC: <dotted.key>: <reason>` on stderr, exit 2).
+The bench and the planner own their subcommands (`bench`, `plan`, `profile`): each subpackage's `cli`
+module has `register(subparsers)`, which must stay cheap (heavy imports happen inside the handlers).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
+
+SUBCOMMAND_MODULES = ("cluster.bench.cli", "cluster.planner.cli")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -107,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--skip-model", action="store_true",
                    help="check the file alone: do not resolve the model (no heads/layers checks)")
     v.set_defaults(func=_validate)
+    for name in SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     return p
 
 

@@ -1,0 +1,1 @@
+"""SLO placement planner: profiles, latency models, simulator, search, `pdserve plan` (pure Python core)."""
