@@ -20,6 +20,7 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"):
      worker may still hold -- reservation, running request, held prefill pages, transfer -- is freed by
      `abort`/`cancel` on both sides, also when the caller stops iterating (client disconnect).
 Colocated: step 2 is `add_request` on the replica with the least load; every event is a decode delta.
+Timelines: the router marks its own events; workers' `times` (prefill, transfer, decode) are folded in.
 """
 from __future__ import annotations
 
@@ -142,6 +143,9 @@ class ClusterRouter:
         queued = sum(f.queued for f in self._flights.values())
         extra = {f"{w.handle.name}.{k}": float(v) for w in everyone for k, v in dataclasses.asdict(w.stats).items()
                  if isinstance(v, (int, float))}
+        senders = [w.stats for w in everyone if w.pool == "prefill"]  # totals the /metrics gauges read
+        extra["kv_transfer_bytes"] = float(sum(s.kv_bytes_sent for s in senders))
+        extra["kv_transfer_seconds"] = float(sum(s.kv_transfer_seconds for s in senders))
         return BackendStats(queued, len(self._flights) - queued, sum(w.stats.pages_in_use for w in everyone),
                             sum(w.stats.num_pages for w in everyone),
                             sum(w.stats.num_preemptions for w in everyone if w.pool != "prefill"), extra)
@@ -220,6 +224,8 @@ class ClusterRouter:
         if isinstance(item, BaseException):
             f.done = True
             raise item
+        for event, t in (getattr(item, "times", None) or {}).items():  # worker-side timeline events
+            f.timeline.setdefault(event, t)
         if isinstance(item, PrefillEvent):
             return self._on_prefill(f, item)
         assert isinstance(item, DecodeDelta), item
@@ -326,7 +332,7 @@ class ClusterRouter:
             return True
         f.decode, f.decode_open = w, True
         w.flights.add(f.wid)
-        f.mark("admitted")
+        f.mark("engine_added")
         return True
 
     # ---- workers -----------------------------------------------------------------------------
@@ -335,8 +341,6 @@ class ClusterRouter:
         while not self._closed and w.alive:
             try:
                 events, stats = await w.handle.drain(self.cfg.drain_timeout_s)
-            except asyncio.CancelledError:
-                raise
             except Exception as e:  # noqa: BLE001 - any transport failure means the worker is gone
                 w.alive = False
                 err = e if isinstance(e, BackendUnavailableError) else BackendUnavailableError(

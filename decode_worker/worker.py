@@ -23,6 +23,10 @@ Transfer failure: with `failure_policy="recompute"` the request is re-run from i
 (same seed, so the first token the prefill side already streamed comes out again and the router skips
 it); with "fail" it ends with a `DecodeDelta` whose `finish_reason` is "error" and `error` says why.
 
+Timeline (unix seconds, in the first `DecodeDelta.times` of a request): transfer_commit (the receiver
+handed the filled pages to the engine) and decode_admitted (the engine step that produced its first output here
+began). `stats()` counts KV bytes received.
+
 Colocated mode uses the same class without a receiver (`serve_kv=False`): `add_request()` runs both
 phases on this engine.
 """
@@ -55,6 +59,7 @@ class DecodeDelta:
     logprobs: list[tuple[int, float | None, list[tuple[int, float]]]] | None = None  # new tokens only
     num_preemptions: int = 0
     error: str | None = None  # finish_reason "error": why (a failed transfer)
+    times: dict[str, float] | None = None  # timeline events (first delta of a request; see the module map)
 
 
 @dataclass
@@ -70,6 +75,8 @@ class DecodeStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_transfer_failures: int = 0  # of requests this worker still owned (recomputed or ended "error")
+    kv_bytes_received: int = 0  # KV payload bytes of committed transfers
+    transfers_committed: int = 0
 
 
 @dataclass
@@ -77,6 +84,7 @@ class _Entry:
     prompt_ids: list[int]
     params: SamplingParams
     reservation_id: str | None = None  # None once it runs here (committed, recomputed or colocated)
+    times: dict[str, float] | None = None  # timeline events not yet reported (None once reported)
 
 
 class DecodeWorker:
@@ -93,6 +101,8 @@ class DecodeWorker:
         self._failed_lock = threading.Lock()
         self._pending: list[DecodeDelta] = []  # produced outside step() (failures), returned by the next
         self.num_transfer_failures = 0
+        self.kv_bytes_received = self.transfers_committed = 0
+        self._step_start = 0.0  # unix time the current engine step began (timeline)
         self.receiver = self.transport = None
         self.address: str | None = None
         if serve_kv:
@@ -117,14 +127,14 @@ class DecodeWorker:
             desc = self.receiver.reserve(n, params, request_id, lease_s)
         except OutOfPagesError:
             return None
-        self._entries[request_id] = _Entry(list(prompt_ids), params, desc.reservation_id)
+        self._entries[request_id] = _Entry(list(prompt_ids), params, desc.reservation_id, {})
         self._by_reservation[desc.reservation_id] = request_id
         return desc
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Run a request from its prompt here (colocated mode; the engine admits it by free pages)."""
         self.llm.add_request(list(prompt_ids), params, request_id=request_id)
-        self._entries[request_id] = _Entry(list(prompt_ids), params)
+        self._entries[request_id] = _Entry(list(prompt_ids), params, None, {})
 
     def fail_transfer(self, request_id: str, reason: str) -> None:
         """The prefill side gave up on this request's KV: end the reservation now (the failure policy
@@ -147,9 +157,13 @@ class DecodeWorker:
     def step(self) -> list[DecodeDelta]:
         """Pump transfers, handle failed ones, run one engine step; the deltas."""
         if self.receiver is not None:
-            self.receiver.pump()
+            committed, now = self.receiver.pump(), time.time()
+            for rid in committed:
+                e = self._entries.get(rid)
+                if e is not None and e.times is not None:
+                    e.times["transfer_commit"] = now
             self._handle_failures()
-        steps = self.llm.scheduler.stats.num_steps
+        steps, self._step_start = self.llm.scheduler.stats.num_steps, time.time()
         outs = self.llm.step() if self.llm.has_unfinished() else []
         if self.llm.scheduler.stats.num_steps == steps:  # nothing to compute: wait for the KV plane, not spin
             if self.receiver is not None:
@@ -165,7 +179,7 @@ class DecodeWorker:
         return DecodeStats(self.llm.allocator.num_free, u["num_pages"], u["pages_in_use"], u["reservations"],
                            self.receiver.num_live if self.receiver else 0, len(s.running), len(s.waiting),
                            s.cfg.max_num_seqs, s.stats.num_preemptions, s.stats.num_steps,
-                           self.num_transfer_failures)
+                           self.num_transfer_failures, self.kv_bytes_received, self.transfers_committed)
 
     def close(self) -> None:
         """Stop receiving, fail live transfers, abort every request (their pages return to the pool)."""
@@ -186,6 +200,9 @@ class DecodeWorker:
         if status.state == TransferState.FAILED:
             with self._failed_lock:
                 self._failed.append((reservation_id, status))
+        elif status.state == TransferState.DONE:  # (committed, on the engine thread inside pump())
+            self.kv_bytes_received += status.bytes
+            self.transfers_committed += 1
 
     def _handle_failures(self) -> None:
         with self._failed_lock:
@@ -212,6 +229,10 @@ class DecodeWorker:
         if e is not None and e.reservation_id is not None:  # the transfer committed: it runs here now
             self._by_reservation.pop(e.reservation_id, None)
             e.reservation_id = None
+        times = None
+        if e is not None and e.times is not None:
+            times, e.times = e.times, None
+            times["decode_admitted"] = self._step_start
         if out.finished:
             self._entries.pop(out.request_id, None)
         logprobs = None
@@ -219,4 +240,4 @@ class DecodeWorker:
             k = len(out.new_token_ids)
             logprobs = [(t.token_id, t.logprob, list(t.top_logprobs or [])) for t in out.logprobs[-k:]] if k else []
         return DecodeDelta(out.request_id, list(out.new_token_ids), out.new_text, len(out.token_ids), len(out.text),
-                           out.finished, out.finish_reason, logprobs, out.num_preemptions)
+                           out.finished, out.finish_reason, logprobs, out.num_preemptions, times=times)

@@ -13,7 +13,11 @@ method runs on that thread. Life of a request here (DESIGN.md "Life of a request
     cancel(rid)  -> abort the transfer and the prefill (pages released at once; idempotent)
 
 The engine batches waiting prompts by its token budget (`max_num_batched_tokens`) and admits them by free
-pages. `stats()` reports the queued prefill tokens the router balances on.
+pages. `stats()` reports the queued prefill tokens the router balances on, and the KV bytes shipped.
+
+Timeline (unix seconds, in `PrefillEvent.times`; the router folds them into the request's timeline):
+prefill_start (the step that first computed the prompt began; layer-wise publishing starts inside it, so it
+is also transfer_start), prefill_end (the first token was sampled), transfer_done (the receiver acked).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ class PrefillEvent:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     prompt_token_ids: list[int] | None = None
     reason: str | None = None  # transfer_failed: why
+    times: dict[str, float] | None = None  # timeline events this event settles (see the module map)
 
 
 @dataclass
@@ -56,6 +61,10 @@ class PrefillStats:
     reservations: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    kv_bytes_sent: int = 0  # KV payload bytes of ended transfers
+    kv_transfer_seconds: float = 0.0  # summed transfer_start -> transfer end of ended transfers
+    transfers_done: int = 0
+    transfers_failed: int = 0
 
 
 class PrefillWorker:
@@ -70,6 +79,8 @@ class PrefillWorker:
         self.sender = KVSender(self.llm, self.transport, sender_config, on_end=self._on_end)
         self._events: list[PrefillEvent] = []
         self._finished_early: set[str] = set()  # ended at their first token: their transfer abort is expected
+        self._started: dict[str, float] = {}  # request id -> prefill_start (= transfer_start), until it ends
+        self._totals = {"bytes": 0, "seconds": 0.0, "done": 0, "failed": 0}
         self.closed = False
 
     # ---- commands (the loop thread) ----------------------------------------------------------
@@ -89,6 +100,7 @@ class PrefillWorker:
             self.sender.status(request_id)
         except UnknownReservation:  # never sent (or long forgotten): only the engine may hold it
             self.llm.abort(request_id)
+            self._started.pop(request_id, None)
         else:  # the sender releases the held pages / aborts the prefill once its push thread has stopped
             self.sender.cancel(request_id, "cancelled by the router")
         self._finished_early.discard(request_id)
@@ -98,8 +110,13 @@ class PrefillWorker:
 
     def step(self) -> list[PrefillEvent]:
         """One engine step (or, with only transfers in flight, a short wait and a poll); the events."""
-        steps = self.llm.scheduler.stats.num_steps
-        for out in self.llm.step() if self.llm.has_unfinished() else []:
+        steps, t0 = self.llm.scheduler.stats.num_steps, time.time()
+        outs = self.llm.step() if self.llm.has_unfinished() else []
+        for r in self.llm.scheduler.running:
+            if r.num_computed and r.request_id not in self._started:
+                self._started[r.request_id] = t0  # (still chunking: the first step that computed it)
+        for out in outs:
+            self._started.setdefault(out.request_id, t0)
             self._on_output(out)  # (= sender.step(), with the outputs seen before the poll)
         if self.llm.scheduler.stats.num_steps == steps:
             time.sleep(0.001)  # nothing to compute (push threads working, or no free pages): do not spin
@@ -111,9 +128,10 @@ class PrefillWorker:
         s = self.llm.scheduler
         queued = sum(len(r.token_ids) - r.num_computed for r in [*s.waiting, *s.running])
         u = self.llm.kv_usage()
+        t = self._totals
         return PrefillStats(queued, len(s.waiting), len(s.running), len(s.held), self.sender.num_live,
                             u["pages_in_use"], u["num_pages"], u["reservations"], s.stats.num_preemptions,
-                            s.stats.num_steps)
+                            s.stats.num_steps, t["bytes"], t["seconds"], t["done"], t["failed"])
 
     def close(self) -> None:
         """Abort every transfer and prefill, stop the push threads and the transport."""
@@ -132,20 +150,29 @@ class PrefillWorker:
         if out.logprobs is not None:
             logprobs = [(t.token_id, t.logprob, list(t.top_logprobs or [])) for t in out.logprobs]
         held = self.llm.scheduler.held.get(out.request_id)
+        start = self._started.get(out.request_id, time.time())
+        times = {"prefill_start": start, "prefill_end": time.time()}
         if out.finished or held is None or held.status != RequestStatus.HELD:
             self._finished_early.add(out.request_id)
             self._events.append(PrefillEvent(out.request_id, "finished", list(out.token_ids), out.text,
-                                             out.finish_reason or "stop", logprobs, list(out.prompt_token_ids)))
+                                             out.finish_reason or "stop", logprobs, list(out.prompt_token_ids),
+                                             times=times))
             return
+        times["transfer_start"] = start
         self._events.append(PrefillEvent(out.request_id, "first_token", list(out.token_ids), out.text, None,
-                                         logprobs, list(out.prompt_token_ids)))
+                                         logprobs, list(out.prompt_token_ids), times=times))
 
     def _on_end(self, request_id: str, status: TransferStatus) -> None:
-        """The sender settled a transfer (engine thread): report it, unless its abort was expected."""
+        """The sender settled a transfer (engine thread): count it, report it unless its abort was expected."""
+        now, start = time.time(), self._started.pop(request_id, None)
+        t = self._totals
+        t["bytes"] += status.bytes
+        t["seconds"] += now - start if start is not None else 0.0
+        t["done" if status.state == TransferState.DONE else "failed"] += 1
         if request_id in self._finished_early:
             self._finished_early.discard(request_id)
             return
         if status.state == TransferState.DONE:
-            self._events.append(PrefillEvent(request_id, "transfer_done"))
+            self._events.append(PrefillEvent(request_id, "transfer_done", times={"transfer_done": now}))
         else:
             self._events.append(PrefillEvent(request_id, "transfer_failed", reason=status.reason))

@@ -5,9 +5,12 @@ timeline) and `count_error` per error answer; `GET /metrics` calls `refresh(back
 `BackendStats`) then `render()`. The registry is per app, so several apps in one process (tests) never
 share or collide on metric names.
 
-Timeline events (unix seconds) come from the backend; any subset may be present. Local engine: queued,
-engine_added, first_token, finish. Disaggregated: queued, prefill_start, prefill_end, transfer_start,
-transfer_commit, decode_admitted, first_token, finish. `PHASES` turns event pairs into phase durations.
+Timeline events (unix seconds) come from the backend; any subset may be present. Local engine and
+colocated cluster: queued, engine_added, first_token, finish (cluster: also decode_admitted, the step that
+produced the first token). Disaggregated: queued, reserved, prefill_submitted (router); prefill_start =
+transfer_start, prefill_end, transfer_done (prefill worker); transfer_commit, decode_admitted (decode
+worker); first_token, finish (router). `PHASES` turns event pairs into phase durations; "handoff" is
+the part of the transfer that layer-wise streaming did not hide behind the prefill.
 Gauges read `BackendStats` at scrape time: queued, running, pages; `preemptions` is a running total
 turned into a counter; `extra["kv_transfer_bytes"]` / `extra["kv_transfer_seconds"]` (backend totals) feed
 the transfer gauges and every other `extra` key becomes `pdserve_backend_stat{name=...}`.
@@ -26,6 +29,7 @@ PHASES = {  # phase -> (start event, end event)
     "queue": ("queued", ("engine_added", "prefill_start", "decode_admitted")),
     "prefill": ("prefill_start", ("prefill_end",)),
     "transfer": ("transfer_start", ("transfer_commit",)),
+    "handoff": ("prefill_end", ("transfer_commit",)),
     "ttft": ("queued", ("first_token",)),
     "decode": ("first_token", ("finish",)),
     "e2e": ("queued", ("finish",)),

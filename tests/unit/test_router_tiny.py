@@ -171,3 +171,33 @@ def test_a_request_that_ends_at_its_first_token_frees_its_decode_reservation(tin
         finally:
             await router.shutdown()
     run(main())
+
+
+def test_timelines_and_transfer_totals_cover_both_workers(tiny_dir, reference):
+    """Every phase of a disaggregated request is stamped, in causal order; KV totals reach the stats."""
+    chains = [["queued", "reserved", "prefill_end", "first_token", "finish"],
+              ["reserved", "prefill_start", "prefill_end", "transfer_done", "finish"],
+              ["prefill_end", "transfer_commit", "decode_admitted", "finish"]]  # (threads race across chains)
+
+    async def main():
+        router = cluster(tiny_dir, n_decode=1)
+        try:
+            results = await asyncio.gather(*(collect(router, f"r{i}", p, return_timeline=True)
+                                             for i, p in enumerate(PROMPTS)))
+            assert_greedy_equal(reference, [toks for toks, _ in results])
+            for _, deltas in results:
+                t = deltas[-1].timeline
+                assert {e for c in chains for e in c} | {"transfer_start", "prefill_submitted"} <= set(t), sorted(t)
+                for c in chains:
+                    assert [t[e] for e in c] == sorted(t[e] for e in c), {e: t[e] for e in c}
+                assert t["transfer_start"] == t["prefill_start"]
+                assert all(d.timeline is None for d in deltas[:-1])
+            stats = await assert_cluster_empty(router)
+            p, d = stats["prefill-0"], stats["decode-0"]
+            assert p.transfers_done == d.transfers_committed == len(PROMPTS) and p.transfers_failed == 0
+            assert p.kv_bytes_sent == d.kv_bytes_received > 0 and p.kv_transfer_seconds > 0
+            extra = (await router.stats()).extra
+            assert extra["kv_transfer_bytes"] == p.kv_bytes_sent
+        finally:
+            await router.shutdown()
+    run(main())
