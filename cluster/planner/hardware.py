@@ -1,0 +1,78 @@
+"""The accelerator table: `Hardware` (frozen) from `deploy/hardware.yaml`, looked up by name or alias.
+
+`load_hardware("h100")` -> peak bf16 FLOP/s, HBM bandwidth and size, NVLink/PCIe/inter-node bandwidth
+(all in base units here: FLOP/s, bytes/s, bytes). Used by `roofline` (compute and memory time), by
+`parallel` (memory per device, all-reduce and KV-transfer link speeds) and by `search` (placement).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, replace
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cluster.planner.errors import BadConfigError, UnknownHardwareError
+from cluster.planner.paths import deploy_dir, pydantic_problems, read_data
+
+GB = 1e9
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bw: float  # bytes/s
+    memory: float  # bytes per device
+    nvlink_bw: float  # bytes/s per device per direction; 0: none
+    pcie_bw: float
+    inter_node_bw: float  # bytes/s per device across nodes
+
+    @property
+    def intra_node_bw(self) -> float:
+        """Device-to-device bandwidth inside a node: NVLink where present, else PCIe."""
+        return self.nvlink_bw or self.pcie_bw
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.name.startswith("cpu")
+
+
+class _HardwareEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    aliases: list[str] = Field(default_factory=list)
+    peak_tflops: float = Field(gt=0)
+    hbm_gbs: float = Field(gt=0)
+    memory_gib: float = Field(gt=0)
+    nvlink_gbs: float = Field(ge=0)
+    pcie_gbs: float = Field(gt=0)
+    inter_node_gbs: float = Field(gt=0)
+
+
+def _table() -> dict[str, _HardwareEntry]:
+    path = deploy_dir() / "hardware.yaml"
+    data = read_data(path)
+    if not isinstance(data, dict):
+        raise BadConfigError(f"{path}: expected a mapping of hardware names")
+    try:
+        return {name: _HardwareEntry.model_validate(v) for name, v in data.items()}
+    except ValidationError as e:
+        raise BadConfigError(pydantic_problems(path, e)) from None
+
+
+def known_hardware() -> list[str]:
+    return sorted(_table())
+
+
+def load_hardware(name: str, inter_node_gbs: float | None = None) -> Hardware:
+    """Look up `name` (or an alias); `inter_node_gbs` overrides the table's cross-node bandwidth."""
+    table = _table()
+    key = name.lower()
+    by_alias = {a.lower(): n for n, e in table.items() for a in [n, *e.aliases]}
+    if key not in by_alias:
+        raise UnknownHardwareError(name, sorted(table), difflib.get_close_matches(key, list(by_alias), n=3))
+    canon = by_alias[key]
+    e = table[canon]
+    hw = Hardware(canon, e.peak_tflops * 1e12, e.hbm_gbs * GB, e.memory_gib * GIB, e.nvlink_gbs * GB,
+                  e.pcie_gbs * GB, e.inter_node_gbs * GB)
+    return replace(hw, inter_node_bw=inter_node_gbs * GB) if inter_node_gbs else hw

@@ -1,0 +1,102 @@
+"""Latency profiles (`deploy/profiles/<name>.json`) and the factory that picks a latency model.
+
+A profile is what `pdserve profile` writes (or a published profile of the same form for devices this
+machine lacks): DistServe's fitted coefficients per TP degree, their fit error, optionally roofline
+efficiency factors, and the raw measurements. Shape:
+
+    {"name": ..., "model": "smollm2-135m", "dtype": "bfloat16", "hardware": "cpu-local",
+     "tp": {"1": {"prefill": [a, b, c], "decode": [a, b, c], "fit": {...}}},
+     "calibration": {"compute_eff": .., "memory_eff": .., "overhead_s": ..},   (optional)
+     "measurements": {...}, "notes": "..."}                                     (optional)
+
+`latency_model(...)`: the profile's coefficients for that TP if it has them; else the roofline,
+calibrated from the profile (its explicit calibration, or derived from its TP=1 fit) when there is one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from cluster.planner.errors import BadConfigError
+from cluster.planner.hardware import Hardware
+from cluster.planner.latency import Coeffs, FittedLatency, LatencyModel, Parallel
+from cluster.planner.models import ModelSpec
+from cluster.planner.paths import deploy_dir, pydantic_problems, read_data
+from cluster.planner.roofline import Calibration, RooflineLatency, calibrate
+
+
+class _TPEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prefill: tuple[float, float, float]
+    decode: tuple[float, float, float]
+    fit: dict[str, Any] = {}
+
+
+class _CalibrationEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    compute_eff: float = 0.6
+    memory_eff: float = 0.8
+    overhead_s: float = 0.002
+    allreduce_latency_s: float = 10e-6
+
+
+class _ProfileFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    model: str
+    dtype: str = "bfloat16"
+    hardware: str
+    tp: dict[int, _TPEntry] = {}
+    calibration: _CalibrationEntry | None = None
+    measurements: dict[str, Any] = {}
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    model: str
+    dtype: str
+    hardware: str
+    coeffs: dict[int, Coeffs] = field(default_factory=dict)  # TP degree -> fitted coefficients
+    calibration: Calibration | None = None
+    fit: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A path to a profile JSON, or a name under `deploy/profiles/`."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = deploy_dir() / "profiles" / f"{name_or_path}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in (deploy_dir() / "profiles").glob("*.json"))
+        raise BadConfigError(f"profile {name_or_path!r} not found (a path, or one of: {', '.join(known) or 'none'}); "
+                             f"make one with `pdserve profile SPEC --out deploy/profiles/NAME.json`")
+    try:
+        p = _ProfileFile.model_validate(read_data(path))
+    except ValidationError as e:
+        raise BadConfigError(pydantic_problems(path, e)) from None
+    if not p.tp and p.calibration is None:
+        raise BadConfigError(f"{path}: has neither `tp` coefficients nor a `calibration`; nothing to model")
+    cal = Calibration(**p.calibration.model_dump()) if p.calibration else None
+    return Profile(p.name, p.model, p.dtype, p.hardware, {tp: Coeffs(e.prefill, e.decode) for tp, e in p.tp.items()},
+                   cal, {tp: dict(e.fit) for tp, e in p.tp.items()})
+
+
+def latency_model(model: ModelSpec, hw: Hardware, parallel: Parallel, dtype: str = "bfloat16",
+                  profile: Profile | None = None, gpus_per_node: int = 8) -> LatencyModel:
+    """The latency model of one TP x PP instance (see the module map for the order of preference)."""
+    stages_cross_nodes = parallel.gpus > gpus_per_node
+    pp_link = hw.inter_node_bw if stages_cross_nodes else hw.intra_node_bw
+    if profile is not None and parallel.tp in profile.coeffs:
+        per_token = model.hidden * 2 / pp_link  # activation hop between stages, bf16
+        return FittedLatency(parallel, profile.coeffs[parallel.tp], per_token)
+    cal = Calibration()
+    if profile is not None and profile.calibration is not None:
+        cal = profile.calibration
+    elif profile is not None and 1 in profile.coeffs:
+        cal = calibrate(model, hw, profile.coeffs[1], dtype)
+    return RooflineLatency(parallel, model, hw, dtype, cal, pp_link)
