@@ -2,11 +2,14 @@
 by `ClusterRouter` is greedy-equal to one `engine.LLM`:
 - disaggregated (1 prefill + 2 decode actors, KV over loopback gRPC): one request, then 16 at once;
 - colocated (2 engine replicas): 16 at once;
-- a decode worker with so few pages that its scheduler preempts (counter asserted) and recomputes.
+- a decode worker with so few pages that its scheduler preempts (counter asserted) and recomputes;
+- over HTTP, bad requests (400/404/413/429) get OpenAI error bodies while streamed requests finish intact.
 Each cluster ends with every worker reporting no pages, reservations, requests or transfers."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 
 import pytest
 import torch
@@ -26,9 +29,9 @@ TIGHT = [64, 48, 48, 32, 64, 16]  # whole pages: 10 pages fill at once, the firs
 MODEL = "smollm2-135m"
 
 
-def spec(mode: str, **pools):
+def spec(mode: str, queue: int = 64, **pools):
     return parse_spec({"model": MODEL, "dtype": "float32", "mode": mode, "pools": pools,
-                       "server": {"max_queued_requests": 64, "request_timeout_s": 300.0}})
+                       "server": {"max_queued_requests": queue, "request_timeout_s": 300.0}})
 
 
 def pool(replicas=1, cpus=1.0, pages=128, max_len=1024, **kw):
@@ -110,3 +113,65 @@ def test_decode_preemption_keeps_the_output(ray_session, reference):
         finally:
             await router.shutdown()
     asyncio.run(main())
+
+
+def test_http_bad_input_over_the_cluster_harms_no_one(ray_session, reference):
+    """Over HTTP in front of the disaggregated cluster: 400 (bad value, unsupported feature, internal
+    field), 404 (unknown model), 413 (oversized body) and 429 (a burst past the queue limit) get OpenAI
+    error bodies while three streamed requests run to the reference output; nothing leaks."""
+    import httpx
+    import uvicorn
+
+    from cluster.server import _config
+
+    prompts, ref, logits = reference["many"]
+    router = ClusterRouter.from_spec(spec("disaggregated", prefill=pool(), decode=pool(), queue=2))
+    bad = [(400, {"max_tokens": -1}), (400, {"tools": [{"type": "function"}]}),
+           (400, {"pdserve": {"reservation_id": "r-1"}}), (404, {"model": "no-such-model"}),
+           (413, {"prompt": "x" * 70_000})]
+
+    async def stream(client, i, started: asyncio.Event):
+        body = {"model": MODEL, "prompt": prompts[i], "max_tokens": 16, "temperature": 0, "stream": True,
+                "pdserve": {"ignore_eos": True, "return_token_ids": True}}
+        ids = []
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+                    started.set()
+        return ids
+
+    async def main():
+        server = uvicorn.Server(_config(router, "127.0.0.1", 0, None, 64 * 1024, "warning"))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        serving = asyncio.create_task(server.serve(sockets=[sock]))
+        try:
+            while not server.started:
+                await asyncio.sleep(0.05)
+            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+                good = []
+                for i in range(3):  # one at a time, so none of them counts as queued when the burst comes
+                    started = asyncio.Event()
+                    good.append(asyncio.create_task(stream(client, i, started)))
+                    await asyncio.wait_for(started.wait(), 120)
+                for status, extra in bad:
+                    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", **extra})
+                    assert r.status_code == status, (status, extra, r.text)
+                    assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+                burst = await asyncio.gather(*(client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": prompts[-1], "max_tokens": 2, "temperature": 0})
+                    for _ in range(8)))
+                codes = sorted(r.status_code for r in burst)
+                assert 429 in codes and set(codes) <= {200, 429}, codes
+                assert all(r.json()["error"]["type"] for r in burst if r.status_code == 429)
+                assert_greedy_equal(ref[:3], await asyncio.gather(*good), logits[:3])
+            await assert_cluster_empty(router)
+        finally:
+            server.should_exit = True
+            await serving
+            await router.shutdown()
+    asyncio.run(main())
+
