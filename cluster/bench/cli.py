@@ -1,8 +1,178 @@
-"""`pdserve` subcommands of cluster/bench (registered by cluster/cli.py)."""
+"""`pdserve bench`: the flags, and how they become a workload, targets and a run (registered by cluster/cli.py).
+
+    pdserve bench --spec deploy/local.yaml --workload azure-code --rates 0.5,1,2 --num-requests 40
+    pdserve bench --endpoint http://127.0.0.1:8000 --workload random:input=256,output=64 --rate 1
+    pdserve bench --compare deploy/local.yaml deploy/colocated.yaml --workload azure-code \\
+        --rates 0.5,1,2 --ttft-ms 3x --tpot-ms 3x --set pools.colocated.max_num_batched_tokens=256,512,1024
+
+`_bench` order: parse SLOs and rates -> load the workload -> tokenizer + prompt source -> targets (spec
+variants, or the endpoint) -> runner.run_bench -> report.write_report -> print the markdown summary.
+`register` stays cheap: everything heavy is imported inside `_bench`.
+"""
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+
+EPILOG = """\
+SLOs: --ttft-ms/--tpot-ms take ms (2000) or a multiple of the unloaded p90 the tool measures first on the
+SLO reference (3x; the reference is the spec/endpoint, or the --slo-from spec of --compare, default the
+second one: `--compare NEW BASELINE` prints goodput NEW/BASELINE). Attainment counts failed requests as
+missing and judges 1-token requests on TTFT alone. Goodput: the highest rate with attainment >= --attainment,
+searched over --rates and then bisected (--bisect steps). Trace lengths are scaled (--input-scale 0.25,
+--output-scale 0.5, clipped to --max-input 1024 / --max-output 256) and the time axis is scaled to each rate.
+pdserve options (ignore_eos, timeline, token ids) go to --spec/--compare servers; to an --endpoint only
+with --pdserve-options (use --extra-body '{"ignore_eos": true}' for vLLM)."""
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def add_arguments(b: argparse.ArgumentParser) -> None:
+    mode = b.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--spec", help="start `pdserve serve SPEC` on a free port, bench it, stop it")
+    mode.add_argument("--endpoint", help="bench a running OpenAI-compatible server (http://host:port)")
+    mode.add_argument("--compare", nargs=2, metavar=("SPEC_A", "SPEC_B"),
+                      help="both specs one after the other, same workload/seeds/SLOs; prints goodput A/B")
+    b.add_argument("--workload", default="random:input=256,output=64",
+                   help="azure-code | azure-conv | mooncake | a trace path | random:input=N,output=N,"
+                        "range=R,dist=uniform|lognormal,sigma=S,burstiness=B (default %(default)s)")
+    rates = b.add_mutually_exclusive_group()
+    rates.add_argument("--rate", type=float, help="one request rate (req/s); default: a trace's own, else 1")
+    rates.add_argument("--rates", type=_floats, help="rates to measure, then bisect for goodput: 0.5,1,2")
+    b.add_argument("--num-requests", type=int, default=50, help="requests per rate (default %(default)s)")
+    b.add_argument("--duration", type=float, help="send only requests arriving within this many seconds")
+    b.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default %(default)s)")
+    b.add_argument("--ttft-ms", default="3x", help="TTFT target: ms, or Nx the unloaded p90 (default %(default)s)")
+    b.add_argument("--tpot-ms", default="3x", help="TPOT target: ms, or Nx the unloaded p90 (default %(default)s)")
+    b.add_argument("--attainment", type=float, default=0.9, help="goodput attainment target (default 0.9)")
+    b.add_argument("--bisect", type=int, default=3, help="bisection steps after --rates (default 3; 0: none)")
+    b.add_argument("--slo-from", choices=["a", "b"], default="b", help="--compare: whose unloaded run sets SLOs")
+    b.add_argument("--slo-scales", type=_floats, default=[1.5, 2, 3, 4, 5, 6, 8, 10],
+                   help="SLO scales of the compare sweep plot (default 1.5..10)")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                   help="sweep a spec key, e.g. pools.colocated.max_num_batched_tokens=256,512,1024 "
+                        "(specs without the key are left alone); repeatable")
+    b.add_argument("--out", help="output folder (default bench/out/bench-<time>)")
+    b.add_argument("--unloaded-requests", type=int, default=8, help="sequential requests for the unloaded p90")
+    b.add_argument("--warmup", type=int, default=2, help="discarded sequential requests per target")
+    b.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout, s")
+    b.add_argument("--input-scale", type=float, default=0.25, help="trace prompt length factor")
+    b.add_argument("--output-scale", type=float, default=0.5, help="trace output length factor")
+    b.add_argument("--max-input", type=int, default=1024, help="trace prompt length cap (tokens)")
+    b.add_argument("--max-output", type=int, default=256, help="trace output length cap (tokens)")
+    b.add_argument("--trace-start", type=int, default=0, help="first trace row to replay")
+    b.add_argument("--tokenizer", default=None, help="model whose tokenizer builds prompts (default: the "
+                   "spec's model, else smollm2-135m)")
+    b.add_argument("--model", help="--endpoint: model name to request (default: the first /v1/models lists)")
+    b.add_argument("--api-key", help="--endpoint: bearer token")
+    b.add_argument("--label", help="--endpoint: name in tables and plots (default: the URL)")
+    b.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                   help="send token-id lists (exact lengths) or decoded text")
+    b.add_argument("--pdserve-options", action="store_true", help="--endpoint is pdserve: send its options")
+    b.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add this subpackage's subcommands; keep it cheap (no heavy imports here)."""
+    b = subparsers.add_parser("bench", help="SLO attainment and goodput over the HTTP API (open loop)",
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(b)
+    b.set_defaults(func=_bench)
+
+
+def _spec_model(path: str) -> str:
+    from pathlib import Path
+
+    import yaml
+
+    return (yaml.safe_load(Path(path).read_text()) or {}).get("model", "smollm2-135m")
+
+
+def _endpoint_model(url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    root = url.rstrip("/").removesuffix("/v1")
+    r = httpx.get(f"{root}/v1/models", headers=headers, timeout=30.0)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def _targets(args, out_dir):
+    from pathlib import Path
+
+    from cluster.bench.loadgen import Target
+    from cluster.bench.runner import BenchTarget
+    from cluster.bench.server import spec_variants
+
+    if args.endpoint:
+        extra = __import__("json").loads(args.extra_body)
+        model = args.model or _endpoint_model(args.endpoint, args.api_key)
+        t = Target(args.endpoint, model, args.pdserve_options, args.api_key, extra, args.timeout)
+        label = args.label or args.endpoint.split("//")[-1].rstrip("/")
+        return [BenchTarget(label, target=t, reference=True, group=label)], None
+    paths = [args.spec] if args.spec else list(args.compare)
+    tmp = out_dir / "specs"
+    tmp.mkdir(parents=True, exist_ok=True)
+    per_spec = spec_variants(paths, args.set, tmp)
+    ref_index = 0 if args.spec or args.slo_from == "a" else 1
+    stems = [Path(p).stem for p in paths]
+    same = len(set(stems)) < len(stems)  # the same spec twice: keep the two sides apart
+    targets = []
+    for i, variants in enumerate(per_spec):
+        prefix = f"{'AB'[i]}:" if same else ""
+        for j, v in enumerate(variants):
+            targets.append(BenchTarget(prefix + v.label, variant=v, reference=(i == ref_index and j == 0),
+                                       group=prefix + stems[i]))
+    order = list(dict.fromkeys(t.group for t in targets)) if args.compare else None
+    return targets, order
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cluster.bench.prompts import PromptSource, load_tokenizer
+    from cluster.bench.report import write_report
+    from cluster.bench.runner import BenchConfig, SLOSetting, run_bench
+    from cluster.bench.server import BenchServerError
+    from cluster.bench.workload import TraceScaling, WorkloadError, load_workload
+
+    try:
+        ttft, tpot = SLOSetting.parse(args.ttft_ms), SLOSetting.parse(args.tpot_ms)
+        scaling = TraceScaling(args.input_scale, args.output_scale, max_input=args.max_input,
+                               max_output=args.max_output)
+        workload = load_workload(args.workload, args.num_requests, args.seed, scaling, args.trace_start)
+    except (ValueError, WorkloadError) as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return 2
+    rates = args.rates or [args.rate if args.rate else (None if workload.native_rate else 1.0)]
+    out_dir = Path(args.out or f"bench/out/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = BenchConfig(rates, ttft, tpot, args.attainment, args.bisect, 2 if args.bisect else 0, args.duration,
+                      args.warmup, args.unloaded_requests, args.slo_scales, not args.no_progress, args.timeout,
+                      out_dir)
+    try:
+        targets, order = _targets(args, out_dir)
+    except (ValueError, OSError) as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return 2
+    tok_model = args.tokenizer or (_spec_model(args.spec or args.compare[0]) if not args.endpoint else "smollm2-135m")
+    source = PromptSource(load_tokenizer(tok_model))
+    prompt_of = (lambda s: source.ids(s.index, s.input_len)) if args.prompt_format == "ids" else \
+        (lambda s: source.text(s.index, s.input_len))
+    try:
+        result = run_bench(cfg, workload, prompt_of, targets)
+    except BenchServerError as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return 1
+    files = write_report(result, out_dir, order, sys.argv)
+    print(files["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in files.values()))
+    return 0
