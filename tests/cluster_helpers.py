@@ -1,7 +1,10 @@
-"""Helpers for router tests (in-process workers and Ray): collect a stream, and the cluster leak check."""
+"""Helpers for router tests (in-process workers and Ray): collect a stream, the cluster leak check, and
+serving a backend over HTTP on the test's own event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 
 from cluster.serving_api import GenerateRequest
@@ -27,3 +30,26 @@ async def assert_cluster_empty(router, timeout_s: float = 10.0) -> dict:
             return stats
         assert time.monotonic() < end, f"workers still hold state: {left}; flights {list(router._flights)}"
         await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def serving(backend, max_body_bytes: int = 1 << 20):
+    """uvicorn for `backend` on this event loop (127.0.0.1, a free port); yields the base URL. Running on
+    the caller's loop lets a test drive the router (leak checks, shutdown) between HTTP calls."""
+    import uvicorn
+
+    from cluster.server import _config
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(_config(backend, "127.0.0.1", 0, None, max_body_bytes, "warning"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()

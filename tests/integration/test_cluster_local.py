@@ -3,13 +3,13 @@ by `ClusterRouter` is greedy-equal to one `engine.LLM`:
 - disaggregated (1 prefill + 2 decode actors, KV over loopback gRPC): one request, then 16 at once;
 - colocated (2 engine replicas): 16 at once;
 - a decode worker with so few pages that its scheduler preempts (counter asserted) and recomputes;
-- over HTTP, bad requests (400/404/413/429) get OpenAI error bodies while streamed requests finish intact.
+- over HTTP (Python client, openai SDK): greedy-equal single and 16 concurrent; bad requests (400/404/413/
+  429) get OpenAI error bodies while streamed requests finish intact.
 Each cluster ends with every worker reporting no pages, reservations, requests or transfers."""
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import pytest
 import torch
@@ -18,7 +18,7 @@ from cluster.actors import init_ray
 from cluster.router import ClusterRouter
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
-from tests.cluster_helpers import assert_cluster_empty, collect
+from tests.cluster_helpers import assert_cluster_empty, collect, serving
 from tests.exactness import assert_greedy_equal
 from tests.prompts import token_prompts
 
@@ -120,9 +120,6 @@ def test_http_bad_input_over_the_cluster_harms_no_one(ray_session, reference):
     field), 404 (unknown model), 413 (oversized body) and 429 (a burst past the queue limit) get OpenAI
     error bodies while three streamed requests run to the reference output; nothing leaks."""
     import httpx
-    import uvicorn
-
-    from cluster.server import _config
 
     prompts, ref, logits = reference["many"]
     router = ClusterRouter.from_spec(spec("disaggregated", prefill=pool(), decode=pool(), queue=2))
@@ -143,15 +140,9 @@ def test_http_bad_input_over_the_cluster_harms_no_one(ray_session, reference):
         return ids
 
     async def main():
-        server = uvicorn.Server(_config(router, "127.0.0.1", 0, None, 64 * 1024, "warning"))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
         try:
-            while not server.started:
-                await asyncio.sleep(0.05)
-            url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-            async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            async with serving(router, max_body_bytes=64 * 1024) as url, \
+                    httpx.AsyncClient(base_url=url, timeout=300) as client:
                 good = []
                 for i in range(3):  # one at a time, so none of them counts as queued when the burst comes
                     started = asyncio.Event()
@@ -170,8 +161,49 @@ def test_http_bad_input_over_the_cluster_harms_no_one(ray_session, reference):
                 assert_greedy_equal(ref[:3], await asyncio.gather(*good), logits[:3])
             await assert_cluster_empty(router)
         finally:
-            server.should_exit = True
-            await serving
             await router.shutdown()
     asyncio.run(main())
 
+
+
+def test_http_clients_over_the_disaggregated_cluster(ray_session, reference):
+    """The Python client (sync and async, streamed and not) and the openai SDK over HTTP in front of the
+    disaggregated cluster: one request at a time, then 16 at once, greedy-equal to the engine alone."""
+    openai = pytest.importorskip("openai")
+    from cluster.client import AsyncClient, Client
+
+    prompts, ref, logits = reference["many"]
+    router = ClusterRouter.from_spec(spec("disaggregated", prefill=pool(max_num_seqs=16), decode=pool()))
+    opts = dict(max_tokens=PARAMS.max_tokens, temperature=0, pdserve={"ignore_eos": True, "return_token_ids": True})
+
+    def singles(url):
+        client = Client(url)
+        plain = client.complete(prompts[0], **opts)
+        streamed = list(client.complete(prompts[1], stream=True, **opts))
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        one = sdk.completions.create(model=MODEL, prompt=prompts[2], max_tokens=PARAMS.max_tokens, temperature=0,
+                                     extra_body={"pdserve": opts["pdserve"]})
+        assert "".join(c.text for c in streamed) == router.tokenizer().decode(_ids(streamed))
+        return [plain.choices[0].token_ids, _ids(streamed), one.choices[0].token_ids]
+
+    async def many(url):
+        async with AsyncClient(url) as ac:
+            async def one(i):
+                if i % 2:
+                    return _ids([c async for c in await ac.complete(prompts[i], stream=True, **opts)])
+                return (await ac.complete(prompts[i], **opts)).choices[0].token_ids
+            return await asyncio.gather(*(one(i) for i in range(16)))
+
+    async def main():
+        try:
+            async with serving(router) as url:
+                assert_greedy_equal(ref[:3], await asyncio.to_thread(singles, url), logits[:3])
+                assert_greedy_equal(ref, await many(url), logits)
+            await assert_cluster_empty(router)
+        finally:
+            await router.shutdown()
+    asyncio.run(main())
+
+
+def _ids(chunks) -> list[int]:
+    return [t for c in chunks for t in (c.token_ids or [])]
