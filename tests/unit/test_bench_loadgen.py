@@ -1,0 +1,171 @@
+"""cluster/bench/loadgen.py against a tiny fake OpenAI SSE server (Starlette under uvicorn on 127.0.0.1:0 in
+a thread): open loop, token counting, usage, timelines, pdserve options only when asked, failures as
+records; then the report writer on the records. Ends with no open stream left on the server."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from cluster.bench.loadgen import Target, run_load, run_sequential
+from cluster.bench.metrics import request_metrics, summarize
+from cluster.bench.workload import RequestSpec
+
+
+class FakeServer:
+    """Streams `max_tokens` one-token chunks. Prompt token 0 selects the behaviour: 1 -> 429, 2 -> an SSE
+    error event after one token, 3 -> wait until a request with prompt token 4 has arrived (deadlocks a
+    closed-loop client), 5 -> chunks of two tokens. pdserve options are echoed as a timeline."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.open_streams = 0
+        self.saw_4 = None  # asyncio.Event, made on the server's loop
+        app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
+                                Route("/v1/models", self.models)])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    async def models(self, request):
+        return JSONResponse({"data": [{"id": "fake"}]})
+
+    async def completions(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        if self.saw_4 is None:
+            self.saw_4 = asyncio.Event()
+        kind = body["prompt"][0]
+        if kind == 1:
+            return JSONResponse({"error": {"message": "queue full"}}, status_code=429)
+        if kind == 4:
+            self.saw_4.set()
+        return StreamingResponse(self.stream(body, kind), media_type="text/event-stream")
+
+    async def stream(self, body, kind):
+        self.open_streams += 1
+        try:
+            if kind == 3:
+                await asyncio.wait_for(self.saw_4.wait(), 20.0)
+            opts = body.get("pdserve") or {}
+            n, step = body["max_tokens"], 2 if kind == 5 else 1
+            for i in range(0, n, step):
+                await asyncio.sleep(0.01)
+                ids = list(range(i, min(n, i + step)))
+                choice = {"index": 0, "text": "x" * len(ids), "finish_reason": "length" if i + step >= n else None}
+                if opts.get("return_token_ids"):
+                    choice["token_ids"] = ids
+                if opts.get("timeline") and choice["finish_reason"]:
+                    choice["timeline"] = {"queued": time.time() - 0.001, "finish": time.time()}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+                if kind == 2:
+                    yield 'data: {"error": {"message": "worker died"}}\n\n'
+                    return
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self.open_streams -= 1
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+
+@pytest.fixture
+def fake():
+    srv = FakeServer()
+    srv.thread.start()
+    end = time.monotonic() + 20
+    while not srv.server.started:
+        assert time.monotonic() < end, "fake server did not start"
+        time.sleep(0.02)
+    yield srv
+    srv.server.should_exit = True
+    srv.thread.join(10)
+    assert srv.open_streams == 0, "streams left open on the fake server"
+
+
+def prompt_of(kinds):
+    return lambda s: [kinds[s.index]] + [9] * (s.input_len - 1)
+
+
+def test_open_loop_records_tokens_usage_and_timelines(fake):
+    # request 0 (kind 3) answers only once request 1 (kind 4, sent 0.2 s later) arrived: a closed loop
+    # would wait for 0 before sending 1 and time out
+    reqs = [RequestSpec(0, 0.0, 8, 5), RequestSpec(1, 0.2, 8, 4), RequestSpec(2, 0.3, 8, 6)]
+    target = Target(fake.url, "fake", pdserve=True, timeout_s=30.0)
+    recs = asyncio.run(run_load(reqs, prompt_of([3, 4, 5]), target))
+    assert [r.error for r in recs] == [None, None, None]
+    assert [r.output_tokens for r in recs] == [5, 4, 6]
+    assert recs[2].chunk_tokens == [2, 2, 2]  # token ids counted, not chunks
+    assert all(r.sent_s >= r.arrival_s for r in recs)
+    assert recs[0].chunk_s[0] > recs[1].sent_s  # answered after the later request was sent
+    assert all(r.timeline and set(r.timeline) == {"queued", "finish"} for r in recs)
+    assert all(r.finish_reason == "length" and r.prompt_tokens == 8 for r in recs)
+    ms = [request_metrics(r) for r in recs]
+    assert all(m.ok and m.ttft_s > 0 and m.tpot_s > 0 for m in ms)
+    b = fake.bodies[0]
+    assert b["pdserve"]["ignore_eos"] and b["pdserve"]["timeline"] and b["stream"]
+    assert b["max_tokens"] == 5 and b["temperature"] == 0.0 and len(b["prompt"]) == 8
+
+
+def test_foreign_endpoint_gets_no_pdserve_options_and_failures_become_records(fake):
+    reqs = [RequestSpec(i, 0.0, 4, 3) for i in range(4)]
+    target = Target(fake.url + "/v1", "fake", extra_body={"ignore_eos": True}, timeout_s=30.0)
+    recs = asyncio.run(run_load(reqs, prompt_of([0, 1, 2, 5]), target))
+    assert all("pdserve" not in b and b["ignore_eos"] is True for b in fake.bodies)
+    ok, http429, stream_err, multi = recs
+    assert ok.error is None and ok.output_tokens == 3 and ok.timeline is None
+    assert http429.error.startswith("HTTP 429") and not http429.chunk_s
+    assert stream_err.error == "stream error: worker died" and stream_err.chunk_s  # a token came first
+    # no token ids from a foreign server: one token per text chunk while streaming, usage gives the total
+    assert multi.chunk_tokens == [1, 1] and multi.output_tokens == 3
+    s = summarize(recs, ttft_slo_s=60.0, tpot_slo_s=60.0)
+    assert (s.completed, s.failed) == (2, 2) and s.attainment == pytest.approx(0.5)
+
+
+def test_client_timeout_and_unreachable_server_fail_the_request(fake):
+    reqs = [RequestSpec(0, 0.0, 4, 3)]
+    slow = Target(fake.url, "fake", timeout_s=0.5)  # kind 3 waits for a kind-4 request that never comes
+    [rec] = asyncio.run(run_load(reqs, prompt_of([3]), slow))
+    assert rec.error.startswith("client timeout") and not request_metrics(rec).ok
+    fake.saw_4.set()  # let the server-side stream end
+    gone = Target("http://127.0.0.1:9", "fake", timeout_s=5.0)
+    [rec] = asyncio.run(run_sequential(reqs, prompt_of([0]), gone))
+    assert rec.error and "Connect" in rec.error
+
+
+def test_report_from_fake_runs(fake, tmp_path):
+    from cluster.bench.metrics import GoodputResult, RatePoint
+    from cluster.bench.report import compare_summary, write_report
+    from cluster.bench.runner import SLO, BenchConfig, BenchResult, RateRun, SLOSetting, TargetResult
+    from cluster.bench.workload import load_workload
+
+    wl = load_workload("random:input=8,output=4", 3)
+    target = Target(fake.url, "fake", pdserve=True, timeout_s=30.0)
+    cfg = BenchConfig([10.0, 20.0], SLOSetting(3, True), SLOSetting(3, True), progress=False, out_dir=tmp_path)
+    result = BenchResult(cfg, wl, SLO(5.0, 1.0, 5.0 / 3, 1.0 / 3, "test"))
+    for label in ("a", "b"):
+        tr = TargetResult(label, label, None, {})
+        for rate in (10.0, 20.0):
+            recs = asyncio.run(run_load(wl.at_rate(rate), prompt_of([0, 0, 0]), target))
+            tr.runs.append(RateRun(rate, recs, summarize(recs, 5.0, 1.0)))
+        tr.goodput = GoodputResult(20.0, [RatePoint(10.0, 1.0), RatePoint(20.0, 1.0)], "above")
+        result.targets.append(tr)
+    files = write_report(result, tmp_path, ["a", "b"])
+    doc = json.loads(files["json"].read_text())
+    assert doc["compare"]["ratio"] == 1.0 and len(doc["compare"]["slo_scale_sweep"]) == len(cfg.slo_scales)
+    req = doc["targets"][0]["runs"][0]["requests"][0]
+    assert req["output_tokens"] == 4 and set(req["timeline_ms"]) == {"queued", "finish"}
+    for name in ("attainment_vs_rate", "ttft_cdf", "tpot_cdf", "goodput_vs_slo_scale"):
+        assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Goodput ratio a / b" in files["markdown"].read_text()
+    assert compare_summary(result, ["a", "missing"]) is None
