@@ -263,6 +263,9 @@ class AsyncClient:
     async def health(self) -> dict:
         return (await self._request("GET", "/health")).json()
 
+    async def metrics(self) -> str:
+        return (await self._request("GET", "/metrics")).text
+
     async def aclose(self) -> None:
         await self._http.aclose()
 

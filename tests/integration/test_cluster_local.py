@@ -199,10 +199,19 @@ def test_http_clients_over_the_disaggregated_cluster(ray_session, reference):
             async with serving(router) as url:
                 assert_greedy_equal(ref[:3], await asyncio.to_thread(singles, url), logits[:3])
                 assert_greedy_equal(ref, await many(url), logits)
+                async with AsyncClient(url) as ac:
+                    metrics = _scrape(await ac.metrics())
+            assert metrics["pdserve_kv_transfer_bytes"] > 0 and metrics["pdserve_kv_transfer_seconds"] > 0
+            for phase in ("queue", "prefill", "transfer", "handoff", "ttft", "decode"):  # every request stamped
+                assert metrics[f'pdserve_request_phase_seconds_count{{phase="{phase}"}}'] == 19, phase
             await assert_cluster_empty(router)
         finally:
             await router.shutdown()
     asyncio.run(main())
+
+
+def _scrape(text: str) -> dict[str, float]:
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line[:1] not in "#")}
 
 
 def _ids(chunks) -> list[int]:
