@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from engine.batch import SeqStep, StepBatch, StepOutput
+from engine.batch import SeqResult, SeqStep, StepBatch, StepOutput
 from engine.errors import InvalidRequestError
 from engine.kv_cache.allocator import PageAllocator, Reservation
 from engine.kv_cache.backend import make_backend
@@ -30,6 +30,7 @@ from engine.runner import ModelRunner
 from engine.sampler import SampleRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.spec_decode.config import SpeculativeConfig
 from engine.tokenizer import Tokenizer
 
 _ids = itertools.count()
@@ -40,7 +41,7 @@ class LLM:
                  page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = resolve_model(model)
@@ -65,6 +66,12 @@ class LLM:
         self.requests: dict[str, Request] = {}
         self.clock = clock
         self.keep_logits = keep_logits  # tests: keep each sampled position's float32 logits on the request
+        self.spec = None  # draft-verify decoding (engine/spec_decode), when configured
+        spec_cfg = SpeculativeConfig.of(speculative)
+        if spec_cfg is not None:
+            from engine.spec_decode.step import SpecDecoder
+
+            self.spec = SpecDecoder(self, spec_cfg)
 
     # ---- intake ------------------------------------------------------------------------------
     def _tokens(self, prompt: str | list[int]) -> list[int]:
@@ -109,6 +116,8 @@ class LLM:
         rid = request_id if request_id is not None else f"req-{next(_ids)}"
         if rid in self.requests:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+        if self.spec is not None:
+            self.spec.check(params)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Request(rid, ids, params, seed, self.clock(), prefill_only=prefill_only)
 
@@ -160,10 +169,15 @@ class LLM:
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
-        result = self.runner.execute(self._batch(sched))
-        sampled = {r.request_id: r.sampled for r in result.results if r.sampled is not None}
+        if self.spec is not None:
+            return self.spec.step(sched)
+        return self._finish_step(sched, self.runner.execute(self._batch(sched)).results)
+
+    def _finish_step(self, sched: SchedulerOutput, results: list[SeqResult]) -> list[RequestOutput]:
+        """Apply a plain step's results (one sampled token per sampling chunk); the outputs."""
+        sampled = {r.request_id: r.sampled for r in results if r.sampled is not None}
         if self.keep_logits:
-            for c, r in zip(sched.chunks, result.results):
+            for c, r in zip(sched.chunks, results):
                 if c.sample:
                     c.request.logits.append(r.logits[-1].clone())
         self.scheduler.update(sched, sampled, self.clock())
@@ -200,6 +214,8 @@ class LLM:
         if req is not None:
             self.scheduler.finish(req, "abort")
             self.outputs.forget(request_id)
+        if self.spec is not None:
+            self.spec.release(request_id)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         """Run a hand-built batch (tests and workers that schedule for themselves)."""
@@ -228,6 +244,10 @@ class LLM:
     def kv_usage(self) -> dict[str, int]:
         return {"pages_in_use": self.allocator.num_in_use, "reservations": self.allocator.num_reservations,
                 "num_pages": self.allocator.num_pages}
+
+    def spec_stats(self) -> dict[str, float]:
+        """Speculation metrics (acceptance rate, tokens per verify, share of steps speculated, ...); {} if off."""
+        return self.spec.stats.as_dict() if self.spec is not None else {}
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -11,6 +11,14 @@ from engine.errors import InvalidRequestError
 
 
 @dataclass
+class SpecRequestOptions:
+    """Per-request speculation override (the `pdserve.speculative` HTTP option); outputs never change."""
+    enabled: bool = True  # False: never draft for this request
+    max_draft: int | None = None  # cap on draft tokens per step (None: the engine's)
+    proposer: str | None = None  # another proposer (the engine's own, or ngram / recycling)
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
@@ -25,8 +33,11 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0 = chosen token only)
     seed: int | None = None
     skip_special_tokens: bool = True
+    speculative: SpecRequestOptions | None = None  # engines without speculation ignore it
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            self.speculative = SpecRequestOptions(**self.speculative)
         if isinstance(self.stop, str):  # OpenAI accepts a single string
             self.stop = [self.stop]
         if isinstance(self.stop_token_ids, int) and not isinstance(self.stop_token_ids, bool):
@@ -66,3 +77,12 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("seed", f"must be a non-negative integer, got {self.seed!r}")
+        o = self.speculative
+        if o is not None:
+            if not isinstance(o, SpecRequestOptions) or not isinstance(o.enabled, bool):
+                bad("speculative", "must be {enabled: bool, max_draft: int, proposer: str}")
+            if o.max_draft is not None and (not isinstance(o.max_draft, int) or isinstance(o.max_draft, bool)
+                                            or not 0 <= o.max_draft <= 16):
+                bad("speculative.max_draft", f"must be an integer in [0, 16], got {o.max_draft!r}")
+            if o.proposer is not None and (not isinstance(o.proposer, str) or not o.proposer):
+                bad("speculative.proposer", f"must be a proposer name, got {o.proposer!r}")

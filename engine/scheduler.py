@@ -158,6 +158,16 @@ class Scheduler:
                 ended.append(req)
         return ended
 
+    def append_output(self, req: Request, tok: SampledToken, now: float) -> str | None:
+        """Append one verified token (a speculative step commits several); its token-level stop reason.
+        The caller finishes the request on a reason and stops appending."""
+        req.token_ids.append(tok.token_id)
+        if req.params.logprobs is not None:
+            req.output_logprobs.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        return self._stop_reason(req, tok.token_id)
+
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
         if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:

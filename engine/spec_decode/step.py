@@ -1,0 +1,193 @@
+"""`SpecDecoder`: the speculative step of `engine.LLM` (plan drafts -> one ragged forward -> verify -> commit).
+
+Built by `LLM(speculative=...)`; `LLM.step` hands it every non-empty `SchedulerOutput`. Decode chunks (one
+new token, sampled) may get drafts; every other chunk runs exactly as in a plain step (`LLM._batch` and
+`LLM._finish_step`). For a drafted request the step:
+  1. appends k draft slots to its block table (only if pages are free and the step's token budget
+     allows: drafts never preempt anyone) and brings [last token] + draft, logits at all k + 1 rows;
+  2. samples every row with the keyed sampler (row j is output index num_output + j and sees the draft
+     prefix as outputs, for penalties) and accepts the longest prefix equal to the draft, plus one token
+     (`verify.verify_greedy`): the request's tokens are exactly its non-speculative tokens;
+  3. rolls back the k - m rejected slots (`BlockTables.truncate` frees pages left empty), then appends
+     the m + 1 tokens one at a time with the plain step's stop rules (EOS / stop ids / max_tokens in the
+     scheduler, stop strings through the output processor), so a stop inside the run ends it there.
+Proposers learn from every row with logits (`observe`); state of ended requests is released at the end
+of each step and on abort.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from engine.batch import SeqResult, SeqStep, StepBatch
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampler import SampleRequest, sample_batch
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.spec_decode.config import PER_REQUEST_PROPOSERS, SpeculativeConfig
+from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, choose_cap
+from engine.spec_decode.proposers import DraftState, Proposer, ProposerContext, make_proposer
+from engine.spec_decode.verify import accepted_length
+
+
+class SpecDecoder:
+    def __init__(self, llm, cfg: SpeculativeConfig, timer=time.perf_counter):
+        self.llm, self.cfg, self.timer = llm, cfg, timer
+        self.ctx = ProposerContext(llm.config.vocab_size, llm.model_dir, llm.dtype)
+        self.proposers: dict[str, Proposer] = {cfg.proposer: make_proposer(cfg.proposer, self.ctx,
+                                                                           **cfg.proposer_options)}
+        self.trackers: dict[str, AcceptanceTracker] = {}
+        self.cost = CostModel()
+        self.draft_cost = 0.0  # seconds per drafted token spent in proposers (decayed average)
+        self.stats = SpecStats()
+
+    # ---- intake ------------------------------------------------------------------------------
+    def check(self, params: SamplingParams) -> None:
+        o = params.speculative
+        if o is not None and o.proposer is not None and o.proposer not in self.proposers \
+                and o.proposer not in PER_REQUEST_PROPOSERS:
+            raise InvalidRequestError("speculative.proposer", f"{o.proposer!r} is not available here; use "
+                                                              f"{', '.join(sorted({*self.proposers, *PER_REQUEST_PROPOSERS}))}")
+
+    def proposer(self, name: str) -> Proposer:
+        if name not in self.proposers:
+            self.proposers[name] = make_proposer(name, self.ctx)
+        return self.proposers[name]
+
+    def release(self, request_id: str) -> None:
+        self.trackers.pop(request_id, None)
+        for p in self.proposers.values():
+            p.release(request_id)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        llm = self.llm
+        drafts = self._plan(sched)
+        self.stats.num_spec_steps += bool(drafts)
+        plain = SchedulerOutput([c for c in sched.chunks if c.request.request_id not in drafts], sched.preempted)
+        verify = sorted((c for c in sched.chunks if c.request.request_id in drafts),
+                        key=lambda c: len(drafts[c.request.request_id]))  # equal lengths share one SDPA call
+        batch = llm._batch(plain)
+        batch.seqs += [self._verify_seq(c, drafts[c.request.request_id]) for c in verify]
+        batch.return_logits = True
+        t0 = self.timer()
+        out = llm.runner.execute(batch)
+        self.cost.observe(batch.num_tokens, self.timer() - t0)
+        self._observe(batch, out.results)
+        n = len(plain.chunks)
+        outs = llm._finish_step(plain, out.results[:n]) if n else []
+        outs += [self._commit(c, drafts[c.request.request_id], r) for c, r in zip(verify, out.results[n:])]
+        for rid in [r for r in self.trackers if r not in llm.requests]:
+            self.release(rid)
+        return outs
+
+    def _eligible(self, c: ScheduledChunk) -> bool:
+        req = c.request
+        o = req.params.speculative
+        return (c.sample and c.num_tokens == 1 and req.num_output >= 1 and not req.prefill_only
+                and c.start == len(req.token_ids) - 1 and req.num_output < req.params.max_tokens - 1
+                and (o is None or o.enabled))
+
+    def _plan(self, sched: SchedulerOutput) -> dict[str, list[int]]:
+        """request id -> draft to verify this step (its slots already appended to the block table)."""
+        cands = [c for c in sched.chunks if self._eligible(c)]
+        if not cands:
+            return {}
+        self.stats.num_steps += 1
+        groups: dict[str, list[DraftState]] = defaultdict(list)
+        for c in cands:
+            req, o = c.request, c.request.params.speculative
+            cap = o.max_draft if o is not None and o.max_draft is not None else self.cfg.max_draft
+            cap = min(cap, req.params.max_tokens - req.num_output - 1)
+            tr = self.trackers.setdefault(req.request_id, AcceptanceTracker())
+            k = tr.draft_len(cap, self.cfg.min_accept) if self.cfg.adaptive else cap
+            if k > 0:
+                name = o.proposer if o is not None and o.proposer else self.cfg.proposer
+                groups[name].append(DraftState(req.request_id, req.token_ids, req.num_prompt, k))
+        drafts = self._propose(groups)
+        if not drafts:
+            return {}
+        base = sum(c.num_tokens for c in sched.chunks)
+        self.stats.verify_cost_ratio = self.cost.predict(base + sum(map(len, drafts.values()))) / self.cost.predict(base)
+        if self.cfg.gate:
+            rids = list(drafts)
+            cap, _ = choose_cap(self.cost, base, [len(drafts[r]) for r in rids],
+                                [self.trackers[r].alpha for r in rids], self.cfg.gate_margin, self.draft_cost)
+            if cap == 0:
+                self.stats.num_gated += 1
+                return {}
+            drafts = {r: d[:cap] for r, d in drafts.items()}
+        return self._reserve_slots(cands, drafts, self.llm.scheduler.cfg.max_num_batched_tokens - base)
+
+    def _propose(self, groups: dict[str, list[DraftState]]) -> dict[str, list[int]]:
+        t0, drafts = self.timer(), {}
+        for name, states in groups.items():
+            for s, d in zip(states, self.proposer(name).propose_batch(states)):
+                if d:
+                    drafts[s.request_id] = [int(t) for t in d[:s.max_draft]]
+        n = sum(map(len, drafts.values()))
+        if n:
+            self.draft_cost = 0.8 * self.draft_cost + 0.2 * (self.timer() - t0) / n
+        return drafts
+
+    def _reserve_slots(self, cands, drafts: dict[str, list[int]], budget: int) -> dict[str, list[int]]:
+        tables, alloc, out = self.llm.tables, self.llm.allocator, {}
+        for c in cands:
+            rid = c.request.request_id
+            n = min(len(drafts.get(rid, ())), max(budget, 0))
+            while n and tables.extra_pages_needed(rid, n) > alloc.num_free:
+                n -= 1
+            if n:
+                tables.append(rid, n)
+                out[rid] = drafts[rid][:n]
+                budget -= n
+        return out
+
+    def _verify_seq(self, c: ScheduledChunk, draft: list[int]) -> SeqStep:
+        req = c.request
+        t = self.llm.tables.get(req.request_id)
+        assert t.num_slots == c.num_cached + 1 + len(draft)
+        return SeqStep(req.request_id, [req.token_ids[c.start]] + draft, c.start, c.num_cached, t.pages,
+                       list(range(len(draft) + 1)))
+
+    def _observe(self, batch: StepBatch, results: list[SeqResult]) -> None:
+        learners = [p for p in self.proposers.values() if type(p).observe is not Proposer.observe]
+        if not learners:
+            return
+        for s, r in zip(batch.seqs, results):
+            if s.logits_at:
+                ids = [s.token_ids[i] for i in s.logits_at]
+                for p in learners:
+                    p.observe(ids, r.logits)
+
+    def _commit(self, c: ScheduledChunk, draft: list[int], r: SeqResult) -> RequestOutput:
+        llm, req, k = self.llm, c.request, len(draft)
+        rows = r.logits.cpu()  # [k + 1, vocab]
+        outs = req.output_token_ids
+        reqs = [SampleRequest(req.params, req.seed, req.num_output + j, req.prompt_token_ids, outs + draft[:j])
+                for j in range(k + 1)]
+        targets = sample_batch(rows, reqs)
+        m = accepted_length(draft, [t.token_id for t in targets])
+        self.trackers[req.request_id].update(k, m)
+        st = self.stats
+        st.num_verifies += 1
+        st.num_drafted += k
+        st.num_accepted += m
+        st.num_emitted += m + 1
+        req.num_computed += 1 + m  # the last token and the accepted drafts now have KV
+        if m < k:
+            t = llm.tables.get(req.request_id)
+            llm.tables.truncate(req.request_id, t.num_slots - (k - m))
+        now = llm.clock()
+        for j in range(m + 1):
+            reason = llm.scheduler.append_output(req, targets[j], now)
+            if llm.keep_logits:
+                req.logits.append(rows[j].clone())
+            if reason:
+                llm.scheduler.finish(req, reason)
+                break
+            if j < m and llm.outputs.advance(req):  # (the last token is folded in by `_output`)
+                llm.scheduler.finish(req, "stop")
+                break
+        return llm._output(req)
