@@ -77,6 +77,7 @@ def _run_json(run: RateRun) -> dict:
 def target_json(t: TargetResult) -> dict:
     return {"label": t.label, "group": t.group, "spec": t.spec, "settings": t.settings,
             "goodput": asdict(t.goodput) if t.goodput else None, "server_log": t.server_log,
+            "base_url": t.base_url,
             "unloaded": [record_json(r) for r in t.unloaded], "runs": [_run_json(r) for r in t.runs]}
 
 

@@ -100,7 +100,7 @@ class TargetResult:
     runs: list[RateRun] = field(default_factory=list)
     goodput: GoodputResult | None = None
     server_log: str | None = None
-    error: str | None = None
+    base_url: str | None = None
 
 
 @dataclass
@@ -165,6 +165,7 @@ def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarge
     tr = TargetResult(bt.label, bt.group, bt.variant.source if bt.variant else None,
                       dict(bt.variant.settings) if bt.variant else {})
     target = bt.target
+    tr.base_url = target.base_url
     warm = unloaded_sample(workload, cfg.warmup)
     if warm:
         asyncio.run(run_sequential(warm, prompt_of, target))
