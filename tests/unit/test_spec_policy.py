@@ -1,0 +1,118 @@
+"""Adaptive draft length, the cost model and the load-aware gate (pure Python), and the gate in the engine."""
+from __future__ import annotations
+
+import pytest
+
+from engine import InvalidRequestError, SamplingParams
+from engine.llm import LLM
+from engine.spec_decode import SpeculativeConfig
+from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, choose_cap, expected_tokens
+from tests.conftest import assert_engine_empty
+from tests.tiny_models import write_tiny
+
+
+def test_draft_length_follows_acceptance_and_probes_after_stopping():
+    tr = AcceptanceTracker(alpha=0.95)
+    assert tr.draft_len(4, 0.3) == 4
+    tr = AcceptanceTracker(alpha=0.6)
+    assert tr.draft_len(8, 0.3) == 2  # 0.6, 0.36 >= 0.3 > 0.216
+    for _ in range(10):
+        tr.update(drafted=2, accepted=0)
+    assert tr.alpha < 0.1
+    lens = [tr.draft_len(4, 0.3) for _ in range(16)]
+    assert lens == ([0] * 7 + [1]) * 2, "a request that stopped drafting probes one token every 8 steps"
+    for _ in range(10):
+        tr.update(drafted=4, accepted=4)
+    assert tr.draft_len(4, 0.3) == 4
+
+
+def test_expected_tokens_is_geometric():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_cost_model_fits_a_line_and_falls_back_to_the_prior_without_spread():
+    cm = CostModel(decay=1.0)
+    assert cm.predict(32) / cm.predict(0) == pytest.approx(2.0)  # prior: 32 tokens cost one intercept
+    for n in (1, 2, 4, 8, 16, 1, 5, 9):
+        cm.observe(n, 0.030 + 0.002 * n)
+    a, b = cm.fit()
+    assert a == pytest.approx(0.030, rel=1e-6) and b == pytest.approx(0.002, rel=1e-6)
+    flat = CostModel()
+    for _ in range(5):
+        flat.observe(4, 0.036)
+    a, b = flat.fit()
+    assert a + 4 * b == pytest.approx(0.036) and b == pytest.approx(a / 32)
+
+
+def _cost(a, b):
+    cm = CostModel(decay=1.0)
+    for n in (1, 3, 8, 20, 40):
+        cm.observe(n, a + b * n)
+    return cm
+
+
+def test_gate_speculates_when_memory_bound_and_not_when_compute_bound():
+    memory_bound, compute_bound = _cost(0.030, 0.0005), _cost(0.0001, 0.002)
+    cap, ratio = choose_cap(memory_bound, 1, [4], [0.8], margin=0.02)
+    assert cap == 4 and ratio < 1.1
+    assert choose_cap(compute_bound, 1, [4], [0.8], margin=0.02)[0] == 0
+    assert choose_cap(memory_bound, 1, [4], [0.01], margin=0.02)[0] == 0  # drafts that almost never land
+    assert choose_cap(memory_bound, 1, [4], [0.8], margin=0.02, draft_cost_per_token=0.05)[0] == 0
+
+
+def test_gate_drafts_less_under_load():
+    cm = _cost(0.030, 0.002)
+    alone, _ = choose_cap(cm, 1, [8], [0.7], margin=0.02)
+    busy, _ = choose_cap(cm, 32, [8] * 32, [0.7] * 32, margin=0.02)
+    assert alone > busy
+
+
+def test_stats_ratios():
+    st = SpecStats(num_steps=10, num_spec_steps=4, num_verifies=8, num_drafted=20, num_accepted=10, num_emitted=18)
+    d = st.as_dict()
+    assert (d["acceptance_rate"], d["tokens_per_verify"], d["spec_share"]) == (0.5, 2.25, 0.4)
+    assert SpecStats().as_dict()["acceptance_rate"] == 0.0
+
+
+def test_config_validation():
+    assert SpeculativeConfig.of(None) is None
+    cfg = SpeculativeConfig.of({"proposer": "recycling", "max_draft": 3})
+    assert (cfg.proposer, cfg.max_draft) == ("recycling", 3)
+    with pytest.raises(InvalidRequestError, match="speculative.max_drafts"):
+        SpeculativeConfig.of({"max_drafts": 3})
+    with pytest.raises(InvalidRequestError, match="speculative.proposer"):
+        SpeculativeConfig(proposer="medusa")
+    with pytest.raises(InvalidRequestError, match="speculative.max_draft"):
+        SpeculativeConfig(max_draft=0)
+
+
+class ComputeBound(CostModel):
+    """A fake cost model: every token costs the same, nothing is fixed (speculation never pays)."""
+
+    def observe(self, num_tokens, seconds):
+        pass
+
+    def predict(self, num_tokens):
+        return float(num_tokens)
+
+
+def test_engine_gate_turns_speculation_off_when_it_does_not_pay(tmp_path):
+    d = write_tiny("llama", tmp_path / "llama", initializer_range=0.1)
+    prompt = [5, 6, 7, 8] * 6
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(model=str(d), dtype="float32", num_pages=64)
+    ref = plain.generate(prompt, params)[0].token_ids
+    fut = {tuple(prompt): ref}
+    llm = LLM(model=str(d), dtype="float32", num_pages=64,
+              speculative={"proposer": "oracle", "proposer_options": {"futures": fut}})
+    llm.spec.cost = ComputeBound()
+    assert llm.generate(prompt, params)[0].token_ids == ref
+    st = llm.spec.stats
+    assert st.num_spec_steps == 0 and st.num_gated > 0 and st.verify_cost_ratio > 1.0
+    llm.spec.cost = CostModel()  # the prior (memory-bound decode): speculation pays with an oracle
+    assert llm.generate(prompt, params)[0].token_ids == ref
+    assert llm.spec_stats()["num_spec_steps"] > 0
+    assert_engine_empty(plain)
+    assert_engine_empty(llm)
