@@ -35,6 +35,9 @@ class Parallel:
         return f"tp{self.tp}pp{self.pp}"
 
 
+Line = tuple[float, float]  # seconds = intercept + slope * context (for a fixed batch size)
+
+
 @dataclass(frozen=True)
 class Coeffs:
     """DistServe's fitted forms for one TP degree, whole model on one stage:
@@ -53,7 +56,10 @@ class LatencyModel:
     def stage_prefill(self, tokens: float, sq: float) -> float:
         raise NotImplementedError
 
-    def stage_decode(self, batch: float, context: float) -> float:
+    def stage_decode_lines(self, batch: float) -> tuple[Line, Line]:
+        """One stage's decode step for `batch` sequences as max of two lines in their total context
+        (roofline: compute and memory; fitted: one line twice): the simulator sums runs of steps in
+        closed form from these."""
         raise NotImplementedError
 
     def stage_mixed(self, tokens: float, sq: float, batch: float, context: float) -> float:
@@ -71,16 +77,25 @@ class LatencyModel:
     def prefill_interval(self, tokens: float, sq: float) -> float:
         return self.stage_prefill(tokens, sq) + (self.p2p(tokens) if self.parallel.pp > 1 else 0.0)
 
+    def decode_lines(self, batch: int) -> tuple[Line, Line]:
+        """`decode(batch, C) = max(a1 + b1*C, a2 + b2*C)`; cached per batch size."""
+        cache = self.__dict__.setdefault("_lines", {})
+        if batch not in cache:
+            pp = self.parallel.pp
+            micro = math.ceil(batch / pp)  # sequences per micro-batch; fewer than pp leave bubbles
+            share = micro / batch
+            extra = (pp - 1) * self.p2p(micro) if pp > 1 else 0.0
+            cache[batch] = tuple((pp * a + extra, pp * b * share) for a, b in self.stage_decode_lines(micro))
+        return cache[batch]
+
     def decode(self, batch: int, context: float) -> float:
-        pp = self.parallel.pp
-        if pp == 1:
-            return self.stage_decode(batch, context)
-        micro = math.ceil(batch / pp)  # sequences per micro-batch; fewer than pp sequences leave bubbles
-        share = micro / batch
-        return pp * self.stage_decode(micro, context * share) + (pp - 1) * self.p2p(micro)
+        (a1, b1), (a2, b2) = self.decode_lines(batch)
+        return max(a1 + b1 * context, a2 + b2 * context)
 
     def mixed(self, tokens: float, sq: float, batch: int, context: float) -> float:
         """A colocated step: prompt chunks (tokens, sq) plus `batch` decoding sequences (context)."""
+        if tokens <= 0:
+            return self.decode(batch, context)
         pp = self.parallel.pp
         if pp == 1:
             return self.stage_mixed(tokens, sq, batch, context)
@@ -105,6 +120,11 @@ class FittedLatency(LatencyModel):
     def stage_decode(self, batch: float, context: float) -> float:
         a, b, c = self.coeffs.decode
         return a + (b * context + c * batch) / self.parallel.pp
+
+    def stage_decode_lines(self, batch: float) -> tuple[Line, Line]:
+        a, b, c = self.coeffs.decode
+        line = (a + c * batch / self.parallel.pp, b / self.parallel.pp)
+        return line, line
 
     def stage_mixed(self, tokens: float, sq: float, batch: float, context: float) -> float:
         # a mixed step reads the weights once: both intercepts stand for that fixed cost, count one

@@ -74,6 +74,12 @@ class RooflineLatency(LatencyModel):
         f, b = self._decode_work(batch, context)
         return self._time(f, self.weight_bytes + b, batch)
 
+    def stage_decode_lines(self, batch: float):
+        fixed = self.cal.overhead_s + self._allreduce(batch)
+        compute = (2 * self.matmul_params * batch / self.flops + fixed, 4 * self.stage_layers * self.q_dim / self.flops)
+        memory = (self.weight_bytes / self.bw + fixed, self.kv_bytes_token / self.bw)
+        return compute, memory
+
     def stage_mixed(self, tokens: float, sq: float, batch: float, context: float) -> float:
         fp, bp = self._prefill_work(tokens, sq)
         fd, bd = self._decode_work(batch, context)

@@ -5,8 +5,8 @@
 - kv_transfer imports engine (types) and grpc only: no worker, no cluster, no ray;
 - only cluster imports ray; grpc only under kv_transfer/, in one hand-written module (generated
   `*_pb2*.py` stubs also import grpc and live there too);
-- scheduler, request and page-pool modules are pure Python: no torch, grpc or ray, directly or through
-  what they import (Python runs every parent package's `__init__` too);
+- scheduler, request and page-pool modules, and the planner's core, are pure Python: no torch, grpc or
+  ray, directly or through what they import (Python runs every parent package's `__init__` too);
 - proto/ holds .proto files only, never a Python package; unit tests never import ray.
 """
 from __future__ import annotations
@@ -20,6 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "cluster")
 WORKERS = ("prefill_worker", "decode_worker")
 PURE = ("engine.scheduler", "engine.request", "engine.kv_cache.allocator", "engine.kv_cache.block_table")
+# the planner's core (latency models, simulator, search): pure Python; its profiler and report are not
+PLANNER_PURE = tuple(f"cluster.planner.{m}" for m in (
+    "errors", "paths", "models", "hardware", "latency", "roofline", "profiles", "parallel", "workload",
+    "metrics", "events", "stepping", "sim_disagg", "sim_coloc", "goodput", "plans", "placement", "search"))
+PURE += PLANNER_PURE
 NOT_PURE = {"torch", "grpc", "ray"}
 
 

@@ -1,0 +1,138 @@
+"""Goodput: the highest request rate at which a setup still meets the SLO attainment, by bisection.
+
+    phase_goodput("prefill", setup, ...)   one prefill instance alone; TTFT attainment (output 1 token)
+    phase_goodput("decode", setup, ...)    one decode instance fed at zero prefill cost; TPOT attainment
+    coloc_goodput(setup, ...)              one colocated replica; joint attainment
+
+Each probe simulates Poisson arrivals at the probed rate (common random numbers: the same seed at every
+rate) for at least `n` requests and at least `LIFETIMES` request lifetimes (at low load): fewer, and a
+fast rate is a single burst that an instance absorbs before its queue can show the overload. The bracket starts from a capacity estimate and doubles until attainment
+fails; bisection stops at 2% relative width. A setup that misses the SLO even at 1/100 of its capacity
+has goodput 0 (the SLO itself is out of reach for it). Pure Python; called by `search` and `report`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from cluster.planner.latency import LatencyModel, Parallel
+from cluster.planner.metrics import SLO, SimResult
+from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim_disagg import (DecodeSetup, Link, PrefillSetup, simulate_decode_only,
+                                        simulate_disaggregated)
+from cluster.planner.workload import poisson_requests
+
+
+
+@dataclass(frozen=True)
+class Precision:
+    n: int = 300  # requests per probe, at least
+    lifetimes: float = 10  # simulated time >= this many low-load request lifetimes
+    max_requests: int = 4000  # per probe: bounds the cost of probes far above capacity
+    rel_tol: float = 0.02  # bisection stops at this relative bracket width
+
+    def size(self, rate: float, lifetime: float) -> int:
+        return min(self.max_requests, max(self.n, int(rate * self.lifetimes * lifetime) + 1))
+
+
+FINE = Precision()
+COARSE = Precision(150, 4, 1500, 0.1)  # the search's first pass over every configuration
+
+
+class ZeroLatency(LatencyModel):
+    """Stands in for the phase not under test: free and instantaneous."""
+
+    def __init__(self):
+        super().__init__(Parallel())
+
+    def stage_prefill(self, tokens, sq):
+        return 0.0
+
+    def stage_decode_lines(self, batch):
+        return (0.0, 0.0), (0.0, 0.0)
+
+    def stage_mixed(self, tokens, sq, batch, context):
+        return 0.0
+
+
+_FREE_LINK = Link(1.0, float("inf"), 1)
+
+
+@dataclass(frozen=True)
+class Goodput:
+    rate: float  # req/s at the attainment target (0: not even at low load)
+    low_load: SimResult  # the run at the lowest probed rate (for "closest feasible SLO")
+    binding: str  # ttft | tpot: what fails first above `rate`
+
+
+def _mean(pairs, f) -> float:
+    return sum(f(i, o) for i, o in pairs) / len(pairs)
+
+
+def bisect_rate(attain: Callable[[float], float], target: float, guess: float,
+                rel_tol: float = 0.02) -> tuple[float, float, float]:
+    """(goodput, lowest probed rate, lowest failing rate): the largest rate with attain(rate) >= target,
+    0 when even `guess`/100 fails."""
+    low = guess / 100
+    if attain(low) < target:
+        return 0.0, low, low
+    lo, hi = low, guess
+    for _ in range(12):  # grow the bracket until attainment fails
+        if attain(hi) < target:
+            break
+        lo, hi = hi, hi * 2
+    else:
+        return lo, low, lo  # never failed: unbounded for the simulator, reported as the last passing rate
+    while (hi - lo) / hi > rel_tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if attain(mid) >= target else (lo, mid)
+    return lo, low, hi
+
+
+def _goodput(run: Callable[[float], SimResult], slo: SLO, guess: float, prec: Precision) -> Goodput:
+    results: dict[float, SimResult] = {}
+
+    def attain(rate: float) -> float:
+        results[rate] = run(rate)
+        return results[rate].attainment(slo)
+
+    rate, low, fail = bisect_rate(attain, slo.attainment, guess, prec.rel_tol)
+    return Goodput(rate, results[low], results[fail].binding(slo))
+
+
+def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO, prec: Precision = FINE,
+                  seed: int = 0) -> Goodput:
+    if phase == "prefill":
+        pairs1 = [(i, 1) for i, _ in pairs]
+        guess = 1.0 / _mean(pairs1, lambda i, o: setup.model.prefill_interval(i, i * i))
+
+        life = 1.0 / guess
+
+        def run(rate: float) -> SimResult:
+            reqs = poisson_requests(pairs1, rate, prec.size(rate, life), seed)
+            return simulate_disaggregated(reqs, [setup], [DecodeSetup(ZeroLatency(), 1 << 40)], _FREE_LINK)
+    else:
+        batch = max(1, min(setup.max_seqs, setup.kv_tokens // max(1, int(_mean(pairs, lambda i, o: i + o)))))
+        step = setup.model.decode(batch, batch * _mean(pairs, lambda i, o: i + o / 2))
+        guess = batch / step / _mean(pairs, lambda i, o: max(1, o - 1))
+        life = _mean(pairs, lambda i, o: (o - 1) * setup.model.decode(1, i + o / 2))
+
+        def run(rate: float) -> SimResult:
+            reqs = poisson_requests(pairs, rate, prec.size(rate, life), seed)
+            return simulate_decode_only(reqs, [setup])
+    return _goodput(run, slo, guess, prec)
+
+
+def coloc_goodput(setup: ColocSetup, pairs, slo: SLO, prec: Precision = FINE, seed: int = 0) -> Goodput:
+    per_req = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0)) + \
+        _mean(pairs, lambda i, o: (o - 1) * setup.model.decode(32, 32 * (i + o / 2)) / 32)
+    life = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0) + (o - 1) * setup.model.decode(1, i + o / 2))
+    return _goodput(lambda rate: simulate_colocated(poisson_requests(pairs, rate, prec.size(rate, life), seed),
+                                                    [setup]), slo, 1.0 / per_req, prec)
+
+
+def lifetime(model: LatencyModel, pairs) -> float:
+    """Mean low-load latency of a request (prefill alone, then decode at batch 1): sizes simulations."""
+    return _mean(pairs, lambda i, o: model.prefill(i, i * i) + (o - 1) * model.decode(1, i + o / 2))
+
+

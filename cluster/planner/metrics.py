@@ -1,0 +1,58 @@
+"""What a simulation returns: per-request TTFT/TPOT/e2e, SLO attainment and percentiles.
+
+TTFT ends when prefill returns the first token; TPOT = (e2e - TTFT) / (output_len - 1), so KV transfer
+and decode queueing count against TPOT as a client sees them (DistServe's definition). A request with
+one output token meets any TPOT. `SimResult.attainment(slo)` is the fraction meeting both targets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9  # fraction of requests that must meet both
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    arrival: float
+    ttft: float
+    tpot: float
+    e2e: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    results: tuple[RequestResult, ...]
+    duration: float  # last completion time (seconds)
+
+    def attainment(self, slo: SLO) -> float:
+        ok = sum(1 for r in self.results if r.ttft <= slo.ttft_s and r.tpot <= slo.tpot_s)
+        return ok / len(self.results)
+
+    def ttft_attainment(self, slo: SLO) -> float:
+        return sum(1 for r in self.results if r.ttft <= slo.ttft_s) / len(self.results)
+
+    def tpot_attainment(self, slo: SLO) -> float:
+        return sum(1 for r in self.results if r.tpot <= slo.tpot_s) / len(self.results)
+
+    def percentiles(self, qs=(50, 90, 99)) -> dict[str, float]:
+        out = {}
+        for name in ("ttft", "tpot", "e2e"):
+            vals = [getattr(r, name) for r in self.results]
+            out.update({f"{name}_p{q}": percentile(vals, q) for q in qs})
+        return out
+
+    def binding(self, slo: SLO) -> str:
+        """Which target fails more often: "ttft" or "tpot"."""
+        return "ttft" if self.ttft_attainment(slo) <= self.tpot_attainment(slo) else "tpot"

@@ -1,0 +1,142 @@
+"""From per-instance goodputs to whole plans, and the whole-plan check by simulation.
+
+    candidate_plans(req, phases) -> [Plan]     every plan that meets the target rate within the GPUs
+    verify(req, plans) -> [Plan]               the best few per mode simulated at the target rate
+
+Placements (DistServe's two algorithms):
+  independent  prefill and decode pools anywhere; a KV transfer crosses nodes when there is more than
+               one node (aggregate bandwidth: the cross-node link of each sending device), so it suits
+               clusters with fast networks;
+  co-node      a pipeline stage's prefill and decode segments share a node (equal PP; a "unit" of `a`
+               prefill and `b` decode instances whose stage segments fit one node), KV moves over
+               NVLink; the choice when cross-node links are slow;
+  colocated    replicas doing both phases (no KV moves).
+Replicas: n = ceil(rate / goodput) per pool; stages are packed into nodes first-fit decreasing.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from cluster.planner.goodput import FINE, lifetime
+from cluster.planner.plans import PhaseChoice, Plan
+from cluster.planner.profiles import latency_model
+from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
+from cluster.planner.workload import poisson_requests
+
+if TYPE_CHECKING:
+    from cluster.planner.search import PlanRequest
+
+MAX_BUMPS = 3  # replicas added to a plan that misses the attainment in the whole-plan check
+
+
+def _packs(items: list[int], nodes: int, per_node: int) -> bool:
+    """First-fit decreasing of stage sizes (TP GPUs each) into `nodes` bins of `per_node` GPUs."""
+    free = [per_node] * nodes
+    for size in sorted(items, reverse=True):
+        slot = next((k for k, f in enumerate(free) if f >= size), None)
+        if slot is None:
+            return False
+        free[slot] -= size
+    return True
+
+
+def _stages(c: PhaseChoice, n: int) -> list[int]:
+    return [c.parallel.tp] * (c.parallel.pp * n)
+
+
+def _independent(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> Plan | None:
+    n_p, n_d = math.ceil(req.rate / p.goodput), math.ceil(req.rate / d.goodput)
+    gpus = n_p * p.parallel.gpus + n_d * d.parallel.gpus
+    if gpus > req.total_gpus or not _packs(_stages(p, n_p) + _stages(d, n_d), req.nodes, req.gpus_per_node):
+        return None
+    per_device = req.hw.inter_node_bw if req.nodes > 1 else req.hw.intra_node_bw
+    link = per_device * min(p.parallel.gpus, d.parallel.gpus)
+    return Plan("disaggregated", "independent", ((p, n_p), (d, n_d)), gpus, link)
+
+
+def _co_node(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> list[Plan]:
+    if req.nodes < 2 or p.parallel.pp != d.parallel.pp:
+        return []
+    g, pp, out = req.gpus_per_node, p.parallel.pp, []
+    for a in range(1, g // p.parallel.tp + 1):
+        for b in range(1, (g - a * p.parallel.tp) // d.parallel.tp + 1):
+            units = math.ceil(req.rate / min(a * p.goodput, b * d.goodput))
+            if units * pp > req.nodes:  # each unit stage takes one node
+                continue
+            gpus = units * pp * (a * p.parallel.tp + b * d.parallel.tp)
+            link = req.hw.intra_node_bw * min(p.parallel.gpus, d.parallel.gpus)
+            out.append(Plan("disaggregated", "co-node", ((p, units * a), (d, units * b)), gpus, link))
+    return out
+
+
+def _colocated(req: "PlanRequest", c: PhaseChoice) -> Plan | None:
+    n = math.ceil(req.rate / c.goodput)
+    if n * c.parallel.gpus > req.total_gpus or not _packs(_stages(c, n), req.nodes, req.gpus_per_node):
+        return None
+    return Plan("colocated", "colocated", ((c, n),), n * c.parallel.gpus)
+
+
+def candidate_plans(req: "PlanRequest", phases: dict[str, list[PhaseChoice]]) -> list[Plan]:
+    plans: list[Plan] = []
+    for p in phases["prefill"]:
+        for d in phases["decode"]:
+            plan = _independent(req, p, d)
+            plans += ([plan] if plan else []) + _co_node(req, p, d)
+    plans += [x for x in (_colocated(req, c) for c in phases["colocated"]) if x]
+    return plans
+
+
+def simulate_plan(req: "PlanRequest", plan: Plan, rate: float):
+    """Simulate the whole plan at `rate` (req/s); returns the `SimResult`."""
+    def lm(c: PhaseChoice):
+        return latency_model(req.model, req.hw, c.parallel, req.dtype, req.profile, req.gpus_per_node)
+
+    first = plan.pools[0][0]
+    n = FINE.size(rate, lifetime(lm(first), list(req.pairs)))
+    reqs = poisson_requests(list(req.pairs), rate, n, req.seed + 1)  # a fresh draw, not the search's
+    if plan.mode == "colocated":
+        c, k = plan.pools[0]
+        return simulate_colocated(reqs, [ColocSetup(lm(c), c.kv_tokens, c.token_budget, c.max_seqs)] * k)
+    (p, n_p), (d, n_d) = plan.pools
+    link = Link(req.model.kv_bytes_per_token(req.dtype), plan.link_bw, req.model.layers)
+    return simulate_disaggregated(reqs, [PrefillSetup(lm(p), p.token_budget, p.max_seqs)] * n_p,
+                                  [DecodeSetup(lm(d), d.kv_tokens, d.max_seqs)] * n_d, link)
+
+
+def _bump(req: "PlanRequest", plan: Plan, result) -> Plan | None:
+    """One more replica of the pool that misses more often (a whole unit for co-node plans)."""
+    pools = list(plan.pools)
+    if plan.mode == "colocated":
+        k = 0
+    else:
+        k = 0 if result.ttft_attainment(req.slo) < result.tpot_attainment(req.slo) else 1
+    if plan.placement == "co-node":
+        units = math.gcd(pools[0][1], pools[1][1])
+        pools = [(c, n + n // units) for c, n in pools]
+    else:
+        pools[k] = (pools[k][0], pools[k][1] + 1)
+    gpus = sum(c.parallel.gpus * n for c, n in pools)
+    stages = [s for c, n in pools for s in _stages(c, n)]
+    if gpus > req.total_gpus or not _packs(stages, req.nodes, req.gpus_per_node):
+        return None
+    return Plan(plan.mode, plan.placement, tuple(pools), gpus, plan.link_bw)
+
+
+def verify(req: "PlanRequest", plans: list[Plan]) -> list[Plan]:
+    """Simulate the best `verify_per_mode` plans of each mode whole; add replicas while they miss."""
+    out = []
+    for mode in ("disaggregated", "colocated"):
+        mine = sorted((p for p in plans if p.mode == mode), key=lambda p: (p.gpus, -p.per_gpu_goodput))
+        for plan in mine[:req.verify_per_mode]:
+            for _ in range(MAX_BUMPS + 1):
+                result = simulate_plan(req, plan, req.rate)
+                att = result.attainment(req.slo)
+                out.append(Plan(plan.mode, plan.placement, plan.pools, plan.gpus, plan.link_bw, att, result))
+                if att >= req.slo.attainment:
+                    break
+                plan = _bump(req, plan, result)
+                if plan is None:
+                    break
+    return out

@@ -1,0 +1,149 @@
+"""Discrete-event simulation of the colocated mode: each replica is one engine doing both phases.
+
+A replica's step (vLLM/Sarathi chunked prefill, like `engine.LLM`'s scheduler): every running decode
+sequence brings one token; the rest of the token budget goes to prompt chunks, FCFS over admitted
+requests. A request is admitted (FIFO) when its reserved KV (prompt + output) fits the replica's capacity
+and the sequence cap. Step time = `model.mixed(chunk tokens, chunk SQ, B, C)`; a prompt whose last chunk
+ran gets its first token at the end of that step (TTFT) and decodes from the next step on.
+Requests go to the replica with the fewest outstanding tokens at arrival. Pure Python; called by
+`search` and `report` on equal terms with `sim_disagg`.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+from cluster.planner.events import EventQueue
+from cluster.planner.latency import LatencyModel
+from cluster.planner.metrics import SimResult
+from cluster.planner.sim_disagg import _results, _State
+from cluster.planner.stepping import StepRun
+from cluster.planner.workload import Request
+
+
+@dataclass(frozen=True)
+class ColocSetup:
+    model: LatencyModel
+    kv_tokens: int
+    token_budget: int = 2048  # tokens per step: decode tokens first, prompt chunks fill the rest
+    max_seqs: int = 256
+
+
+class _Replica:
+    def __init__(self, setup: ColocSetup, ev: EventQueue, st: _State):
+        self.s, self.ev, self.st = setup, ev, st
+        self.waiting: deque[int] = deque()
+        self.prefilling: deque[int] = deque()  # admitted, prompt not finished
+        self.done_tokens: dict[int, int] = {}  # prompt tokens already computed
+        self.used = self.seqs = 0
+        self.batch = self.context = 0  # decoding sequences and their summed context
+        self.step_no = 0
+        self.finishing: list[tuple[int, int]] = []
+        self.stepping = False
+        self.outstanding = 0  # prompt + output tokens not yet done: the router's load signal
+
+    def _need(self, i: int) -> int:
+        return self.st.reqs[i].input_len + self.st.reqs[i].output_len
+
+    def arrive(self, i: int) -> None:
+        self.waiting.append(i)
+        self.outstanding += self._need(i)
+        if not self.stepping:
+            self._step()
+
+    def _admit(self) -> None:
+        while self.waiting and self.seqs < self.s.max_seqs:
+            need = self._need(self.waiting[0])
+            if self.used + need > self.s.kv_tokens and self.seqs:
+                break
+            i = self.waiting.popleft()
+            self.used, self.seqs = self.used + need, self.seqs + 1
+            self.prefilling.append(i)
+            self.done_tokens[i] = 0
+
+    def _plan_chunks(self) -> tuple[list[tuple[int, int]], int, float]:
+        """Prompt chunks for this step: (request, chunk) pairs, their tokens and attention SQ term."""
+        budget = self.s.token_budget - self.batch
+        chunks, tokens, sq = [], 0, 0.0
+        for i in self.prefilling:
+            if budget <= 0:
+                break
+            p = self.done_tokens[i]
+            c = min(self.st.reqs[i].input_len - p, budget)
+            chunks.append((i, c))
+            tokens, sq, budget = tokens + c, sq + c * (2 * p + c), budget - c
+        return chunks, tokens, sq
+
+    def _step(self) -> None:
+        """Steps back to back; decode-only stretches that end before the next event are summed in
+        closed form (`stepping`), steps with prompt chunks run one event each."""
+        while True:
+            self._admit()
+            if not self.batch and not self.prefilling:
+                self.stepping = False
+                return
+            self.stepping = True
+            if self.prefilling:
+                chunks, tokens, sq = self._plan_chunks()
+                dt = self.s.model.mixed(tokens, sq, self.batch, self.context)
+                self.ev.at(self.ev.now + dt, self._step_done, chunks)
+                return
+            run = StepRun(self.s.model.decode_lines(self.batch), self.context, self.batch)
+            k = run.steps_before(self.ev.next_time() - self.ev.now, self.finishing[0][0] - self.step_no + 1)
+            if k == 0:
+                self.ev.at(self.ev.now + run.step_time(0), self._step_done, [])
+                return
+            self.ev.advance(self.ev.now + run.run_time(k))
+            self.context += (k - 1) * self.batch
+            self.step_no += k - 1
+            self._finish_step([])
+
+    def _step_done(self, chunks: list[tuple[int, int]]) -> None:
+        self._finish_step(chunks)
+        self._step()
+
+    def _finish_step(self, chunks: list[tuple[int, int]]) -> None:
+        now, st = self.ev.now, self.st
+        self.context += self.batch
+        while self.finishing and self.finishing[0][0] <= self.step_no:
+            _, i = heapq.heappop(self.finishing)
+            self._finish(i, now)
+            self.batch -= 1
+            self.context -= st.reqs[i].input_len + st.reqs[i].output_len
+        for i, c in chunks:
+            self.done_tokens[i] += c
+            self.outstanding -= c
+            r = st.reqs[i]
+            if self.done_tokens[i] < r.input_len:
+                continue
+            self.prefilling.remove(i)
+            del self.done_tokens[i]
+            st.first[i] = now
+            if r.output_len <= 1:
+                self._finish(i, now)
+            else:  # decodes in steps step_no+1 .. step_no+output_len-1
+                self.batch += 1
+                self.context += r.input_len + 1
+                heapq.heappush(self.finishing, (self.step_no + r.output_len - 1, i))
+        self.step_no += 1
+
+    def _finish(self, i: int, now: float) -> None:
+        self.st.done[i] = now
+        self.used -= self._need(i)
+        self.seqs -= 1
+        self.outstanding -= self.st.reqs[i].output_len
+
+
+def simulate_colocated(requests: list[Request], replicas: list[ColocSetup]) -> SimResult:
+    assert replicas and requests
+    ev, st = EventQueue(), _State(requests)
+    reps = [_Replica(s, ev, st) for s in replicas]
+
+    def arrive(i: int) -> None:
+        min(reps, key=lambda r: r.outstanding).arrive(i)
+
+    for i, r in enumerate(requests):
+        ev.at(r.arrival, arrive, i)
+    ev.run()
+    return _results(st)

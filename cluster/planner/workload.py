@@ -1,0 +1,98 @@
+"""Workloads for the planner: request lengths from a trace or a distribution, Poisson arrivals at a rate.
+
+    lengths = trace_lengths("azure_llm_2023_conv.csv")   (input, output) pairs; Azure CSV or Mooncake JSONL
+    lengths = distribution_lengths("uniform:128:1024", "512", n, seed)
+    reqs = poisson_requests(lengths, rate, n, seed, max_len)
+
+`poisson_requests` uses common random numbers: the same seed gives the same unit gaps and the same
+length draws at every rate (arrivals = gaps / rate), so attainment is a smooth, near-monotone function
+of the rate and the search's bisection is stable. The planner keeps the trace's lengths, not its
+arrival times (a rate sweep needs rescaled arrivals anyway). Its own minimal reader: `cluster.bench`
+has the full trace readers. Pure Python.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.planner.errors import PlannerError
+
+
+@dataclass(frozen=True)
+class Request:
+    arrival: float  # seconds
+    input_len: int
+    output_len: int  # tokens generated, the first one (from prefill) included
+
+
+def trace_lengths(path: str | Path) -> list[tuple[int, int]]:
+    """(input, output) lengths of every request in an Azure LLM CSV (ContextTokens, GeneratedTokens) or a
+    Mooncake JSONL (input_length, output_length)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlannerError(f"workload {path}: no such file (traces live in ../shared/workloads/)")
+    pairs: list[tuple[int, int]] = []
+    with path.open() as f:
+        if path.suffix == ".jsonl":
+            for line in f:
+                if line.strip():
+                    d = json.loads(line)
+                    pairs.append((int(d["input_length"]), int(d["output_length"])))
+        else:
+            reader = csv.DictReader(f)
+            if not {"ContextTokens", "GeneratedTokens"} <= set(reader.fieldnames or []):
+                raise PlannerError(f"workload {path}: expected CSV columns ContextTokens, GeneratedTokens "
+                                   f"(Azure) or a .jsonl with input_length, output_length (Mooncake)")
+            pairs = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in reader]
+    if not pairs:
+        raise PlannerError(f"workload {path}: no requests")
+    return pairs
+
+
+def _sampler(text: str, what: str):
+    """`N` (fixed), `uniform:LO:HI`, `exp:MEAN` (geometric-like, at least 1)."""
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            n = int(parts[0])
+            return lambda rng: n
+        kind, args = parts[0], [float(x) for x in parts[1:]]
+        if kind == "uniform" and len(args) == 2:
+            lo, hi = int(args[0]), int(args[1])
+            return lambda rng: rng.randint(lo, hi)
+        if kind == "exp" and len(args) == 1:
+            mean = args[0]
+            return lambda rng: max(1, int(rng.expovariate(1.0 / mean)))
+    except ValueError:
+        pass
+    raise PlannerError(f"--{what} {text!r}: give N, uniform:LO:HI or exp:MEAN")
+
+
+def distribution_lengths(input_len: str, output_len: str, n: int = 2000, seed: int = 0) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    si, so = _sampler(input_len, "input-len"), _sampler(output_len, "output-len")
+    return [(max(1, si(rng)), max(1, so(rng))) for _ in range(n)]
+
+
+def clamp(pairs: list[tuple[int, int]], max_len: int) -> list[tuple[int, int]]:
+    """Fit each request into the model's context: prompt first (keep >= 1 output token), then output."""
+    out = []
+    for i, o in pairs:
+        i = min(max(1, i), max_len - 1)
+        out.append((i, max(1, min(o, max_len - i))))
+    return out
+
+
+def poisson_requests(pairs: list[tuple[int, int]], rate: float, n: int, seed: int = 0) -> list[Request]:
+    """`n` requests with Poisson arrivals at `rate` req/s and lengths drawn from `pairs`."""
+    assert rate > 0 and pairs
+    rng = random.Random(seed)
+    t, reqs = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(1.0)  # unit-rate gap, scaled below: same draws at every rate
+        i, o = pairs[rng.randrange(len(pairs))]
+        reqs.append(Request(t / rate, i, o))
+    return reqs
