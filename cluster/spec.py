@@ -5,7 +5,8 @@ Shape (only `model` is required; the pools the mode needs must be named; default
     model, dtype, mode: disaggregated | colocated
     pools:        prefill + decode (disaggregated) or colocated; each: replicas, tensor_parallel,
                   pipeline_parallel, resources {num_cpus, num_gpus, custom}, max_num_seqs,
-                  max_num_batched_tokens, max_model_len, kv {page_size, num_pages}
+                  max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage},
+                  speculative {proposer, max_draft, adaptive, gate, draft_model} (decode/colocated only)
     kv_transfer:  host, auth_token {env | file}, tls {cert_file, key_file, ca_file}, failure_policy
     server:       host, port, api_key {env | file}, request_timeout_s, max_queued_requests
     slo:          ttft_ms, tpot_ms
@@ -122,6 +123,7 @@ class Resources(_Section):
 class KVPages(_Section):
     page_size: int = Field(16, ge=1, le=1024)  # tokens per KV page
     num_pages: int = Field(1024, ge=1)  # pages per replica: 16k tokens, ~380 MB for SmolLM2 in bf16
+    storage: Literal["raw", "int8", "fp8"] = "raw"  # page format, also the KV wire format (quantized: ~0.52x)
 
 
 def _capacity_problem(pool: "Pool", max_len: int) -> Problem | None:
@@ -134,6 +136,30 @@ def _capacity_problem(pool: "Pool", max_len: int) -> Problem | None:
                                    f"max_model_len <= {cap}")
 
 
+class SpeculativeSpec(_Section):
+    """Draft-verify decoding in a decode or colocated pool (engine.spec_decode.SpeculativeConfig)."""
+    proposer: Literal["ngram", "recycling", "draft_model"] = "ngram"
+    max_draft: int = Field(4, ge=1, le=16)  # draft tokens per request per step, at most
+    adaptive: bool = True  # per-request draft length from its acceptance
+    gate: bool = True  # speculate only when the measured verify cost says it pays for the batch
+    draft_model: str | None = Field(None, min_length=1)  # proposer draft_model: a model with the same tokenizer
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeSpec":
+        if self.proposer == "draft_model" and self.draft_model is None:
+            _fail_if([Problem("draft_model", "required with proposer: draft_model (a model name, HF directory "
+                                             "or .gguf with the served model's tokenizer)")])
+        if self.proposer != "draft_model" and self.draft_model is not None:
+            _fail_if([Problem("draft_model", f"only used with proposer: draft_model (proposer is {self.proposer})")])
+        return self
+
+    def engine_config(self) -> dict[str, Any]:
+        """The `speculative` keyword of `engine.LLM` (plain data: it crosses to Ray actors)."""
+        opts = {"model": self.draft_model} if self.draft_model else {}
+        return {"proposer": self.proposer, "max_draft": self.max_draft, "adaptive": self.adaptive,
+                "gate": self.gate, "proposer_options": opts}
+
+
 class Pool(_Section):
     """One pool of identical replicas (a replica = one engine, later tp x pp workers)."""
     replicas: int = Field(1, ge=1)
@@ -144,7 +170,8 @@ class Pool(_Section):
     max_num_batched_tokens: int = Field(512, ge=1)  # tokens in one step's batch (prefill chunk budget)
     max_model_len: int | None = Field(None, ge=1)  # prompt + output; None: the model's limit
     kv: KVPages = Field(default_factory=KVPages)
-    _blank_is_default = ("resources", "kv")
+    speculative: SpeculativeSpec | None = None  # `speculative:` alone: ngram with defaults
+    _blank_is_default = ("resources", "kv", "speculative")
 
     @model_validator(mode="after")
     def _check(self) -> "Pool":
@@ -158,6 +185,8 @@ class Pool(_Section):
         parts += [f"{r.num_gpus:g} GPU"] if r.num_gpus else []
         parts += [f"{k} {v:g}" for k, v in r.custom.items()]
         parts.append(f"{self.kv.num_pages} KV pages of {self.kv.page_size}")
+        if self.speculative is not None:
+            parts.append(f"speculative {self.speculative.proposer} <= {self.speculative.max_draft}")
         return f"{self.replicas} replica{'s' if self.replicas != 1 else ''} ({', '.join(parts)})"
 
 
@@ -252,7 +281,16 @@ class ClusterSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":
-        _fail_if(self._mode_problems())
+        problems = self._mode_problems()
+        if self.pools.prefill is not None and self.pools.prefill.speculative is not None:
+            problems.append(Problem("pools.prefill.speculative", "prefill workers do not decode; set "
+                                                                 "speculative on pools.decode"))
+        pre, dec = self.pools.prefill, self.pools.decode
+        if self.mode == "disaggregated" and pre and dec and pre.kv.storage != dec.kv.storage:
+            problems.append(Problem("pools.decode.kv.storage", f"{dec.kv.storage!r} differs from pools.prefill.kv."
+                                    f"storage {pre.kv.storage!r}: KV pages travel in their storage format, so "
+                                    f"both pools must use the same one"))
+        _fail_if(problems)
         return self
 
     def _mode_problems(self) -> list[Problem]:
@@ -287,9 +325,12 @@ class ClusterSpec(_Section):
     def engine_kwargs(self, pool: str) -> dict[str, Any]:
         """Keyword arguments for `engine.LLM` for one replica of `pool`."""
         p = self.pools_in_use()[pool]
-        return {"model": self.model, "dtype": self.dtype, "page_size": p.kv.page_size, "num_pages": p.kv.num_pages,
-                "max_num_seqs": p.max_num_seqs, "max_num_batched_tokens": p.max_num_batched_tokens,
-                "max_model_len": p.max_model_len}
+        kw = {"model": self.model, "dtype": self.dtype, "page_size": p.kv.page_size, "num_pages": p.kv.num_pages,
+              "max_num_seqs": p.max_num_seqs, "max_num_batched_tokens": p.max_num_batched_tokens,
+              "max_model_len": p.max_model_len, "kv_storage": p.kv.storage}
+        if p.speculative is not None:
+            kw["speculative"] = p.speculative.engine_config()
+        return kw
 
     def summary(self) -> str:
         pools = "; ".join(f"{n} {pool.describe()}" for n, pool in self.pools_in_use().items())

@@ -29,6 +29,11 @@ began). `stats()` counts KV bytes received.
 
 Colocated mode uses the same class without a receiver (`serve_kv=False`): `add_request()` runs both
 phases on this engine.
+
+Draft-verify decoding: `engine_kwargs["speculative"]` (a dict from the pool's YAML `speculative:` section,
+or an `engine.spec_decode.SpeculativeConfig`) turns it on in the engine (engine/spec_decode: proposers,
+verify, adaptive length, load-aware gate); a request's `params.speculative` overrides it per request.
+`stats()` reports its counters as `spec_*` fields.
 """
 from __future__ import annotations
 
@@ -77,6 +82,13 @@ class DecodeStats:
     num_transfer_failures: int = 0  # of requests this worker still owned (recomputed or ended "error")
     kv_bytes_received: int = 0  # KV payload bytes of committed transfers
     transfers_committed: int = 0
+    spec_steps: int = 0  # steps with a request that could draft (0 without speculation)
+    spec_share: float = 0.0  # share of those steps that verified drafts
+    spec_drafted: int = 0  # draft tokens verified
+    spec_accepted: int = 0  # of those, accepted
+    spec_acceptance_rate: float = 0.0
+    spec_tokens_per_verify: float = 0.0  # tokens one request's verify produced, on average
+    spec_verify_cost_ratio: float = 1.0  # last estimate: step time with drafts / without
 
 
 @dataclass
@@ -176,10 +188,17 @@ class DecodeWorker:
 
     def stats(self) -> DecodeStats:
         s, u = self.llm.scheduler, self.llm.kv_usage()
-        return DecodeStats(self.llm.allocator.num_free, u["num_pages"], u["pages_in_use"], u["reservations"],
-                           self.receiver.num_live if self.receiver else 0, len(s.running), len(s.waiting),
-                           s.cfg.max_num_seqs, s.stats.num_preemptions, s.stats.num_steps,
-                           self.num_transfer_failures, self.kv_bytes_received, self.transfers_committed)
+        out = DecodeStats(self.llm.allocator.num_free, u["num_pages"], u["pages_in_use"], u["reservations"],
+                          self.receiver.num_live if self.receiver else 0, len(s.running), len(s.waiting),
+                          s.cfg.max_num_seqs, s.stats.num_preemptions, s.stats.num_steps,
+                          self.num_transfer_failures, self.kv_bytes_received, self.transfers_committed)
+        sp = self.llm.spec_stats()
+        if sp:
+            out.spec_steps, out.spec_share = int(sp["num_steps"]), sp["spec_share"]
+            out.spec_drafted, out.spec_accepted = int(sp["num_drafted"]), int(sp["num_accepted"])
+            out.spec_acceptance_rate, out.spec_tokens_per_verify = sp["acceptance_rate"], sp["tokens_per_verify"]
+            out.spec_verify_cost_ratio = sp["verify_cost_ratio"]
+        return out
 
     def close(self) -> None:
         """Stop receiving, fail live transfers, abort every request (their pages return to the pool)."""

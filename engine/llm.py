@@ -1,6 +1,6 @@
 """`LLM`: a single-process engine (scheduler + runner), used standalone and as the colocated baseline.
 
-    llm = LLM(model="smollm2-135m", dtype="float32", page_size=16, num_pages=512)
+    llm = LLM(model="smollm2-135m", dtype="float32", page_size=16, num_pages=512)  # kv_storage="int8"|"fp8"
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
 Step API for servers: `add_request()` -> repeated `step()` (each returns a `RequestOutput` for every
@@ -41,7 +41,8 @@ class LLM:
                  page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic,
-                 keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None):
+                 keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None,
+                 kv_storage: str = "raw"):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = resolve_model(model)
@@ -54,7 +55,7 @@ class LLM:
         if num_pages is None:
             num_pages = max(-(-16384 // page_size), -(-self.max_model_len // page_size))
         c = self.config
-        self.kv_spec = KVPageSpec(c.num_layers, c.num_kv_heads, c.head_dim, page_size, dtype)
+        self.kv_spec = KVPageSpec(c.num_layers, c.num_kv_heads, c.head_dim, page_size, dtype, kv_storage)
         self.allocator = PageAllocator(num_pages, clock=clock)
         self.backend = make_backend(self.kv_spec, num_pages, device)
         self.tables = BlockTables(self.allocator, page_size)
@@ -94,6 +95,8 @@ class LLM:
         prefill-only request makes one token, so only that one must fit."""
         if prefill_only:
             params = SamplingParams(max_tokens=1)
+        if self.spec is not None:
+            self.spec.check(params)  # a per-request proposer this engine cannot run
         if n_prompt >= self.max_model_len:
             raise InvalidRequestError("prompt", f"{n_prompt} tokens; the model's context is {self.max_model_len}")
         if n_prompt + params.max_tokens > self.max_model_len:
@@ -116,8 +119,6 @@ class LLM:
         rid = request_id if request_id is not None else f"req-{next(_ids)}"
         if rid in self.requests:
             raise InvalidRequestError("request_id", f"{rid!r} is already in use")
-        if self.spec is not None:
-            self.spec.check(params)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         return Request(rid, ids, params, seed, self.clock(), prefill_only=prefill_only)
 

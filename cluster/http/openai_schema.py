@@ -20,7 +20,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SpecRequestOptions
 
 MAX_N = 16  # choices per prompt
 MAX_STOP = 16
@@ -47,6 +47,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class SpeculativeOptions(_Strict):
+    """Per-request draft-verify override (outputs never change; an engine without speculation ignores it)."""
+    enabled: bool = True
+    max_draft: int | None = Field(None, ge=0, le=16)
+    proposer: Literal["ngram", "recycling", "draft_model"] | None = None  # draft_model only where configured
+
+
 class PdserveOptions(_Strict):
     """pdserve's own per-request options (the `pdserve` object of the body)."""
     timeline: bool = False  # return the request's timeline (queued, first_token, finish, ...) in the response
@@ -57,6 +64,7 @@ class PdserveOptions(_Strict):
     repetition_penalty: float = 1.0
     stop_token_ids: list[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
+    speculative: SpeculativeOptions | None = None
 
 
 class StreamOptions(_Strict):
@@ -188,6 +196,7 @@ def sampling_params(req: CompletionRequest | ChatRequest, choice: int, default_m
         stop=list([req.stop] if isinstance(req.stop, str) else req.stop or []),
         stop_token_ids=list(o.stop_token_ids), ignore_eos=o.ignore_eos, logprobs=logprobs,
         seed=None if req.seed is None else req.seed + choice, skip_special_tokens=o.skip_special_tokens,
+        speculative=SpecRequestOptions(**o.speculative.model_dump()) if o.speculative is not None else None,
     )
     params.validate(vocab_size=2**31)  # early 400s; the engine re-checks token ids against its vocabulary
     return params
