@@ -77,6 +77,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--pdserve-options", action="store_true", help="--endpoint is pdserve: send its options")
     b.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--no-early-stop", action="store_true",
+                   help="run every probe to the end even when it can no longer reach the attainment target")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -155,9 +157,11 @@ def _bench(args: argparse.Namespace) -> int:
     rates = args.rates or [args.rate if args.rate else (None if workload.native_rate else 1.0)]
     out_dir = Path(args.out or f"bench/out/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg = BenchConfig(rates, ttft, tpot, args.attainment, args.bisect, 2 if args.bisect else 0, args.duration,
-                      args.warmup, args.unloaded_requests, args.slo_scales, not args.no_progress, args.timeout,
-                      out_dir)
+    cfg = BenchConfig(rates, ttft, tpot, target_attainment=args.attainment, bisect_steps=args.bisect,
+                      expand=2 if args.bisect else 0, duration_s=args.duration, warmup=args.warmup,
+                      unloaded_requests=args.unloaded_requests, slo_scales=args.slo_scales,
+                      progress=not args.no_progress, early_stop=not args.no_early_stop, timeout_s=args.timeout,
+                      out_dir=out_dir)
     try:
         targets, order = _targets(args, out_dir)
     except (ValueError, OSError) as e:

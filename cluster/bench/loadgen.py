@@ -9,6 +9,9 @@ until `t0 + arrival_s` -> POST with `stream: true` and `stream_options.include_u
 that carries output tokens is time-stamped (`time.perf_counter()` minus t0) -> the usage chunk gives the
 output token count -> `RequestRecord` (metrics.py turns it into TTFT/TPOT). Errors never raise: HTTP
 errors, SSE error events, transport errors and client timeouts end the request with `error` set.
+An optional `stop_when(records, now)` is polled every 0.2 s; when it fires (runner.py: the probe has
+already missed too many requests to reach the attainment target), the unfinished requests are cancelled
+-- their connections close, so the server aborts them -- and recorded as failed.
 
 pdserve's own options go out only when `Target.pdserve` is true (`--spec`/`--compare`, or `--endpoint`
 with `--pdserve-options`): `ignore_eos` (so every request produces exactly `max_tokens` tokens),
@@ -100,8 +103,9 @@ async def _stream(client: httpx.AsyncClient, target: Target, body: dict, rec: Re
                 return
 
 
-async def send_one(client: httpx.AsyncClient, target: Target, spec: RequestSpec, prompt, t0: float) -> RequestRecord:
-    rec = RequestRecord(spec.index, spec.arrival_s, spec.input_len, spec.output_len)
+async def send_one(client: httpx.AsyncClient, target: Target, spec: RequestSpec, prompt, t0: float,
+                   rec: RequestRecord | None = None) -> RequestRecord:
+    rec = rec or RequestRecord(spec.index, spec.arrival_s, spec.input_len, spec.output_len)
     delay = t0 + spec.arrival_s - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
@@ -113,18 +117,34 @@ async def send_one(client: httpx.AsyncClient, target: Target, spec: RequestSpec,
         rec.error = f"client timeout after {target.timeout_s:g} s"
     except httpx.HTTPError as e:
         rec.error = f"{type(e).__name__}: {e}"
-    rec.end_s = time.perf_counter() - t0
     if rec.error is None and not rec.output_tokens:
         rec.output_tokens = sum(rec.chunk_tokens)  # no usage chunk: count what streamed
     if rec.error is None and not rec.chunk_s:
         rec.error = "no output token"
+    rec.end_s = time.perf_counter() - t0  # last: a watcher reads end_s as "this record is final"
     return rec
 
 
+StopCheck = Callable[[list[RequestRecord], float], bool]
+
+
+async def _watch(records: list[RequestRecord], tasks: list[asyncio.Task], stop_when: StopCheck, t0: float,
+                 every_s: float = 0.2) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        if stop_when(records, time.perf_counter() - t0):
+            for t in tasks:
+                t.cancel()  # in-flight streams close: the server sees a disconnect and aborts them
+            return
+
+
 async def run_load(requests: list[RequestSpec], prompt_of: Callable[[RequestSpec], object], target: Target,
-                   progress: bool = False, desc: str = "") -> list[RequestRecord]:
-    """Every request at its arrival time (seconds from now); records in request order."""
+                   progress: bool = False, desc: str = "", stop_when: StopCheck | None = None) -> list[RequestRecord]:
+    """Every request at its arrival time (seconds from now); records in request order. `stop_when(records,
+    now)` is polled while the load runs; once it says so, every request not yet finished is cancelled
+    and recorded as failed ("stopped early")."""
     prompts = [prompt_of(s) for s in requests]  # built before t0: prompt building must not delay sends
+    records = [RequestRecord(s.index, s.arrival_s, s.input_len, s.output_len) for s in requests]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -135,17 +155,30 @@ async def run_load(requests: list[RequestSpec], prompt_of: Callable[[RequestSpec
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         t0 = time.perf_counter()
 
-        async def one(spec: RequestSpec, prompt) -> RequestRecord:
-            rec = await send_one(client, target, spec, prompt, t0)
+        async def one(spec: RequestSpec, prompt, rec: RequestRecord) -> None:
+            await send_one(client, target, spec, prompt, t0, rec)
             if bar is not None:
                 bar.update(1)
-            return rec
 
+        tasks = [asyncio.create_task(one(*args)) for args in zip(requests, prompts, records)]
+        watcher = asyncio.create_task(_watch(records, tasks, stop_when, t0)) if stop_when else None
         try:
-            return list(await asyncio.gather(*(one(s, p) for s, p in zip(requests, prompts))))
+            await asyncio.gather(*tasks, return_exceptions=True)
         finally:
+            if watcher is not None:
+                watcher.cancel()
+            for t in tasks:
+                t.cancel()
             if bar is not None:
                 bar.close()
+        now = time.perf_counter() - t0
+        for rec, task in zip(records, tasks):
+            if task.cancelled() or rec.end_s is None:
+                rec.error = rec.error or "stopped early (the probe could no longer reach the attainment target)"
+                rec.end_s = now
+            elif task.exception() is not None:
+                raise task.exception()
+    return records
 
 
 async def run_sequential(requests: list[RequestSpec], prompt_of: Callable[[RequestSpec], object],

@@ -70,7 +70,8 @@ def phase_means(records) -> dict[str, float]:
 
 
 def _run_json(run: RateRun) -> dict:
-    return {"rate": run.rate, "summary": asdict(run.summary) if run.summary else None,
+    return {"rate": run.rate, "stopped_early": run.stopped_early,
+            "summary": asdict(run.summary) if run.summary else None,
             "phases_ms": phase_means(run.records), "requests": [record_json(r) for r in run.records]}
 
 
@@ -128,10 +129,13 @@ def markdown(result: BenchResult, compare: dict | None) -> str:
     for t in result.targets:
         for r in t.runs:
             s = r.summary
-            lines.append(f"| {t.label} | {_f(r.rate, '.3g')} | {s.attainment:.2f} | {s.completed}/{s.requests} "
+            att = f"{s.attainment:.2f}" + ("*" if r.stopped_early else "")
+            lines.append(f"| {t.label} | {_f(r.rate, '.3g')} | {att} | {s.completed}/{s.requests} "
                          f"| {_f(s.ttft_ms['p50'])} / {_f(s.ttft_ms['p90'])} "
                          f"| {_f(s.tpot_ms['p50'], '.1f')} / {_f(s.tpot_ms['p90'], '.1f')} "
                          f"| {_f(s.output_throughput, '.1f')} |")
+    if any(r.stopped_early for t in result.targets for r in t.runs):
+        lines += ["", "\\* stopped early: below the target at every SLO scale; cancelled requests count as misses"]
     lines += ["", "| target | goodput (req/s) | note |", "|---|---|---|"]
     for t in result.targets:
         gp = t.goodput

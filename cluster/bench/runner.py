@@ -11,6 +11,11 @@ SLO-reference target first, so SLOs are fixed before any loaded run:
                   TPOT of those, so a scale of 1x is what ~90% of requests meet with no load at all
     load          metrics.find_goodput over the rates: each probe replays the workload at that rate
                   (open loop, all `num_requests`, or those arriving within `duration_s`)
+                  early stop (default on): once more requests have certainly missed the LOOSEST SLO of
+                  the scale sweep (max(declared, max scale x reference)) than the attainment target
+                  allows, the probe is cut short -- at that rate attainment is below target at every
+                  SLO scale reported, so goodput readings stay valid; the recorded attainment of such a
+                  probe counts the cancelled requests as misses (a lower bound), flagged `stopped_early`
     stop          SIGINT to the child and wait
 The result keeps every record; report.py writes the JSON, markdown and PNGs from it.
 """
@@ -22,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.bench.loadgen import Target, run_load, run_sequential
-from cluster.bench.metrics import (GoodputResult, RatePoint, RequestRecord, Summary, find_goodput, percentile,
-                                   request_metrics, summarize)
+from cluster.bench.metrics import (GoodputResult, RatePoint, RequestRecord, Summary, find_goodput, meets,
+                                   percentile, request_metrics, summarize)
 from cluster.bench.server import SpecServer, SpecVariant
 from cluster.bench.workload import RequestSpec, Workload
 
@@ -66,6 +71,7 @@ class BenchConfig:
     unloaded_requests: int = 8
     slo_scales: list[float] = field(default_factory=lambda: [1.5, 2, 3, 4, 5, 6, 8, 10])
     progress: bool = True
+    early_stop: bool = True
     timeout_s: float = 300.0  # per request, client side (pdserve targets also get it as deadline_s)
     out_dir: Path = Path("bench/out")
 
@@ -88,6 +94,7 @@ class RateRun:
     rate: float | None
     records: list[RequestRecord]
     summary: Summary | None = None
+    stopped_early: bool = False
 
 
 @dataclass
@@ -152,12 +159,33 @@ def _say(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
+def hopeless(ttft_s: float, tpot_s: float, target: float, n: int):
+    """stop_when for run_load: more than n * (1 - target) requests certainly missed (finished and
+    missed, or waiting for a first token longer than the TTFT target)."""
+    allowed = n * (1.0 - target) + 1e-9
+
+    def check(records: list[RequestRecord], now: float) -> bool:
+        misses = 0
+        for r in records:
+            if r.end_s is not None:
+                misses += not meets(request_metrics(r), ttft_s, tpot_s)
+            elif r.sent_s is not None and not r.chunk_s and now - r.sent_s > ttft_s:
+                misses += 1
+        return misses > allowed
+    return check
+
+
 def _probe(cfg: BenchConfig, workload: Workload, prompt_of, target: Target, rate: float | None,
-           label: str) -> RateRun:
+           label: str, slo: "SLO") -> RateRun:
     reqs = workload.at_rate(rate, cfg.duration_s)
     desc = f"{label} @ {'trace' if rate is None else f'{rate:g}'} req/s"
-    records = asyncio.run(run_load(reqs, prompt_of, target, progress=cfg.progress, desc=desc))
-    return RateRun(rate, records)
+    stop = None
+    if cfg.early_stop:
+        top = max(cfg.slo_scales, default=0.0)
+        stop = hopeless(max(slo.ttft_s, top * (slo.ref_ttft_s or 0.0)),
+                        max(slo.tpot_s, top * (slo.ref_tpot_s or 0.0)), cfg.target_attainment, len(reqs))
+    records = asyncio.run(run_load(reqs, prompt_of, target, progress=cfg.progress, desc=desc, stop_when=stop))
+    return RateRun(rate, records, stopped_early=any((r.error or "").startswith("stopped early") for r in records))
 
 
 def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarget, result: BenchResult) -> TargetResult:
@@ -179,13 +207,13 @@ def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarge
     assert slo is not None, "the SLO reference target runs first"
 
     def measure(rate: float | None) -> float:
-        run = _probe(cfg, workload, prompt_of, target, rate, bt.label)
+        run = _probe(cfg, workload, prompt_of, target, rate, bt.label, slo)
         run.summary = summarize(run.records, slo.ttft_s, slo.tpot_s)
         tr.runs.append(run)
         s = run.summary
         _say(f"{bt.label} @ {'trace' if rate is None else f'{rate:g}'} req/s: attainment {s.attainment:.2f}, "
              f"TTFT p50 {s.ttft_ms['p50']:.0f} ms, TPOT p50 {s.tpot_ms['p50']:.1f} ms, "
-             f"{s.completed}/{s.requests} ok")
+             f"{s.completed}/{s.requests} ok" + (" (stopped early)" if run.stopped_early else ""))
         time.sleep(1.0)  # let late cleanup (aborts, page frees) finish before the next probe
         return s.attainment
 

@@ -22,7 +22,7 @@ from cluster.bench.workload import RequestSpec
 class FakeServer:
     """Streams `max_tokens` one-token chunks. Prompt token 0 selects the behaviour: 1 -> 429, 2 -> an SSE
     error event after one token, 3 -> wait until a request with prompt token 4 has arrived (deadlocks a
-    closed-loop client), 5 -> chunks of two tokens. pdserve options are echoed as a timeline."""
+    closed-loop client), 5 -> chunks of two tokens, 6 -> first token after 30 s. pdserve options are echoed as a timeline."""
 
     def __init__(self):
         self.bodies: list[dict] = []
@@ -53,6 +53,8 @@ class FakeServer:
         try:
             if kind == 3:
                 await asyncio.wait_for(self.saw_4.wait(), 20.0)
+            if kind == 6:
+                await asyncio.sleep(30.0)
             opts = body.get("pdserve") or {}
             n, step = body["max_tokens"], 2 if kind == 5 else 1
             for i in range(0, n, step):
@@ -169,3 +171,39 @@ def test_report_from_fake_runs(fake, tmp_path):
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Goodput ratio a / b" in files["markdown"].read_text()
     assert compare_summary(result, ["a", "missing"]) is None
+
+
+def test_early_stop_cancels_a_hopeless_probe(fake):
+    from cluster.bench.runner import hopeless
+
+    # 10 requests, target 0.9: one certain miss is allowed, the second stops the probe. Requests 0 and 1
+    # wait 30 s for a first token (misses once they waited past the 0.5 s TTFT target)
+    reqs = [RequestSpec(i, 0.05 * i, 4, 2) for i in range(10)]
+    target = Target(fake.url, "fake", timeout_s=60.0)
+    recs = asyncio.run(run_load(reqs, prompt_of([6, 6] + [0] * 8), target,
+                                stop_when=hopeless(0.5, 10.0, 0.9, len(reqs))))
+    assert recs[0].error.startswith("stopped early") and recs[1].error.startswith("stopped early")
+    assert all(r.error is None and r.output_tokens == 2 for r in recs[2:])  # they finished before the stop
+    assert all(r.end_s is not None for r in recs)
+    assert summarize(recs, 0.5, 10.0).attainment == pytest.approx(0.8)
+    end = time.monotonic() + 20  # the server sees both slow streams disconnect (long before their 30 s)
+    while fake.open_streams:
+        assert time.monotonic() < end, "cancelled streams still open on the server"
+        time.sleep(0.05)
+
+
+def test_hopeless_counts_finished_misses_and_overdue_first_tokens():
+    from cluster.bench.metrics import RequestRecord
+    from cluster.bench.runner import hopeless
+
+    check = hopeless(ttft_s=1.0, tpot_s=0.1, target=0.75, n=4)  # one miss allowed
+    fine = RequestRecord(0, 0, 4, 2, sent_s=0.0, chunk_s=[0.5, 0.55], chunk_tokens=[1, 1], end_s=0.6,
+                         output_tokens=2)
+    slow_tpot = RequestRecord(1, 0, 4, 2, sent_s=0.0, chunk_s=[0.5, 0.9], chunk_tokens=[1, 1], end_s=0.9,
+                              output_tokens=2)
+    waiting = RequestRecord(2, 0, 4, 2, sent_s=0.0)
+    unsent = RequestRecord(3, 5.0, 4, 2)
+    assert not check([fine, slow_tpot, waiting, unsent], now=0.9)  # one certain miss
+    assert check([fine, slow_tpot, waiting, unsent], now=1.1)  # the waiting one is now past its TTFT
+    failed = RequestRecord(3, 0, 4, 2, sent_s=0.0, end_s=0.1, error="HTTP 500: x")
+    assert check([fine, slow_tpot, waiting, failed], now=0.2)
