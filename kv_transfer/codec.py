@@ -27,7 +27,7 @@ from kv_transfer.contract import (DataLoss, FailedPrecondition, InvalidFrame, Re
                                   TransferDescriptor)
 
 ALLOWED_DTYPES = frozenset(DTYPES)  # float32, bfloat16, float16
-ALLOWED_FORMATS = frozenset(STORAGE_FORMATS) & {"raw"}  # formats whose byte layout the transfer knows
+ALLOWED_FORMATS = frozenset(STORAGE_FORMATS)  # every engine format: cells are shipped as stored
 _U32 = (1 << 32) - 1
 _CHUNK_TAG = bytes([(2 << 3) | 2])  # Frame.chunk: field 2, length-delimited
 _PAYLOAD_TAG = bytes([(12 << 3) | 2])  # Chunk.payload: field 12, length-delimited

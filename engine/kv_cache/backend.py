@@ -3,7 +3,8 @@
 The model never indexes cache tensors; it hands the backend the keys (after RoPE) and values of the new
 tokens and asks for attention outputs. Storage per layer is `[num_pages, page_size, num_kv_heads,
 head_dim]`, addressed by flat slot id (page * page_size + offset). Formats register by name in
-`BACKENDS` ("raw" today; quantized formats later), so the model and the transfer layer stay unchanged.
+`BACKENDS` ("raw" here; "int8" and "fp8" in `quantized.py`), so the model and the transfer layer stay
+unchanged.
 
 Masks come from slot counts in the `AttentionContext` (built by `engine.attention_context`), never from
 positions, so a cache whose evicted tokens were compacted away still attends correctly.
@@ -57,10 +58,11 @@ class RawKVBackend:
         return k.view(*slots.shape, *tail), v.view(*slots.shape, *tail)
 
     def read_pages(self, layer: int, page_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole pages, concatenated per row: page_index [B, P] -> K, V [B, P * page_size, kv_heads, head_dim]."""
+        """Whole pages as stored, concatenated per row: page_index [B, P] -> K, V [B, P * page_size,
+        kv_heads, cell] (cell = head_dim values for raw pages, the stored bytes for quantized ones)."""
         b, p = page_index.shape
         flat = page_index.reshape(-1)
-        shape = (b, p * self.spec.page_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (b, p * self.spec.page_size, self.spec.num_kv_heads, self.k[layer].shape[-1])
         return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
 
     def attend(self, layer: int, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -72,16 +74,18 @@ class RawKVBackend:
             out[g.token_start:g.token_end] = self._attend_group(layer, q[g.token_start:g.token_end], g, ctx)
         return out
 
-    def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
-        b, ql = g.batch, g.q_len
+    def _load(self, layer: int, g: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V a group attends to, as stored: [B, ctx, kv_heads, cell] (subclasses decode them)."""
         n = max(g.ctx_lens)
         if g.contiguous_from is not None:  # one sequence on consecutive pages: a view, no gather
             lo = g.contiguous_from
-            k = self._flat(self.k[layer])[lo:lo + n].unsqueeze(0)  # [1, ctx, kv_heads, head_dim]
-            v = self._flat(self.v[layer])[lo:lo + n].unsqueeze(0)
-        else:
-            k, v = self.read_pages(layer, g.page_index)  # [B, pages * page_size, kv_heads, head_dim]
-            k, v = k[:, :n], v[:, :n]
+            return self._flat(self.k[layer])[lo:lo + n].unsqueeze(0), self._flat(self.v[layer])[lo:lo + n].unsqueeze(0)
+        k, v = self.read_pages(layer, g.page_index)  # [B, pages * page_size, kv_heads, cell]
+        return k[:, :n], v[:, :n]
+
+    def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
+        b, ql = g.batch, g.q_len
+        k, v = self._load(layer, g)  # [B, ctx, kv_heads, head_dim]
         qh = q.view(b, ql, *q.shape[1:]).transpose(1, 2)  # [B, q_heads, q_len, head_dim]
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, ctx, head_dim]
         if g.observe is not None:
@@ -97,8 +101,11 @@ class RawKVBackend:
         return self.read(layer, slots)
 
 
-BACKENDS = {"raw": RawKVBackend}
+BACKENDS = {"raw": RawKVBackend}  # quantized formats register from engine/kv_cache/quantized.py
 
 
 def make_backend(spec: KVPageSpec, num_pages: int, device="cpu"):
+    if spec.storage_format not in BACKENDS:
+        from engine.kv_cache import quantized  # noqa: F401 - registers its formats
+
     return BACKENDS[spec.storage_format](spec, num_pages, device)

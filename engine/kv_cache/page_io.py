@@ -5,11 +5,13 @@ without knowing tensors: it asks this module for the stored bytes of some slots 
 and hands the bytes back on the other side. Bytes are exactly what the backend stores (the `KVPageSpec`'s
 storage format), never re-encoded, so quantized formats flow through unchanged once they register here.
 
-    k, v = export_kv(backend, layer, pages, start, stop)            # bytes-like, [n, kv_heads, head_dim]
+    k, v = export_kv(backend, layer, pages, start, stop)            # bytes-like, [n, kv_heads, cell]
     import_kv(backend, layer, pages, start, stop, payload, h0, h1)  # payload = K bytes then V bytes
 
 Slots [start, stop) of a page list are addressed with the pool's own page size. Storage per layer is
-`[num_pages, page_size, kv_heads, head_dim]` (the raw backend's layout): consecutive slots move as one
+`[num_pages, page_size, kv_heads, cell]`, where a cell is one (token, head): head_dim values in the
+compute dtype (raw), or head_dim + 2 bytes (quantized, `quantized.py`); this module only moves cells,
+whatever their element type. Consecutive slots move as one
 slice, scattered pages as one gather/scatter of whole pages (plus the partial edge pages), so the cost
 does not depend on how fragmented the free list was.
 Only the engine thread may call these on a live engine (they touch cache tensors), except that
@@ -22,7 +24,6 @@ from typing import Sequence
 
 import torch
 
-from engine.kv_cache.backend import torch_dtype
 from engine.kv_cache.spec import KVPageSpec
 
 # torch.frombuffer warns (once) that a read-only buffer such as a received payload is not writable; we
@@ -30,16 +31,9 @@ from engine.kv_cache.spec import KVPageSpec
 # than the copy of a small chunk.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
-# Storage formats whose bytes this module can move, with bytes per (token, head) of K (or of V).
-_TOKEN_HEAD_BYTES = {"raw": lambda spec: spec.head_dim * spec.itemsize}
-
-
 def stored_token_head_bytes(spec: KVPageSpec) -> int:
     """Bytes one token of one KV head takes in storage, for K (V is the same size)."""
-    try:
-        return _TOKEN_HEAD_BYTES[spec.storage_format](spec)
-    except KeyError:
-        raise ValueError(f"storage format {spec.storage_format!r} has no byte layout for transfer") from None
+    return spec.token_head_bytes()
 
 
 Runs = list[tuple[int, int, int]]  # (first flat slot, offset into the token range, length)
@@ -65,48 +59,47 @@ def slot_runs(pages: Sequence[int], page_size: int, start: int, stop: int) -> Ru
 
 def export_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int,
               copy: bool = True) -> tuple[memoryview, memoryview]:
-    """Stored K and V of slots [start, stop) of a page list, as flat byte views [n, kv_heads, head_dim].
+    """Stored K and V of slots [start, stop) of a page list, as flat byte views [n, kv_heads, cell].
 
     copy=True snapshots them (the pool may change afterwards); copy=False returns views of the pool
     itself when the slots are consecutive -- only for pages nobody writes while the views are in use.
     Scattered pages are gathered whole, in one op (a page is a contiguous block of the pool)."""
     spec: KVPageSpec = backend.spec
-    assert spec.storage_format == "raw", spec.storage_format
     ps, runs = spec.page_size, slot_runs(pages, spec.page_size, start, stop)
     p0, p1 = start // ps, -(-stop // ps)
     out = []
-    for pool in (backend.k[layer], backend.v[layer]):  # [num_pages, page_size, kv_heads, head_dim]
-        flat = pool.view(-1, spec.num_kv_heads, spec.head_dim)
+    for pool in (backend.k[layer], backend.v[layer]):  # [num_pages, page_size, kv_heads, cell]
+        flat = pool.view(-1, spec.num_kv_heads, pool.shape[-1])
         if len(runs) == 1:
             t = flat[runs[0][0]:runs[0][0] + runs[0][2]]
             t = t.clone() if copy else t
         else:
             block = pool.index_select(0, torch.as_tensor(pages[p0:p1], dtype=torch.long))
-            t = block.view(-1, spec.num_kv_heads, spec.head_dim)[start - p0 * ps:stop - p0 * ps]
+            t = block.view(-1, spec.num_kv_heads, pool.shape[-1])[start - p0 * ps:stop - p0 * ps]
         out.append(_bytes_view(t))
     return out[0], out[1]
 
 
 def import_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int, payload,
               head_start: int = 0, head_end: int | None = None) -> None:
-    """Write K-then-V `payload` (bytes-like, [stop - start, head_end - head_start, head_dim] each) into
+    """Write K-then-V `payload` (bytes-like, [stop - start, head_end - head_start, cell] each) into
     those heads of slots [start, stop) of a page list: a slice copy per run of consecutive slots, or --
     for scattered pages with every head -- one scatter of whole pages plus the partial edge pages."""
     spec: KVPageSpec = backend.spec
-    assert spec.storage_format == "raw", spec.storage_format
     head_end = spec.num_kv_heads if head_end is None else head_end
     ps, n, heads = spec.page_size, stop - start, head_end - head_start
-    kv = torch.frombuffer(payload, dtype=torch_dtype(spec.dtype))  # read-only payload: only ever read
-    kv = kv.view(2, n, heads, spec.head_dim)  # [K|V, tokens, heads, head_dim]
+    cell, dtype = backend.k[layer].shape[-1], backend.k[layer].dtype
+    kv = torch.frombuffer(payload, dtype=dtype)  # read-only payload: only ever read
+    kv = kv.view(2, n, heads, cell)  # [K|V, tokens, heads, cell]
     runs = slot_runs(pages, ps, start, stop)
     first_full, end_full = -(-start // ps), stop // ps  # pages wholly inside [start, stop)
     scatter = len(runs) > 2 and heads == spec.num_kv_heads and end_full - first_full >= 2
     for pool, src in ((backend.k[layer], kv[0]), (backend.v[layer], kv[1])):
-        flat = pool.view(-1, spec.num_kv_heads, spec.head_dim)
+        flat = pool.view(-1, spec.num_kv_heads, cell)
         if scatter:
             lo, hi = first_full * ps - start, end_full * ps - start  # src rows of the whole pages
             idx = torch.as_tensor(pages[first_full:end_full], dtype=torch.long)
-            pool.index_copy_(0, idx, src[lo:hi].reshape(end_full - first_full, ps, heads, spec.head_dim))
+            pool.index_copy_(0, idx, src[lo:hi].reshape(end_full - first_full, ps, heads, cell))
             todo = _clip_edges(runs, lo, hi)
         else:
             todo = runs

@@ -11,9 +11,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-# Storage formats a page pool may hold. Only "raw" exists in the engine today; quantized formats register
-# beside it in `backend.py` and are shipped unchanged by the transfer layer.
-STORAGE_FORMATS = ("raw",)
+# Storage formats a page pool may hold: "raw" (the compute dtype), "int8" and "fp8" (e4m3) with a float16
+# scale per (token, head) (`quantized.py`). The transfer layer ships each unchanged.
+STORAGE_FORMATS = ("raw", "int8", "fp8")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -54,9 +54,15 @@ class KVPageSpec:
     def itemsize(self) -> int:
         return {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
 
+    def token_head_bytes(self) -> int:
+        """Stored bytes of one token of one KV head, for K (V is the same size)."""
+        if self.storage_format == "raw":
+            return self.head_dim * self.itemsize
+        return self.head_dim + 2  # one byte per value + a float16 scale (engine/kv_cache/quantized.py)
+
     def bytes_per_token_layer(self) -> int:
-        """Bytes of K plus V for one token in one layer (raw format)."""
-        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+        """Stored bytes of K plus V for one token in one layer."""
+        return 2 * self.num_kv_heads * self.token_head_bytes()
 
     def bytes_per_page(self) -> int:
         return self.page_size * self.bytes_per_token_layer() * len(self.local_layers)

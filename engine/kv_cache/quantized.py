@@ -1,0 +1,94 @@
+"""Quantized KV storage formats: "int8" and "fp8" (e4m3), each with one float16 scale per (token, head).
+
+Who uses it: `engine.kv_cache.backend.make_backend` picks `QuantizedKVBackend` when the `KVPageSpec` names
+one of these formats; the model sees the same `write` / `attend` as with raw pages. The KV-transfer layer
+moves the stored bytes unchanged (`page_io`): the wire format is the storage format.
+
+Storage per layer, for K and for V: uint8 `[num_pages, page_size, kv_heads, head_dim + 2]`; the first
+`head_dim` bytes of a (token, head) cell are its values (int8, or fp8 e4m3 bits), the last two its scale
+(float16 bytes). One cell per token and head keeps every format token-addressed, so transfers between
+pools of different page sizes and KV-head sub-ranges work as for raw pages. Why a per-(token, head)
+scale: keys after RoPE and values vary by orders of magnitude between heads and tokens; one scale per
+64 values costs 2 bytes (66 vs 128 bytes per cell in bfloat16: 0.52x).
+
+Quantize (on write): scale = absmax / qmax, rounded to float16 first so that quantize and dequantize use
+the same scale; int8: round(x / scale) clamped to [-127, 127]; fp8: (x / scale) cast to e4m3 (qmax 448).
+Dequantize (on attend): values * scale in float32, then the compute dtype, only for the pages a step reads.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attention_context import AttnGroup
+from engine.kv_cache.backend import BACKENDS, RawKVBackend, torch_dtype
+from engine.kv_cache.spec import KVPageSpec
+
+SCALE_BYTES = 2  # one float16 per (token, head)
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_TINY = 2.0 ** -14  # smallest normal float16 scale: rows with absmax < qmax * 2^-14 (~0.008 for int8) get
+# this step (absolute error <= 3e-5), which keeps the scale's own rounding at float16 precision
+
+
+def quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x: [..., head_dim] (any float dtype) -> stored cells uint8 [..., head_dim + 2]."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / _QMAX[fmt]).clamp_min(_TINY).to(torch.float16)  # [..., 1]
+    y = xf / scale.float()
+    if fmt == "int8":
+        q = y.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    else:  # (clamped: the float16 scale may round down, and e4m3fn has no infinity to saturate to)
+        q = y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([q, scale.view(torch.uint8)], dim=-1)
+
+
+def dequantize(cells: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """cells: uint8 [..., head_dim + 2] -> values [..., head_dim] in `dtype`."""
+    d = cells.shape[-1] - SCALE_BYTES
+    raw = cells[..., :d]
+    vals = raw.view(torch.int8) if fmt == "int8" else raw.view(torch.float8_e4m3fn)
+    scale = cells[..., d:].contiguous().view(torch.float16)  # [..., 1]
+    return (vals.float() * scale.float()).to(dtype)
+
+
+class QuantizedKVBackend(RawKVBackend):
+    """Pages hold quantized K and V cells; attention reads dequantized copies of the pages it needs."""
+
+    def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
+        assert spec.storage_format in _QMAX, spec.storage_format
+        self.spec = spec
+        self.num_pages = num_pages
+        self.storage_format = spec.storage_format
+        self.compute_dtype = torch_dtype(spec.dtype)
+        shape = (num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim + SCALE_BYTES)
+        self.k: list[torch.Tensor | None] = [None] * spec.num_layers
+        self.v: list[torch.Tensor | None] = [None] * spec.num_layers
+        for layer in spec.local_layers:
+            self.k[layer] = torch.zeros(shape, dtype=torch.uint8, device=device)
+            self.v[layer] = torch.zeros(shape, dtype=torch.uint8, device=device)
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1, self.spec.num_kv_heads, t.shape[-1])  # [num_slots, kv_heads, cell bytes]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_tokens, kv_heads, head_dim] -> quantized cells at the flat slots."""
+        self._flat(self.k[layer]).index_copy_(0, slots, quantize(k, self.storage_format))
+        self._flat(self.v[layer]).index_copy_(0, slots, quantize(v, self.storage_format))
+
+    def _dq(self, cells: torch.Tensor) -> torch.Tensor:
+        return dequantize(cells, self.storage_format, self.compute_dtype)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K and V at the given flat slots: each [*slots.shape, kv_heads, head_dim]."""
+        flat = slots.reshape(-1)
+        k = self._dq(self._flat(self.k[layer]).index_select(0, flat))
+        v = self._dq(self._flat(self.v[layer]).index_select(0, flat))
+        tail = (self.spec.num_kv_heads, self.spec.head_dim)
+        return k.view(*slots.shape, *tail), v.view(*slots.shape, *tail)
+
+    def _load(self, layer: int, g: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = super()._load(layer, g)  # cells of the pages (or the view) this group reads
+        return self._dq(k), self._dq(v)  # [B, ctx, kv_heads, head_dim]
+
+
+QUANTIZED_FORMATS = tuple(_QMAX)
+BACKENDS.update({fmt: QuantizedKVBackend for fmt in QUANTIZED_FORMATS})

@@ -1,0 +1,136 @@
+"""Quantized KV pages ("int8", "fp8"; engine/kv_cache/quantized.py): the cell codec's error bounds, cells
+moving bit-exactly between pools of different page sizes, KV quantized on a prefill engine and shipped
+over the fake transport decoding exactly like one engine with the same format (the wire format is the
+storage format), layouts of different formats refusing each other, and the bytes shipped per token."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.kv_cache.backend import make_backend
+from engine.kv_cache.page_io import export_kv, import_kv
+from engine.kv_cache.quantized import dequantize, quantize
+from engine.kv_cache.spec import KVPageSpec
+from engine.llm import LLM
+from kv_transfer.config import ReceiverConfig, SenderConfig
+from kv_transfer.contract import FailedPrecondition, TransferState
+from kv_transfer.fake_transport import FakeTransport
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender
+from tests.conftest import assert_engine_empty
+from tests.exactness import assert_greedy_equal
+from tests.kv_helpers import close_all, decode_all, drive
+from tests.tiny_models import write_tiny
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50))]
+FORMATS = ["int8", "fp8"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+
+
+def make(tiny_dir, fmt, page_size=4, **kw):
+    return LLM(model=str(tiny_dir), dtype="float32", num_pages=64, page_size=page_size, kv_storage=fmt, **kw)
+
+
+@pytest.mark.parametrize("fmt, rel", [("int8", 1 / 254), ("fp8", 1 / 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codec_error_is_bounded_per_token_and_head(fmt, rel, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(50, 3, 64) * torch.logspace(-3, 3, 50).view(50, 1, 1)).to(dtype)  # rows of any scale
+    x[7] = 0  # an all-zero row stays zero
+    cells = quantize(x, fmt)
+    assert cells.dtype == torch.uint8 and cells.shape == (50, 3, 66)
+    y = dequantize(cells, fmt, torch.float32)
+    absmax = x.float().abs().amax(-1, keepdim=True)
+    qmax = 127 if fmt == "int8" else 448
+    scale = cells[..., 64:].contiguous().view(torch.float16).float()  # the stored step, [50, 3, 1]
+    want = (absmax / qmax).clamp_min(2 ** -14)  # tiny rows share the smallest normal float16 step
+    assert torch.all((scale - want).abs() <= want * 2 ** -10)  # float16 rounding of the step only
+    # int8: half a step; fp8 e4m3: 3 mantissa bits (half an ulp is 1/16 of the value), subnormals 2^-9 steps
+    bound = scale * 0.5 * 1.001 if fmt == "int8" else x.float().abs() * rel + scale * 2 ** -10
+    assert torch.all((y - x.float()).abs() <= bound)
+    assert torch.equal(y[7], torch.zeros_like(y[7]))
+    assert torch.equal(quantize(y, fmt), cells)  # dequantized values re-quantize to the same cells
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cells_round_trip_between_page_sizes_bit_exactly(fmt):
+    rng = random.Random(1)
+    for trial in range(20):
+        src_ps, dst_ps = rng.choice([1, 4, 16]), rng.choice([2, 8, 32])
+        src = make_backend(KVPageSpec(1, 3, 8, src_ps, "bfloat16", fmt), 64)
+        dst = make_backend(KVPageSpec(1, 3, 8, dst_ps, "bfloat16", fmt), 64)
+        src.write(0, torch.arange(64 * src_ps), torch.randn(64 * src_ps, 3, 8), torch.randn(64 * src_ps, 3, 8))
+        n = rng.randint(1, 60)
+        start = rng.randint(0, n - 1)
+        src_pages = rng.sample(range(64), -(-n // src_ps))
+        dst_pages = rng.sample(range(64), -(-n // dst_ps))
+        k, v = export_kv(src, 0, src_pages, start, n)
+        assert len(k) == (n - start) * 3 * 10  # 8 values + a 2-byte scale per (token, head)
+        import_kv(dst, 0, dst_pages, start, n, bytes(k) + bytes(v))
+
+        def slots(pages, ps):
+            return torch.tensor([pages[t // ps] * ps + t % ps for t in range(start, n)])
+        for pool_src, pool_dst in ((src.k[0], dst.k[0]), (src.v[0], dst.v[0])):
+            a = pool_src.view(-1, 3, 10)[slots(src_pages, src_ps)]
+            b = pool_dst.view(-1, 3, 10)[slots(dst_pages, dst_ps)]
+            assert torch.equal(a, b), (trial, fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_kv_shipped_decodes_like_one_engine_with_that_format(tiny_dir, fmt):
+    alone = make(tiny_dir, fmt)
+    reference = [o.token_ids for o in alone.generate(PROMPTS, GREEDY)]
+    assert_engine_empty(alone)
+    pre, dec = make(tiny_dir, fmt, 4, max_num_batched_tokens=16), make(tiny_dir, fmt, 8)
+    transport = FakeTransport()
+    rx = KVReceiver(dec, ReceiverConfig())
+    address = rx.serve(transport)
+    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=1024))
+    descs = []
+    for p in PROMPTS:
+        desc = rx.reserve(len(p), GREEDY)
+        tx.send(pre.add_request(p, GREEDY, prefill_only=True), desc, address)
+        descs.append(desc)
+    got = decode_all(dec, [d.request_id for d in descs], drive(tx, rx))
+    assert_greedy_equal(reference, got)  # same cells on both sides: exactly the same tokens
+    c = pre.config
+    for d, p in zip(descs, PROMPTS):
+        st = rx.status(d.reservation_id)
+        assert st.state == TransferState.DONE
+        assert st.bytes == len(p) * c.num_layers * 2 * c.num_kv_heads * (c.head_dim + 2)
+    close_all(tx, rx, transport, [pre, dec])
+
+
+def test_a_raw_decode_pool_refuses_quantized_pages(tiny_dir):
+    pre, dec = make(tiny_dir, "int8"), make(tiny_dir, "raw")
+    assert pre.kv_spec.signature() != dec.kv_spec.signature()
+    transport = FakeTransport()
+    rx = KVReceiver(dec, ReceiverConfig())
+    address = rx.serve(transport)
+    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=1024))
+    desc = rx.reserve(len(PROMPTS[0]), GREEDY)
+    rid = pre.add_request(PROMPTS[0], GREEDY, prefill_only=True)
+    with pytest.raises(FailedPrecondition, match="layout"):
+        tx.send(rid, desc, address)
+    pre.abort(rid)
+    rx.cancel(desc.reservation_id)
+    rx.pump()
+    close_all(tx, rx, transport, [pre, dec])
+
+
+def test_compression_off_is_unchanged_and_int8_stays_close(tiny_dir):
+    """raw pages are the default; int8 agrees with raw on most greedy tokens of the tiny model."""
+    raw = LLM(model=str(tiny_dir), dtype="float32", num_pages=64, page_size=4)
+    assert raw.kv_spec.storage_format == "raw"
+    base = [o.token_ids for o in raw.generate(PROMPTS, GREEDY)]
+    q = [o.token_ids for o in make(tiny_dir, "int8").generate(PROMPTS, GREEDY)]
+    agree = sum(a == b for x, y in zip(base, q) for a, b in zip(x, y))
+    assert agree >= 0.75 * sum(map(len, base)), (agree, base, q)
