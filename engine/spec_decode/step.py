@@ -40,6 +40,7 @@ class SpecDecoder:
         self.trackers: dict[str, AcceptanceTracker] = {}
         self.cost = CostModel()
         self.draft_cost = 0.0  # seconds per drafted token spent in proposers (decayed average)
+        self._t_proposers = 0.0  # proposer seconds of the current step
         self.stats = SpecStats()
 
     # ---- intake ------------------------------------------------------------------------------
@@ -63,7 +64,9 @@ class SpecDecoder:
     # ---- the step ----------------------------------------------------------------------------
     def step(self, sched: SchedulerOutput) -> list[RequestOutput]:
         llm = self.llm
+        t_start, self._t_proposers = self.timer(), 0.0
         drafts = self._plan(sched)
+        t_proposers = self._t_proposers
         self.stats.num_spec_steps += bool(drafts)
         plain = SchedulerOutput([c for c in sched.chunks if c.request.request_id not in drafts], sched.preempted)
         verify = sorted((c for c in sched.chunks if c.request.request_id in drafts),
@@ -71,13 +74,13 @@ class SpecDecoder:
         batch = llm._batch(plain)
         batch.seqs += [self._verify_seq(c, drafts[c.request.request_id]) for c in verify]
         batch.return_logits = True
-        t0 = self.timer()
         out = llm.runner.execute(batch)
-        self.cost.observe(batch.num_tokens, self.timer() - t0)
         self._observe(batch, out.results)
         n = len(plain.chunks)
         outs = llm._finish_step(plain, out.results[:n]) if n else []
         outs += [self._commit(c, drafts[c.request.request_id], r) for c, r in zip(verify, out.results[n:])]
+        # The gate weighs whole steps (forward, sampling every verify row, commits), proposers apart.
+        self.cost.observe(batch.num_tokens, self.timer() - t_start - t_proposers)
         for rid in [r for r in self.trackers if r not in llm.requests]:
             self.release(rid)
         return outs
@@ -105,10 +108,13 @@ class SpecDecoder:
             if k > 0:
                 name = o.proposer if o is not None and o.proposer else self.cfg.proposer
                 groups[name].append(DraftState(req.request_id, req.token_ids, req.num_prompt, k))
+        base = sum(c.num_tokens for c in sched.chunks)
+        if self.cfg.gate and groups and not self._pays(base, [s for ss in groups.values() for s in ss]):
+            self.stats.num_gated += 1  # not even the planned lengths pay: do not spend proposer time
+            return {}
         drafts = self._propose(groups)
         if not drafts:
             return {}
-        base = sum(c.num_tokens for c in sched.chunks)
         self.stats.verify_cost_ratio = self.cost.predict(base + sum(map(len, drafts.values()))) / self.cost.predict(base)
         if self.cfg.gate:
             rids = list(drafts)
@@ -120,15 +126,23 @@ class SpecDecoder:
             drafts = {r: d[:cap] for r, d in drafts.items()}
         return self._reserve_slots(cands, drafts, self.llm.scheduler.cfg.max_num_batched_tokens - base)
 
+    def _pays(self, base: int, states: list[DraftState]) -> bool:
+        planned = sum(s.max_draft for s in states)
+        self.stats.verify_cost_ratio = self.cost.predict(base + planned) / self.cost.predict(base)
+        cap, _ = choose_cap(self.cost, base, [s.max_draft for s in states],
+                            [self.trackers[s.request_id].alpha for s in states], self.cfg.gate_margin, self.draft_cost)
+        return cap > 0
+
     def _propose(self, groups: dict[str, list[DraftState]]) -> dict[str, list[int]]:
         t0, drafts = self.timer(), {}
         for name, states in groups.items():
             for s, d in zip(states, self.proposer(name).propose_batch(states)):
                 if d:
                     drafts[s.request_id] = [int(t) for t in d[:s.max_draft]]
+        self._t_proposers = self.timer() - t0
         n = sum(map(len, drafts.values()))
         if n:
-            self.draft_cost = 0.8 * self.draft_cost + 0.2 * (self.timer() - t0) / n
+            self.draft_cost = 0.8 * self.draft_cost + 0.2 * self._t_proposers / n
         return drafts
 
     def _reserve_slots(self, cands, drafts: dict[str, list[int]], budget: int) -> dict[str, list[int]]:

@@ -32,7 +32,7 @@ class RecyclingProposer(Proposer):
         """logits [n, vocab] after each input token: remember each input's top candidates."""
         if not input_ids:
             return
-        top = torch.topk(logits, self.top, dim=-1).indices.to(torch.int32)  # [n, top]
+        top = torch.topk(logits, self.top, dim=-1).indices.to(device="cpu", dtype=torch.int32)  # [n, top]
         self.matrix[torch.tensor(input_ids, dtype=torch.long)] = top
 
     def propose(self, state: DraftState) -> list[int]:
