@@ -78,7 +78,7 @@ def _run_json(run: RateRun) -> dict:
 def target_json(t: TargetResult) -> dict:
     return {"label": t.label, "group": t.group, "spec": t.spec, "settings": t.settings,
             "goodput": asdict(t.goodput) if t.goodput else None, "server_log": t.server_log,
-            "base_url": t.base_url,
+            "base_url": t.base_url, "error": t.error,
             "unloaded": [record_json(r) for r in t.unloaded], "runs": [_run_json(r) for r in t.runs]}
 
 
@@ -139,7 +139,8 @@ def markdown(result: BenchResult, compare: dict | None) -> str:
     lines += ["", "| target | goodput (req/s) | note |", "|---|---|---|"]
     for t in result.targets:
         gp = t.goodput
-        note = "lower bound: every measured rate attained" if gp and gp.bound == "above" else ""
+        note = "lower bound: every measured rate attained" if gp and gp.bound == "above" else \
+            (t.error or "").split("\n")[0][:120].replace("|", "/")
         lines.append(f"| {t.label} | {_f(gp.goodput if gp else None, '.3g')} | {note} |")
     if compare:
         lines += ["", f"**Goodput ratio {compare['a']} / {compare['b']}: {_f(compare['ratio'], '.2f')}** "

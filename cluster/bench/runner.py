@@ -29,7 +29,7 @@ from pathlib import Path
 from cluster.bench.loadgen import Target, run_load, run_sequential
 from cluster.bench.metrics import (GoodputResult, RatePoint, RequestRecord, Summary, find_goodput, meets,
                                    percentile, request_metrics, summarize)
-from cluster.bench.server import SpecServer, SpecVariant
+from cluster.bench.server import BenchServerError, SpecServer, SpecVariant
 from cluster.bench.workload import RequestSpec, Workload
 
 
@@ -108,6 +108,7 @@ class TargetResult:
     goodput: GoodputResult | None = None
     server_log: str | None = None
     base_url: str | None = None
+    error: str | None = None  # the target could not be benchmarked (its server did not start)
 
 
 @dataclass
@@ -241,11 +242,16 @@ def run_bench(cfg: BenchConfig, workload: Workload, prompt_of, targets: list[Ben
             continue
         log = cfg.out_dir / f"server-{bt.label}.log"
         _say(f"{bt.label}: starting pdserve serve {bt.variant.path} (log {log})")
-        server = SpecServer(bt.variant.path, log)
-        with server:
-            _say(f"{bt.label}: serving {server.model} at {server.base_url}")
-            bt.target = Target(server.base_url, server.model, pdserve=True, timeout_s=cfg.timeout_s)
-            tr = bench_target(cfg, workload, prompt_of, bt, result)
-            tr.server_log = str(log)
+        try:
+            with SpecServer(bt.variant.path, log) as server:
+                _say(f"{bt.label}: serving {server.model} at {server.base_url}")
+                bt.target = Target(server.base_url, server.model, pdserve=True, timeout_s=cfg.timeout_s)
+                tr = bench_target(cfg, workload, prompt_of, bt, result)
+        except BenchServerError as e:
+            if result.slo is None:
+                raise  # the SLO reference did not start: nothing else can be judged
+            _say(f"{bt.label}: {e}")  # a variant that cannot start (say, a bad --set value) is reported
+            tr = TargetResult(bt.label, bt.group, bt.variant.source, dict(bt.variant.settings), error=str(e))
+        tr.server_log = str(log)
         result.targets.append(tr)
     return result

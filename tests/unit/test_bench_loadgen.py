@@ -162,6 +162,7 @@ def test_report_from_fake_runs(fake, tmp_path):
             tr.runs.append(RateRun(rate, recs, summarize(recs, 5.0, 1.0)))
         tr.goodput = GoodputResult(20.0, [RatePoint(10.0, 1.0), RatePoint(20.0, 1.0)], "above")
         result.targets.append(tr)
+    result.targets.append(TargetResult("c", "b", None, {}, error="c: the server exited before it was ready\nlog"))
     files = write_report(result, tmp_path, ["a", "b"])
     doc = json.loads(files["json"].read_text())
     assert doc["compare"]["ratio"] == 1.0 and len(doc["compare"]["slo_scale_sweep"]) == len(cfg.slo_scales)
@@ -169,7 +170,8 @@ def test_report_from_fake_runs(fake, tmp_path):
     assert req["output_tokens"] == 4 and set(req["timeline_ms"]) == {"queued", "finish"}
     for name in ("attainment_vs_rate", "ttft_cdf", "tpot_cdf", "goodput_vs_slo_scale"):
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "Goodput ratio a / b" in files["markdown"].read_text()
+    md = files["markdown"].read_text()
+    assert "Goodput ratio a / b" in md and "| c | - | c: the server exited before it was ready |" in md
     assert compare_summary(result, ["a", "missing"]) is None
 
 
