@@ -12,6 +12,7 @@ variants, or the endpoint) -> runner.run_bench -> report.write_report -> print t
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -115,7 +116,9 @@ def _targets(args, out_dir):
     from cluster.bench.server import spec_variants
 
     if args.endpoint:
-        extra = __import__("json").loads(args.extra_body)
+        extra = json.loads(args.extra_body)
+        if not isinstance(extra, dict):
+            raise ValueError("--extra-body must be a JSON object")
         model = args.model or _endpoint_model(args.endpoint, args.api_key)
         t = Target(args.endpoint, model, args.pdserve_options, args.api_key, extra, args.timeout)
         label = args.label or args.endpoint.split("//")[-1].rstrip("/")
@@ -154,6 +157,9 @@ def _bench(args: argparse.Namespace) -> int:
     except (ValueError, WorkloadError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
+    if any(r <= 0 for r in (args.rates or [])) or (args.rate is not None and args.rate <= 0):
+        print("pdserve bench: rates must be > 0", file=sys.stderr)
+        return 2
     rates = args.rates or [args.rate if args.rate else (None if workload.native_rate else 1.0)]
     out_dir = Path(args.out or f"bench/out/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -162,9 +168,11 @@ def _bench(args: argparse.Namespace) -> int:
                       unloaded_requests=args.unloaded_requests, slo_scales=args.slo_scales,
                       progress=not args.no_progress, early_stop=not args.no_early_stop, timeout_s=args.timeout,
                       out_dir=out_dir)
+    import httpx
+
     try:
         targets, order = _targets(args, out_dir)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, httpx.HTTPError, KeyError, IndexError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
     tok_model = args.tokenizer or (_spec_model(args.spec or args.compare[0]) if not args.endpoint else "smollm2-135m")
@@ -176,7 +184,7 @@ def _bench(args: argparse.Namespace) -> int:
     except BenchServerError as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 1
-    files = write_report(result, out_dir, order, sys.argv)
+    files = write_report(result, out_dir, order, {k: v for k, v in vars(args).items() if k != "func"})
     print(files["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in files.values()))
     return 0

@@ -237,11 +237,11 @@ def _save(fig, path: Path) -> Path:
 
 
 def write_report(result: BenchResult, out_dir: Path, compare_order: list[str] | None = None,
-                 argv: list[str] | None = None) -> dict[str, Path]:
+                 args: dict | None = None) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     compare = compare_summary(result, compare_order) if compare_order else None
     cfg = asdict(result.config)
-    doc = {"argv": argv, "config": cfg, "workload": dict(result.workload.info, name=result.workload.name),
+    doc = {"args": args, "config": cfg, "workload": dict(result.workload.info, name=result.workload.name),
            "slo": asdict(result.slo) if result.slo else None, "compare": compare,
            "targets": [target_json(t) for t in result.targets]}
     files = {"json": out_dir / "bench.json", "markdown": out_dir / "summary.md"}
