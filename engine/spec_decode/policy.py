@@ -2,15 +2,17 @@
 
 Called by `SpecDecoder` (step.py) every step, pure Python:
   `AcceptanceTracker` (one per request) keeps an exponential average `alpha` of per-position acceptance;
-      `draft_len(cap)` drafts position j only while alpha^j >= min_accept (SpecDec++'s stopping idea with
-      a geometric acceptance model); a request that stopped drafting probes with one token now and then.
-  `CostModel` fits step seconds = a + b x tokens (decayed least squares over measured forward times; with
+      `draft_len(cap)` asks the proposer for position j only while alpha^j >= min_accept (SpecDec++'s
+      stopping idea with a geometric acceptance model), and always for one token: whether even that one
+      pays is the gate's call, which knows the load.
+  `CostModel` fits step seconds = a + b x tokens (decayed least squares over measured step times; with
       too little spread in the token counts, b comes from a prior ratio to a).
-  `choose_cap` (SmartSpec's goodput idea): expected tokens/s of the batch with every draft cut to K, for
-      K = 0 .. max, against plain decoding; the best K, 0 when speculating does not pay.
+  `choose_lengths` (SmartSpec's goodput idea): per request, how many of its drafts to verify so that the
+      batch's expected tokens/s is highest; none when that does not beat plain decoding.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import asdict, dataclass
 
 
@@ -18,19 +20,13 @@ from dataclasses import asdict, dataclass
 class AcceptanceTracker:
     alpha: float = 0.6  # prior per-position acceptance
     beta: float = 0.2  # weight of each new observation
-    idle_steps: int = 0  # steps without a draft (probe after `probe_every`)
 
-    def draft_len(self, cap: int, min_accept: float, probe_every: int = 8) -> int:
-        k, a = 0, self.alpha
+    def draft_len(self, cap: int, min_accept: float) -> int:
+        k, a = 1, self.alpha * self.alpha
         while k < cap and a >= min_accept:
             k += 1
             a *= self.alpha
-        if k == 0 and cap > 0:
-            self.idle_steps += 1
-            if self.idle_steps >= probe_every:
-                self.idle_steps = 0
-                return 1
-        return k
+        return min(k, cap)
 
     def update(self, drafted: int, accepted: int) -> None:
         for _ in range(accepted):
@@ -75,24 +71,35 @@ class CostModel:
         return a + b * num_tokens
 
 
-def choose_cap(cost: CostModel, base_tokens: int, drafts: list[int], alphas: list[float],
-               margin: float, draft_cost_per_token: float = 0.0) -> tuple[int, float]:
-    """Best cap K on draft lengths for this batch (0: do not speculate) and its estimated cost ratio
-    t(with drafts) / t(plain). base_tokens: tokens of the step without drafts; drafts/alphas: per drafted
-    request (each emits 1 token without drafts)."""
-    if not drafts:
-        return 0, 1.0
+def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas: list[float],
+                   margin: float, draft_cost_per_token: float = 0.0) -> tuple[list[int], float]:
+    """Draft tokens to verify per request (all 0: do not speculate) and the estimated cost ratio
+    t(step with them) / t(plain step) (when refused: with every available draft). base_tokens: tokens of the step without drafts; drafts: the
+    available draft length per drafting request (each emits 1 token without drafts); alphas: their
+    acceptance estimates. The j-th draft of request i adds alpha_i^j expected tokens and costs one more
+    token of forward (the cost model's slope) plus proposer time; with a linear cost, taking drafts in
+    order of decreasing gain while the batch's tokens/s still rises maximizes it (SmartSpec's goodput)."""
     t_plain = cost.predict(base_tokens)
-    plain_rate = len(drafts) / t_plain
-    best, best_rate, best_ratio = 0, plain_rate * (1.0 + margin), 1.0
-    for cap in range(1, max(drafts) + 1):
-        ks = [min(k, cap) for k in drafts]
-        extra = sum(ks)
-        t = cost.predict(base_tokens + extra) + draft_cost_per_token * extra
-        rate = sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / t
-        if rate > best_rate:
-            best, best_rate, best_ratio = cap, rate, t / t_plain
-    return best, best_ratio
+    lens = [0] * len(drafts)
+    if not drafts:
+        return lens, 1.0
+    step = cost.predict(base_tokens + 1) - t_plain + draft_cost_per_token  # one more token (linear model)
+    tokens, t = float(len(drafts)), t_plain
+    heap = [(-al, i) for i, al in enumerate(alphas) if drafts[i] > 0]
+    heapq.heapify(heap)
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        gain = -neg_gain
+        if (tokens + gain) / (t + step) <= tokens / t:
+            break  # gains only fall from here
+        tokens, t = tokens + gain, t + step
+        lens[i] += 1
+        if lens[i] < drafts[i]:
+            heapq.heappush(heap, (-gain * alphas[i], i))
+    if tokens / t <= (len(drafts) / t_plain) * (1.0 + margin):  # refused: report what all drafts would cost
+        full = sum(drafts)
+        return [0] * len(drafts), (cost.predict(base_tokens + full) + draft_cost_per_token * full) / t_plain
+    return lens, t / t_plain
 
 
 @dataclass

@@ -26,7 +26,7 @@ from engine.sampler import SampleRequest, sample_batch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.spec_decode.config import PER_REQUEST_PROPOSERS, SpeculativeConfig
-from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, choose_cap
+from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, choose_lengths
 from engine.spec_decode.proposers import DraftState, Proposer, ProposerContext, make_proposer
 from engine.spec_decode.verify import accepted_length
 
@@ -115,23 +115,25 @@ class SpecDecoder:
         drafts = self._propose(groups)
         if not drafts:
             return {}
-        self.stats.verify_cost_ratio = self.cost.predict(base + sum(map(len, drafts.values()))) / self.cost.predict(base)
         if self.cfg.gate:
             rids = list(drafts)
-            cap, _ = choose_cap(self.cost, base, [len(drafts[r]) for r in rids],
-                                [self.trackers[r].alpha for r in rids], self.cfg.gate_margin, self.draft_cost)
-            if cap == 0:
+            lens, self.stats.verify_cost_ratio = choose_lengths(
+                self.cost, base, [len(drafts[r]) for r in rids], [self.trackers[r].alpha for r in rids],
+                self.cfg.gate_margin, self.draft_cost)
+            drafts = {r: drafts[r][:n] for r, n in zip(rids, lens) if n}
+            if not drafts:
                 self.stats.num_gated += 1
                 return {}
-            drafts = {r: d[:cap] for r, d in drafts.items()}
+        else:
+            n = sum(map(len, drafts.values()))
+            self.stats.verify_cost_ratio = self.cost.predict(base + n) / self.cost.predict(base)
         return self._reserve_slots(cands, drafts, self.llm.scheduler.cfg.max_num_batched_tokens - base)
 
     def _pays(self, base: int, states: list[DraftState]) -> bool:
-        planned = sum(s.max_draft for s in states)
-        self.stats.verify_cost_ratio = self.cost.predict(base + planned) / self.cost.predict(base)
-        cap, _ = choose_cap(self.cost, base, [s.max_draft for s in states],
-                            [self.trackers[s.request_id].alpha for s in states], self.cfg.gate_margin, self.draft_cost)
-        return cap > 0
+        lens, self.stats.verify_cost_ratio = choose_lengths(
+            self.cost, base, [s.max_draft for s in states], [self.trackers[s.request_id].alpha for s in states],
+            self.cfg.gate_margin, self.draft_cost)
+        return any(lens)
 
     def _propose(self, groups: dict[str, list[DraftState]]) -> dict[str, list[int]]:
         t0, drafts = self.timer(), {}

@@ -6,12 +6,12 @@ import pytest
 from engine import InvalidRequestError, SamplingParams
 from engine.llm import LLM
 from engine.spec_decode import SpeculativeConfig
-from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, choose_cap, expected_tokens
+from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, choose_lengths, expected_tokens
 from tests.conftest import assert_engine_empty
 from tests.tiny_models import write_tiny
 
 
-def test_draft_length_follows_acceptance_and_probes_after_stopping():
+def test_draft_length_follows_acceptance_but_always_asks_for_one():
     tr = AcceptanceTracker(alpha=0.95)
     assert tr.draft_len(4, 0.3) == 4
     tr = AcceptanceTracker(alpha=0.6)
@@ -19,8 +19,8 @@ def test_draft_length_follows_acceptance_and_probes_after_stopping():
     for _ in range(10):
         tr.update(drafted=2, accepted=0)
     assert tr.alpha < 0.1
-    lens = [tr.draft_len(4, 0.3) for _ in range(16)]
-    assert lens == ([0] * 7 + [1]) * 2, "a request that stopped drafting probes one token every 8 steps"
+    assert tr.draft_len(4, 0.3) == 1, "whether one draft pays is the gate's call"
+    assert tr.draft_len(0, 0.3) == 0
     for _ in range(10):
         tr.update(drafted=4, accepted=4)
     assert tr.draft_len(4, 0.3) == 4
@@ -55,18 +55,22 @@ def _cost(a, b):
 
 def test_gate_speculates_when_memory_bound_and_not_when_compute_bound():
     memory_bound, compute_bound = _cost(0.030, 0.0005), _cost(0.0001, 0.002)
-    cap, ratio = choose_cap(memory_bound, 1, [4], [0.8], margin=0.02)
-    assert cap == 4 and ratio < 1.1
-    assert choose_cap(compute_bound, 1, [4], [0.8], margin=0.02)[0] == 0
-    assert choose_cap(memory_bound, 1, [4], [0.01], margin=0.02)[0] == 0  # drafts that almost never land
-    assert choose_cap(memory_bound, 1, [4], [0.8], margin=0.02, draft_cost_per_token=0.05)[0] == 0
+    lens, ratio = choose_lengths(memory_bound, 1, [4], [0.8], margin=0.02)
+    assert lens == [4] and ratio < 1.1
+    assert choose_lengths(compute_bound, 1, [4], [0.8], margin=0.02)[0] == [0]
+    assert choose_lengths(memory_bound, 1, [4], [0.01], margin=0.02)[0] == [0]  # drafts that almost never land
+    assert choose_lengths(memory_bound, 1, [4], [0.8], margin=0.02, draft_cost_per_token=0.05)[0] == [0]
+    assert choose_lengths(memory_bound, 1, [], [], margin=0.02) == ([], 1.0)
 
 
-def test_gate_drafts_less_under_load():
+def test_gate_drafts_less_under_load_and_more_where_drafts_land():
     cm = _cost(0.030, 0.002)
-    alone, _ = choose_cap(cm, 1, [8], [0.7], margin=0.02)
-    busy, _ = choose_cap(cm, 32, [8] * 32, [0.7] * 32, margin=0.02)
-    assert alone > busy
+    alone = choose_lengths(cm, 1, [8], [0.7], margin=0.02)[0]
+    assert alone == [5]  # gains 0.7^j against a marginal cost that grows with the rate
+    busy = choose_lengths(cm, 32, [8] * 32, [0.7] * 32, margin=0.02)[0]
+    assert max(busy) < alone[0]
+    mixed = choose_lengths(cm, 4, [8] * 4, [0.9, 0.9, 0.2, 0.2], margin=0.02)[0]
+    assert mixed[0] == mixed[1] > mixed[2] == mixed[3]
 
 
 def test_stats_ratios():
