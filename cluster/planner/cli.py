@@ -1,8 +1,67 @@
-"""`pdserve` subcommands of cluster/planner (registered by cluster/cli.py)."""
+"""`pdserve plan` and `pdserve profile` (registered by cluster/cli.py; handlers import the work lazily).
+
+    pdserve plan --model llama-3-8b --hardware h100 --nodes 4 --gpus-per-node 8 \\
+        --workload ../shared/workloads/azure_llm_2023_conv.csv --rate 40 --ttft-ms 250 --tpot-ms 100 \\
+        --out cluster.yaml --report plan-report/
+    pdserve profile deploy/local.yaml --out deploy/profiles/cpu-local-smollm2.json
+"""
 from __future__ import annotations
 
 import argparse
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from cluster.planner.plan_cmd import run_plan
+    return run_plan(args)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from cluster.planner.profiler import run_profile
+    return run_profile(args)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="pick parallelism and pool sizes that meet TTFT/TPOT SLOs; write a spec")
+    p.add_argument("--model", required=True, help="a short name (deploy/models/*.yaml) or an HF config.json")
+    p.add_argument("--hardware", required=True, help="a name from deploy/hardware.yaml (h100, a100, ...)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (cores for cpu-local)")
+    w = p.add_mutually_exclusive_group(required=True)
+    w.add_argument("--workload", help="a trace: Azure CSV (ContextTokens, GeneratedTokens) or Mooncake JSONL")
+    w.add_argument("--input-len", help="prompt lengths: N, uniform:LO:HI or exp:MEAN (with --output-len)")
+    p.add_argument("--output-len", help="output lengths: N, uniform:LO:HI or exp:MEAN")
+    p.add_argument("--rate", type=float, required=True, help="requests per second the plan must sustain")
+    p.add_argument("--ttft-ms", type=float, required=True)
+    p.add_argument("--tpot-ms", type=float, required=True)
+    p.add_argument("--attainment", type=float, default=0.9, help="fraction of requests meeting both targets")
+    p.add_argument("--out", default="cluster.yaml", help="where to write the cluster spec")
+    p.add_argument("--report", help="directory for report.md, attainment.png, plan.json")
+    p.add_argument("--profile", help="a latency profile (deploy/profiles/NAME.json or a path); "
+                                     "default: the roofline model of --hardware")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--inter-node-gbs", type=float, help="cross-node GB/s per device (default: the table's)")
+    p.add_argument("--max-len", type=int, default=0, help="max_model_len (default: the model's, <= 32768)")
+    p.add_argument("--spec-model", help="what the spec's `model:` says (e.g. a local HF directory); "
+                                        "default: the --model name")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_plan)
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="time the real engine over a batch grid and fit the planner's latency model")
+    p.add_argument("spec", help="a cluster spec: its model and dtype are profiled")
+    p.add_argument("--out", required=True, help="profile JSON to write, e.g. deploy/profiles/NAME.json")
+    p.add_argument("--hardware", default="cpu-local", help="the hardware name recorded in the profile")
+    p.add_argument("--grid", default="small", choices=["tiny", "small", "large"],
+                   help="tiny: seconds (tests); small: ~3-5 min on one core; large: ~15 min")
+    p.add_argument("--repeats", type=int, default=2, help="timings per point (the median is kept)")
+    p.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
+                   help="cpu: this process's CPU time (robust on a shared machine); wall: wall-clock")
+    p.add_argument("--name", help="profile name (default: the --out file's stem)")
+    p.set_defaults(func=_profile)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add this subpackage's subcommands; keep it cheap (no heavy imports here)."""
+    _add_plan(subparsers)
+    _add_profile(subparsers)

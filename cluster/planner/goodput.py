@@ -35,8 +35,9 @@ class Precision:
         return min(self.max_requests, max(self.n, int(rate * self.lifetimes * lifetime) + 1))
 
 
-FINE = Precision()
-COARSE = Precision(150, 4, 1500, 0.1)  # the search's first pass over every configuration
+FINE = Precision(1500, 8, 3000, 0.03)
+VERIFY = Precision(5000, 10, 8000, 0.02)  # whole plans at the target rate, and the report's curves
+COARSE = Precision(800, 3, 1500, 0.1)  # the search's first pass over every configuration
 
 
 class ZeroLatency(LatencyModel):
@@ -65,43 +66,49 @@ class Goodput:
     binding: str  # ttft | tpot: what fails first above `rate`
 
 
-def _mean(pairs, f) -> float:
-    return sum(f(i, o) for i, o in pairs) / len(pairs)
+def _mean(pairs, f, at_most: int = 200) -> float:
+    """Mean of f over (at most `at_most` evenly spaced) pairs: estimates only size the search."""
+    sample = pairs[::max(1, len(pairs) // at_most)]
+    return sum(f(i, o) for i, o in sample) / len(sample)
 
 
-def bisect_rate(attain: Callable[[float], float], target: float, guess: float,
-                rel_tol: float = 0.02) -> tuple[float, float, float]:
-    """(goodput, lowest probed rate, lowest failing rate): the largest rate with attain(rate) >= target,
-    0 when even `guess`/100 fails."""
+def bisect_rate(attain: Callable[[float], float], target: float, guess: float, rel_tol: float = 0.02,
+                warm: bool = False) -> tuple[float, float, float]:
+    """(goodput, a passing or the lowest probed rate, the lowest failing rate): the largest rate with
+    attain(rate) >= target; 0 when even `guess`/100 fails. `warm`: `guess` is a measured goodput (the
+    coarse pass's), so the bracket starts at +-10% around it."""
     low = guess / 100
-    if attain(low) < target:
-        return 0.0, low, low
-    lo, hi = low, guess
+    lo, hi = (guess * 0.9, guess * 1.1) if warm else (low, guess)
+    if attain(lo) < target:
+        if not warm or attain(low) < target:
+            return 0.0, low, low
+        lo, hi = low, lo
     for _ in range(12):  # grow the bracket until attainment fails
         if attain(hi) < target:
             break
         lo, hi = hi, hi * 2
     else:
-        return lo, low, lo  # never failed: unbounded for the simulator, reported as the last passing rate
+        return lo, low if not warm else lo, lo  # never failed: reported as the last passing rate
     while (hi - lo) / hi > rel_tol:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if attain(mid) >= target else (lo, mid)
-    return lo, low, hi
+    return lo, low if not warm else lo, hi
 
 
-def _goodput(run: Callable[[float], SimResult], slo: SLO, guess: float, prec: Precision) -> Goodput:
+def _goodput(run: Callable[[float], SimResult], slo: SLO, guess: float, prec: Precision,
+             warm: float = 0.0) -> Goodput:
     results: dict[float, SimResult] = {}
 
     def attain(rate: float) -> float:
         results[rate] = run(rate)
         return results[rate].attainment(slo)
 
-    rate, low, fail = bisect_rate(attain, slo.attainment, guess, prec.rel_tol)
+    rate, low, fail = bisect_rate(attain, slo.attainment, warm or guess, prec.rel_tol, warm > 0)
     return Goodput(rate, results[low], results[fail].binding(slo))
 
 
 def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO, prec: Precision = FINE,
-                  seed: int = 0) -> Goodput:
+                  seed: int = 0, warm: float = 0.0) -> Goodput:
     if phase == "prefill":
         pairs1 = [(i, 1) for i, _ in pairs]
         guess = 1.0 / _mean(pairs1, lambda i, o: setup.model.prefill_interval(i, i * i))
@@ -120,15 +127,16 @@ def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO
         def run(rate: float) -> SimResult:
             reqs = poisson_requests(pairs, rate, prec.size(rate, life), seed)
             return simulate_decode_only(reqs, [setup])
-    return _goodput(run, slo, guess, prec)
+    return _goodput(run, slo, guess, prec, warm)
 
 
-def coloc_goodput(setup: ColocSetup, pairs, slo: SLO, prec: Precision = FINE, seed: int = 0) -> Goodput:
+def coloc_goodput(setup: ColocSetup, pairs, slo: SLO, prec: Precision = FINE, seed: int = 0,
+                  warm: float = 0.0) -> Goodput:
     per_req = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0)) + \
         _mean(pairs, lambda i, o: (o - 1) * setup.model.decode(32, 32 * (i + o / 2)) / 32)
     life = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0) + (o - 1) * setup.model.decode(1, i + o / 2))
     return _goodput(lambda rate: simulate_colocated(poisson_requests(pairs, rate, prec.size(rate, life), seed),
-                                                    [setup]), slo, 1.0 / per_req, prec)
+                                                    [setup]), slo, 1.0 / per_req, prec, warm)
 
 
 def lifetime(model: LatencyModel, pairs) -> float:

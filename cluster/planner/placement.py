@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from cluster.planner.goodput import FINE, lifetime
+from cluster.planner.goodput import VERIFY, lifetime
 from cluster.planner.plans import PhaseChoice, Plan
 from cluster.planner.profiles import latency_model
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
@@ -94,7 +94,7 @@ def simulate_plan(req: "PlanRequest", plan: Plan, rate: float):
         return latency_model(req.model, req.hw, c.parallel, req.dtype, req.profile, req.gpus_per_node)
 
     first = plan.pools[0][0]
-    n = FINE.size(rate, lifetime(lm(first), list(req.pairs)))
+    n = VERIFY.size(rate, lifetime(lm(first), list(req.pairs)))
     reqs = poisson_requests(list(req.pairs), rate, n, req.seed + 1)  # a fresh draw, not the search's
     if plan.mode == "colocated":
         c, k = plan.pools[0]
@@ -108,15 +108,18 @@ def simulate_plan(req: "PlanRequest", plan: Plan, rate: float):
 def _bump(req: "PlanRequest", plan: Plan, result) -> Plan | None:
     """One more replica of the pool that misses more often (a whole unit for co-node plans)."""
     pools = list(plan.pools)
-    if plan.mode == "colocated":
-        k = 0
-    else:
-        k = 0 if result.ttft_attainment(req.slo) < result.tpot_attainment(req.slo) else 1
     if plan.placement == "co-node":
         units = math.gcd(pools[0][1], pools[1][1])
-        pools = [(c, n + n // units) for c, n in pools]
-    else:
-        pools[k] = (pools[k][0], pools[k][1] + 1)
+        return _resized(req, plan, [(c, n + n // units) for c, n in pools])
+    k = 0
+    if plan.mode == "disaggregated" and result.ttft_attainment(req.slo) >= result.tpot_attainment(req.slo):
+        k = 1
+    return _resized(req, plan, [(c, n + (j == k)) for j, (c, n) in enumerate(pools)])
+
+
+def _resized(req: "PlanRequest", plan: Plan, pools: list) -> Plan | None:
+    if any(n < 1 for _, n in pools):
+        return None
     gpus = sum(c.parallel.gpus * n for c, n in pools)
     stages = [s for c, n in pools for s in _stages(c, n)]
     if gpus > req.total_gpus or not _packs(stages, req.nodes, req.gpus_per_node):
@@ -124,19 +127,46 @@ def _bump(req: "PlanRequest", plan: Plan, result) -> Plan | None:
     return Plan(plan.mode, plan.placement, tuple(pools), gpus, plan.link_bw)
 
 
+def _trims(req: "PlanRequest", plan: Plan) -> list[Plan]:
+    """The plan with one replica fewer in one pool (largest instances first); co-node: one unit fewer."""
+    pools = list(plan.pools)
+    if plan.placement == "co-node":
+        units = math.gcd(pools[0][1], pools[1][1])
+        out = [_resized(req, plan, [(c, n - n // units) for c, n in pools])]
+    else:
+        order = sorted(range(len(pools)), key=lambda k: -pools[k][0].parallel.gpus)
+        out = [_resized(req, plan, [(c, n - (k == j)) for k, (c, n) in enumerate(pools)]) for j in order]
+    return [p for p in out if p is not None]
+
+
+def _checked(req: "PlanRequest", plan: Plan) -> Plan:
+    result = simulate_plan(req, plan, req.rate)
+    return Plan(plan.mode, plan.placement, plan.pools, plan.gpus, plan.link_bw, result.attainment(req.slo), result)
+
+
 def verify(req: "PlanRequest", plans: list[Plan]) -> list[Plan]:
-    """Simulate the best `verify_per_mode` plans of each mode whole; add replicas while they miss."""
+    """Simulate the best `verify_per_mode` plans of each mode whole at the target rate: add replicas
+    while one misses (per-instance goodputs come from one instance alone), then try one replica fewer
+    (many instances smooth each other's bursts, so one alone is a pessimistic guide)."""
     out = []
     for mode in ("disaggregated", "colocated"):
         mine = sorted((p for p in plans if p.mode == mode), key=lambda p: (p.gpus, -p.per_gpu_goodput))
         for plan in mine[:req.verify_per_mode]:
-            for _ in range(MAX_BUMPS + 1):
-                result = simulate_plan(req, plan, req.rate)
-                att = result.attainment(req.slo)
-                out.append(Plan(plan.mode, plan.placement, plan.pools, plan.gpus, plan.link_bw, att, result))
-                if att >= req.slo.attainment:
+            checked = _checked(req, plan)
+            for _ in range(MAX_BUMPS):
+                if checked.attainment >= req.slo.attainment:
                     break
-                plan = _bump(req, plan, result)
-                if plan is None:
+                out.append(checked)
+                bigger = _bump(req, plan, checked.result)
+                if bigger is None:
+                    break
+                plan, checked = bigger, _checked(req, bigger)
+            out.append(checked)
+            if checked.attainment < req.slo.attainment:
+                continue
+            for smaller in _trims(req, checked):
+                trimmed = _checked(req, smaller)
+                out.append(trimmed)
+                if trimmed.attainment >= req.slo.attainment:
                     break
     return out

@@ -47,8 +47,8 @@ class PlanRequest:
     max_len: int = 0  # 0: the model's max positions (capped at 32k for the KV fit test)
     prefill_budgets: tuple[int, ...] = ()  # () : hardware defaults (see `budgets`)
     coloc_budgets: tuple[int, ...] = ()
-    top_k: int = 3
-    verify_per_mode: int = 3
+    top_k: int = 2
+    verify_per_mode: int = 2
     seed: int = 0
 
     @property
@@ -93,42 +93,55 @@ def _no_config_error(req: PlanRequest, rejected: list[str]) -> NoFeasibleConfigE
                                  f"{shown}; closest feasible: {closest}")
 
 
-def _measure(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec: Precision) -> tuple[PhaseChoice, Goodput]:
+def _measure(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec: Precision,
+             warm: float = 0.0) -> tuple[PhaseChoice, Goodput]:
     lm = latency_model(req.model, req.hw, mem.parallel, req.dtype, req.profile, req.gpus_per_node)
     _, _, pre_seqs, seqs = req.budgets()
     pairs = list(req.pairs)
+    # a request of a disaggregated plan must pass both phases, whose misses are mostly different
+    # requests (long prompts vs crowded decode steps): each phase gets the square root of the target
+    phase_slo = SLO(req.slo.ttft_s, req.slo.tpot_s, req.slo.attainment ** 0.5)
     if kind == "prefill":
-        g = phase_goodput("prefill", PrefillSetup(lm, budget, pre_seqs), pairs, req.slo, prec, req.seed)
+        g = phase_goodput("prefill", PrefillSetup(lm, budget, pre_seqs), pairs, phase_slo, prec, req.seed, warm)
     elif kind == "decode":
-        g = phase_goodput("decode", DecodeSetup(lm, mem.kv_tokens, seqs), pairs, req.slo, prec, req.seed)
+        g = phase_goodput("decode", DecodeSetup(lm, mem.kv_tokens, seqs), pairs, phase_slo, prec, req.seed, warm)
     else:
-        g = coloc_goodput(ColocSetup(lm, mem.kv_tokens, budget, seqs), pairs, req.slo, prec, req.seed)
+        g = coloc_goodput(ColocSetup(lm, mem.kv_tokens, budget, seqs), pairs, req.slo, prec, req.seed, warm)
     max_seqs = pre_seqs if kind == "prefill" else seqs
     return PhaseChoice(kind, mem.parallel, budget, mem.kv_tokens, max_seqs, g.rate, g.binding), g
 
 
 def _phase_choices(req: PlanRequest, configs: list[InstanceMemory]) -> tuple[dict[str, list[PhaseChoice]], dict]:
-    """Coarse pass over every configuration and budget, fine pass over the best `top_k` per kind."""
+    """Coarse pass over every configuration at the middle token budget; fine pass (warm-started from the
+    coarse goodput) over the finalists of each kind, every budget for the best finalist only."""
     pre_b, col_b, _, _ = req.budgets()
     kinds = {"prefill": pre_b, "decode": (0,), "colocated": col_b}
     out: dict[str, list[PhaseChoice]] = {}
     low_load: dict[str, list[tuple[PhaseChoice, Goodput]]] = {}
     for kind, budgets in kinds.items():
-        coarse = [_measure(req, kind, mem, b, COARSE) for mem in configs for b in budgets]
+        mid = budgets[len(budgets) // 2]
+        coarse = [_measure(req, kind, mem, mid, COARSE) for mem in configs]
         low_load[kind] = coarse
-        fine = [_measure(req, kind, next(m for m in configs if m.parallel == c.parallel), c.token_budget, FINE)[0]
-                for c in _finalists([c for c, _ in coarse if c.goodput > 0], req.top_k)]
+        fine = []
+        for rank, c in enumerate(_finalists([c for c, _ in coarse if c.goodput > 0], req.top_k)):
+            mem = next(m for m in configs if m.parallel == c.parallel)
+            fine += [_measure(req, kind, mem, b, FINE, warm=c.goodput)[0] for b in (budgets if rank == 0 else (mid,))]
         out[kind] = [c for c in fine if c.goodput > 0]
     return out, low_load
 
 
 def _finalists(coarse: list[PhaseChoice], top_k: int) -> list[PhaseChoice]:
-    """The best `top_k` by per-GPU goodput, plus the best of every instance size: with few GPUs or a
-    low rate, a small instance can need fewer GPUs in total even at a lower per-GPU goodput."""
+    """The best `top_k` by per-GPU goodput, the best of the smallest instance size (a low rate may need
+    one small instance only) and the best of each other size within 80% of the best per-GPU goodput
+    (few GPUs favour sizes that pack)."""
     ranked = sorted(coarse, key=lambda c: -c.per_gpu)
+    if not ranked:
+        return []
     picked = ranked[:top_k]
+    smallest = min(c.parallel.gpus for c in ranked)
     for c in ranked:
-        if all(c.parallel.gpus != x.parallel.gpus for x in picked):
+        new_size = all(c.parallel.gpus != x.parallel.gpus for x in picked)
+        if new_size and (c.parallel.gpus == smallest or c.per_gpu >= 0.8 * ranked[0].per_gpu):
             picked.append(c)
     return picked
 
@@ -165,7 +178,7 @@ def search(req: PlanRequest) -> SearchResult:
     plans = candidate_plans(req, phases)
     if not plans:
         raise _rate_error(req, phases)
-    checked = verify(req, plans)
+    checked = list({_key(p): p for p in verify(req, plans)}.values())  # trims can meet twice
     ok = [p for p in checked if p.attainment is not None and p.attainment >= req.slo.attainment]
     if not ok:
         raise _rate_error(req, phases)

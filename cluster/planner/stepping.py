@@ -38,11 +38,18 @@ class StepRun:
         return _line_sum(*first, 0, split) + _line_sum(*second, split, k)
 
     def steps_before(self, limit: float, cap: int) -> int:
-        """The most steps k <= cap with run_time(k) < limit."""
-        if self.run_time(cap) < limit:
-            return cap
-        lo, hi = 0, cap  # run_time(lo) < limit <= run_time(hi)
-        while hi - lo > 1:
+        """The most steps k <= cap with run_time(k) < limit. Galloping from 1: under load the answer
+        is usually 0 or small, so this is O(log k), not O(log cap)."""
+        if cap <= 0 or self.step_time(0) >= limit:
+            return 0
+        lo, hi = 1, 2  # run_time(lo) < limit
+        while hi <= cap and self.run_time(hi) < limit:
+            lo, hi = hi, hi * 2
+        if hi > cap:
+            if self.run_time(cap) < limit:
+                return cap
+            hi = cap
+        while hi - lo > 1:  # run_time(lo) < limit <= run_time(hi)
             mid = (lo + hi) // 2
             if self.run_time(mid) < limit:
                 lo = mid

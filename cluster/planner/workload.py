@@ -13,16 +13,18 @@ has the full trace readers. Pure Python.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from cluster.planner.errors import PlannerError
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
+    """One simulated request. A NamedTuple, not a dataclass: every probe of the search builds thousands
+    and a frozen dataclass's __init__ is several times slower; it is just as immutable."""
     arrival: float  # seconds
     input_len: int
     output_len: int  # tokens generated, the first one (from prefill) included
@@ -86,13 +88,25 @@ def clamp(pairs: list[tuple[int, int]], max_len: int) -> list[tuple[int, int]]:
     return out
 
 
+def subsample(pairs: list[tuple[int, int]], n: int = 4000, seed: int = 0) -> list[tuple[int, int]]:
+    """At most `n` pairs drawn without replacement (seeded): what the simulations sample from."""
+    return pairs if len(pairs) <= n else random.Random(seed).sample(pairs, n)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_draws(n: int, population: int, seed: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Cumulative unit-rate arrival times and length indices: the same for every probed rate."""
+    rng = random.Random(seed)
+    t, times, idx = 0.0, [], []
+    for _ in range(n):
+        t += rng.expovariate(1.0)
+        times.append(t)
+        idx.append(rng.randrange(population))
+    return tuple(times), tuple(idx)
+
+
 def poisson_requests(pairs: list[tuple[int, int]], rate: float, n: int, seed: int = 0) -> list[Request]:
     """`n` requests with Poisson arrivals at `rate` req/s and lengths drawn from `pairs`."""
     assert rate > 0 and pairs
-    rng = random.Random(seed)
-    t, reqs = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(1.0)  # unit-rate gap, scaled below: same draws at every rate
-        i, o = pairs[rng.randrange(len(pairs))]
-        reqs.append(Request(t / rate, i, o))
-    return reqs
+    times, idx = _unit_draws(n, len(pairs), seed)
+    return [Request(t / rate, *pairs[k]) for t, k in zip(times, idx)]

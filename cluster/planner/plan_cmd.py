@@ -1,0 +1,86 @@
+"""`pdserve plan`: arguments -> `search.PlanRequest` -> search -> spec (`spec_writer`) + report (`report`).
+
+Prints the chosen plan, the best plan of the other mode and where it wrote things; every planner error
+(unknown model or hardware, no configuration fits, impossible SLO or rate) prints `error: ...` and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+from cluster.planner.errors import PlannerError
+from cluster.planner.hardware import load_hardware
+from cluster.planner.metrics import SLO
+from cluster.planner.models import load_model
+from cluster.planner.profiles import load_profile
+from cluster.planner.search import PlanRequest, SearchResult, search
+from cluster.planner.workload import clamp, distribution_lengths, subsample, trace_lengths
+
+
+def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
+    model = load_model(args.model)
+    hw = load_hardware(args.hardware, args.inter_node_gbs)
+    profile = load_profile(args.profile) if args.profile else None
+    for name, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
+        if v < 1:
+            raise PlannerError(f"{name} must be >= 1 (got {v})")
+    if args.rate <= 0 or args.ttft_ms <= 0 or args.tpot_ms <= 0 or not 0 < args.attainment <= 1:
+        raise PlannerError("--rate, --ttft-ms and --tpot-ms must be > 0 and --attainment in (0, 1]")
+    if args.workload:
+        pairs, workload = trace_lengths(args.workload), args.workload
+    else:
+        if not args.output_len:
+            raise PlannerError("--input-len needs --output-len (or give --workload TRACE)")
+        pairs = distribution_lengths(args.input_len, args.output_len, seed=args.seed)
+        workload = f"input {args.input_len}, output {args.output_len}"
+    max_len = args.max_len or min(model.max_positions, 32768)
+    req = PlanRequest(model, hw, args.nodes, args.gpus_per_node, tuple(clamp(subsample(pairs, seed=args.seed), max_len)), args.rate,
+                      SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment), args.dtype, profile,
+                      max_len, seed=args.seed)
+    latency = (f"profile {profile.name} (fitted TP {sorted(profile.coeffs)}; roofline calibrated from it "
+               f"elsewhere)" if profile else f"roofline of {hw.name} (default efficiencies)")
+    return req, {"command": "pdserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+                 "workload": workload, "latency": latency}
+
+
+def _print(res: SearchResult, out: str, report: str | None) -> None:
+    b = res.best
+    print(f"plan: {b.describe()}")
+    print(f"  predicted goodput {b.goodput:.2f} req/s ({b.per_gpu_goodput:.2f} per GPU, "
+          f"{b.ideal_per_gpu_goodput:.2f} at the ideal ratio); attainment at the target rate "
+          f"{b.attainment:.1%}")
+    for mode in ("disaggregated", "colocated"):
+        p = res.best_of(mode)
+        if p is not None:
+            print(f"  best {mode}: {p.describe()}: {p.per_gpu_goodput:.2f} req/s per GPU "
+                  f"({p.ideal_per_gpu_goodput:.2f} at the ideal ratio)")
+    print(f"  search {res.seconds:.1f} s; spec -> {out}" + (f"; report -> {report}" if report else ""))
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from cluster.planner.spec_writer import plan_spec, write_spec
+
+    start = time.perf_counter()
+    try:
+        req, inputs = build_request(args)
+        res = search(req)
+    except PlannerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    spec = plan_spec(res.best, args.spec_model or req.model.name, req.dtype, req.nodes, req.hw.is_cpu,
+                     req.model_len, args.ttft_ms, args.tpot_ms)
+    header = [f"written by `{inputs['command']}`",
+              f"plan: {res.best.describe()}; predicted goodput {res.best.goodput:.2f} req/s",
+              f"latency model: {inputs['latency']}"]
+    if req.nodes > 1 and res.best.mode == "disaggregated":
+        header.append(f"KV receivers listen beyond loopback: export {'PDSERVE_KV_TOKEN'} on every node")
+    write_spec(spec, args.out, header)
+    report = None
+    if args.report:
+        from cluster.planner.report import write_report
+        report = str(write_report(args.report, req, res, inputs, args.out))
+    _print(res, args.out, report)
+    print(f"  total {time.perf_counter() - start:.1f} s")
+    return 0

@@ -1,0 +1,172 @@
+"""The planner's report: `DIR/report.md`, `DIR/attainment.png` (attainment vs rate), `DIR/plan.json`.
+
+Reads a `SearchResult` (plans, per-instance goodputs, rejections) and the `PlanRequest`; simulates the
+chosen plan and the best plan of the other mode over a range of rates (0.25x-2x the target) for the
+plot; says which constraint binds and why the winning mode wins. matplotlib (Agg) is imported here only.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cluster.planner.metrics import percentile
+from cluster.planner.placement import simulate_plan
+from cluster.planner.plans import Plan
+from cluster.planner.search import PlanRequest, SearchResult
+
+RATE_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+
+
+def binding_constraint(req: PlanRequest, plan: Plan) -> str:
+    """Which pool limits the plan's goodput, and which SLO target it misses first above that rate."""
+    choice, n = min(plan.pools, key=lambda cn: cn[0].goodput * cn[1])
+    what = {"ttft": f"TTFT {req.slo.ttft_s * 1000:g} ms", "tpot": f"TPOT {req.slo.tpot_s * 1000:g} ms"}
+    headroom = choice.goodput * n / req.rate - 1
+    kv_note = ""
+    if choice.phase != "prefill":
+        mean_len = sum(i + o for i, o in req.pairs) / len(req.pairs)
+        if choice.kv_tokens / mean_len < choice.max_seqs:
+            kv_note = (f"; KV memory ({choice.kv_tokens} tokens, ~{choice.kv_tokens / mean_len:.0f} average "
+                       f"requests) caps its batch below max_num_seqs {choice.max_seqs}")
+    return (f"the {choice.phase} pool ({n} x {choice.parallel}, {choice.goodput:.2f} req/s each): "
+            f"{what.get(choice.binding, choice.binding)} fails first above its goodput{kv_note}; "
+            f"{headroom:.0%} headroom at {req.rate:g} req/s; GPUs: {plan.gpus} of {req.total_gpus}")
+
+
+def why(best_d: Plan | None, best_c: Plan | None) -> str:
+    if best_d is None or best_c is None:
+        return "only one mode has a plan within the GPUs and SLO"
+    d, c = best_d.ideal_per_gpu_goodput, best_c.ideal_per_gpu_goodput
+    (pc, _), (dc, _) = best_d.pools
+    cc, _ = best_c.pools[0]
+    coloc = (f"colocated {cc.parallel} replicas reach {cc.per_gpu:.2f} req/s per GPU and miss "
+             f"{cc.binding.upper()} first (prompt chunks and decode steps share every batch)")
+    split = (f"disaggregated: prefill {pc.parallel} at {pc.per_gpu:.2f} and decode {dc.parallel} at "
+             f"{dc.per_gpu:.2f} req/s per GPU, {d:.2f} per GPU at the ideal ratio")
+    if d > c * 1.02:
+        return f"disaggregation pays: {split}, each phase at its own parallelism without interference; {coloc}"
+    if c > d * 1.02:
+        return (f"colocation pays: {coloc}, which is still more than {split}: the SLO leaves room for "
+                f"interference, and one pool avoids splitting GPUs between two")
+    return f"a tie within 2%: {split}; {coloc}"
+
+
+def _curve(req: PlanRequest, plan: Plan) -> list[tuple[float, float]]:
+    return [(req.rate * f, simulate_plan(req, plan, req.rate * f).attainment(req.slo)) for f in RATE_FACTORS]
+
+
+def _plot(path: Path, req: PlanRequest, curves: dict[str, list[tuple[float, float]]]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in curves.items():
+        ax.plot([r for r, _ in pts], [a * 100 for _, a in pts], marker="o", label=label)
+    ax.axhline(req.slo.attainment * 100, color="grey", linestyle="--", label="target attainment")
+    ax.axvline(req.rate, color="grey", linestyle=":", label="target rate")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_title(f"{req.model.name} on {req.hw.name}: TTFT {req.slo.ttft_s * 1000:g} ms, "
+                 f"TPOT {req.slo.tpot_s * 1000:g} ms", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _percentile_rows(plan: Plan, req: PlanRequest) -> list[str]:
+    if plan.result is None:
+        return []
+    p = plan.result.percentiles()
+    return [f"| {m.upper()} | " + " | ".join(f"{p[f'{m}_p{q}'] * 1000:.1f}" for q in (50, 90, 99)) + " |"
+            for m in ("ttft", "tpot", "e2e")]
+
+
+def write_report(out_dir: str | Path, req: PlanRequest, res: SearchResult, inputs: dict, spec_path: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    best = res.best
+    best_d, best_c = res.best_of("disaggregated"), res.best_of("colocated")
+    other = best_c if best.mode == "disaggregated" else best_d
+    curves = {f"chosen: {best.describe()}": _curve(req, best)}
+    if other is not None:
+        curves[f"best {other.mode}: {other.describe()}"] = _curve(req, other)
+    _plot(out / "attainment.png", req, curves)
+    md = _markdown(req, res, inputs, spec_path, best_d, best_c, curves)
+    (out / "report.md").write_text(md)
+    (out / "plan.json").write_text(json.dumps(_summary(req, res, inputs, best_d, best_c), indent=2))
+    return out / "report.md"
+
+
+def _plan_row(p: Plan) -> str:
+    att = f"{p.attainment:.1%}" if p.attainment is not None else "not simulated"
+    return (f"| {p.describe()} | {p.gpus} | {p.goodput:.2f} | {p.per_gpu_goodput:.2f} | "
+            f"{p.ideal_per_gpu_goodput:.2f} | {att} |")
+
+
+def _workload_line(req: PlanRequest) -> str:
+    ins = [i for i, _ in req.pairs]
+    outs = [o for _, o in req.pairs]
+    return (f"input tokens p50 {percentile(ins, 50)} / p90 {percentile(ins, 90)} (mean {sum(ins) / len(ins):.0f}), "
+            f"output tokens p50 {percentile(outs, 50)} / p90 {percentile(outs, 90)} (mean "
+            f"{sum(outs) / len(outs):.0f}); Poisson arrivals")
+
+
+def _markdown(req, res: SearchResult, inputs: dict, spec_path: str, best_d, best_c, curves) -> str:
+    best = res.best
+    lines = [f"# pdserve plan: {req.model.name} on {req.nodes} x {req.gpus_per_node} {req.hw.name}", "",
+             f"- command: `{inputs['command']}`",
+             f"- workload: {inputs['workload']}: {_workload_line(req)}",
+             f"- target: {req.rate:g} req/s with TTFT <= {req.slo.ttft_s * 1000:g} ms and TPOT <= "
+             f"{req.slo.tpot_s * 1000:g} ms for {req.slo.attainment:.0%} of requests",
+             f"- latency model: {inputs['latency']}", f"- search: {res.seconds:.1f} s ({'; '.join(res.notes)})", "",
+             "## Chosen plan", "", f"**{best.describe()}** -> `{spec_path}`", ""]
+    for c, n in best.pools:
+        lines.append(f"- {n} x {c.phase}: TP {c.parallel.tp} x PP {c.parallel.pp}, token budget "
+                     f"{c.token_budget or '-'}, max_num_seqs {c.max_seqs}, KV {c.kv_tokens} tokens per instance, "
+                     f"goodput {c.goodput:.2f} req/s per instance")
+    att = f"{best.attainment:.1%}" if best.attainment is not None else "n/a"
+    lines += ["", f"Predicted goodput {best.goodput:.2f} req/s ({best.per_gpu_goodput:.2f} per GPU; "
+                  f"{best.ideal_per_gpu_goodput:.2f} per GPU at the ideal ratio); simulated attainment at "
+                  f"{req.rate:g} req/s: {att}.", "",
+              f"**Binding constraint:** {binding_constraint(req, best)}.", "",
+              "Predicted latencies at the target rate (ms):", "", "| | p50 | p90 | p99 |", "|---|---|---|---|",
+              *_percentile_rows(best, req), "",
+              "## Disaggregated vs colocated", ""]
+    for label, p in (("best disaggregated", best_d), ("best colocated", best_c)):
+        if p is not None:
+            lines.append(f"- {label}: {p.describe()}: {p.per_gpu_goodput:.2f} req/s per GPU "
+                         f"({p.ideal_per_gpu_goodput:.2f} at the ideal ratio)")
+    lines += ["", f"Why: {why(best_d, best_c)}.", "", "## Alternatives", "",
+              "| plan | GPUs | goodput (req/s) | per GPU | per GPU, ideal ratio | attainment at target |",
+              "|---|---|---|---|---|---|", *[_plan_row(p) for p in res.plans[:10]], "",
+              "## Instances measured (fine pass)", "", "| kind | TP x PP | budget | goodput | per GPU | binds |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {c.phase} | {c.parallel} | {c.token_budget or '-'} | {c.goodput:.2f} | {c.per_gpu:.2f} | "
+              f"{c.binding} |" for c in res.phases]
+    lines += ["", "## Attainment vs rate", "", "![attainment vs rate](attainment.png)", ""]
+    for label, pts in curves.items():
+        lines.append(f"- {label}: " + ", ".join(f"{r:.2f} req/s -> {a:.1%}" for r, a in pts))
+    if res.rejected:
+        lines += ["", "## Configurations rejected", "", *[f"- {r}" for r in res.rejected[:20]]]
+    lines += ["", "Predictions come from a discrete-event simulation over the latency model; they are not "
+                  "measurements. Validate with `pdserve bench` on the written spec.", ""]
+    return "\n".join(lines)
+
+
+def _plan_dict(p: Plan | None) -> dict | None:
+    if p is None:
+        return None
+    return {"mode": p.mode, "placement": p.placement, "gpus": p.gpus, "goodput": p.goodput,
+            "per_gpu_goodput": p.per_gpu_goodput, "ideal_per_gpu_goodput": p.ideal_per_gpu_goodput,
+            "attainment": p.attainment, "percentiles_s": p.result.percentiles() if p.result else None,
+            "pools": [{"phase": c.phase, "replicas": n, "tp": c.parallel.tp, "pp": c.parallel.pp,
+                       "token_budget": c.token_budget, "goodput": c.goodput, "binding": c.binding}
+                      for c, n in p.pools]}
+
+
+def _summary(req: PlanRequest, res: SearchResult, inputs: dict, best_d, best_c) -> dict:
+    return {"inputs": inputs, "chosen": _plan_dict(res.best), "best_disaggregated": _plan_dict(best_d),
+            "best_colocated": _plan_dict(best_c), "binding": binding_constraint(req, res.best),
+            "why": why(best_d, best_c), "search_seconds": res.seconds}

@@ -1,0 +1,57 @@
+"""The chosen plan as a cluster spec (the YAML `pdserve validate` / `pdserve serve` read).
+
+`plan_spec(plan, ...)` builds the spec as plain data; `write_spec` checks it with `cluster.spec.parse_spec`
+(the same pydantic models `validate` uses; imported lazily, it pulls in `engine`) before writing it with a
+header saying where it came from. One replica = one engine of tp x pp devices: on GPUs it asks Ray for
+tp*pp GPUs; on `cpu-local` for one CPU (one single-threaded engine per core). More than one node: Ray
+joins the running cluster (`address: auto`) and KV receivers bind beyond loopback, which the spec
+schema requires to carry an auth token from the environment.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.planner.plans import PhaseChoice, Plan
+
+PAGE_SIZE = 16
+TOKEN_ENV = "PDSERVE_KV_TOKEN"
+
+
+def _pool(c: PhaseChoice, replicas: int, cpu: bool, max_len: int, kv_tokens: int) -> dict[str, Any]:
+    need = math.ceil(max_len / PAGE_SIZE)
+    pages = max(need, kv_tokens // PAGE_SIZE)
+    resources = {"num_cpus": 1} if cpu else {"num_cpus": 1, "num_gpus": c.parallel.gpus}
+    return {"replicas": replicas, "tensor_parallel": c.parallel.tp, "pipeline_parallel": c.parallel.pp,
+            "resources": resources, "max_num_seqs": c.max_seqs,
+            "max_num_batched_tokens": max(c.token_budget, 1) if c.phase != "decode" else 512,
+            "kv": {"page_size": PAGE_SIZE, "num_pages": pages}, "max_model_len": max_len}
+
+
+def plan_spec(plan: Plan, model_name: str, dtype: str, nodes: int, cpu: bool, max_len: int,
+              ttft_ms: float, tpot_ms: float) -> dict[str, Any]:
+    pools = {}
+    for c, n in plan.pools:
+        # a prefill replica only holds prompts in flight: one budget's worth plus one longest prompt
+        kv = min(c.kv_tokens, 2 * (c.token_budget + max_len)) if c.phase == "prefill" else c.kv_tokens
+        pools[c.phase] = _pool(c, n, cpu, max_len, kv)
+    spec: dict[str, Any] = {"model": model_name, "dtype": dtype, "mode": plan.mode, "pools": pools}
+    if plan.mode == "disaggregated":
+        spec["kv_transfer"] = ({"host": "127.0.0.1", "failure_policy": "fail"} if nodes == 1 else
+                               {"host": "0.0.0.0", "auth_token": {"env": TOKEN_ENV}, "failure_policy": "fail"})
+    spec["slo"] = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
+    spec["ray"] = {"address": "local" if nodes == 1 else "auto"}
+    return spec
+
+
+def write_spec(spec: dict[str, Any], path: str | Path, header: list[str]) -> None:
+    """Validate with the cluster's own schema, then write YAML with a comment header."""
+    from cluster.spec import parse_spec  # lazy: pulls in engine (and its imports)
+
+    parse_spec(spec, str(path))
+    text = "".join(f"# {line}\n" for line in header) + "\n" + yaml.safe_dump(spec, sort_keys=False)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)

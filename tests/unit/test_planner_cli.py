@@ -1,0 +1,75 @@
+"""`pdserve plan` end to end on a synthetic profile (CPU, no Ray): writes a spec the cluster's own schema
+accepts and a report; bad inputs exit 2 with a message naming the fix."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from cluster.cli import main
+from cluster.spec import load_spec
+
+# a SmolLM2-on-one-core-like profile: prefill ~1.1 ms/token, decode ~35 ms/step
+PROFILE = {"name": "synthetic-cpu", "model": "smollm2-135m", "dtype": "bfloat16", "hardware": "cpu-local",
+           "tp": {"1": {"prefill": [0.02, 1.1e-3, 1e-8], "decode": [0.03, 2e-7, 2e-3]}}}
+
+
+@pytest.fixture()
+def prof(tmp_path):
+    path = tmp_path / "synthetic-cpu.json"
+    path.write_text(json.dumps(PROFILE))
+    return str(path)
+
+
+def plan_args(tmp_path, prof, *extra):
+    return ["plan", "--model", "smollm2-135m", "--hardware", "cpu-local", "--nodes", "1", "--gpus-per-node", "2",
+            "--input-len", "uniform:100:300", "--output-len", "20", "--rate", "1.5", "--ttft-ms", "1500",
+            "--tpot-ms", "150", "--profile", prof, "--out", str(tmp_path / "cluster.yaml"), *extra]
+
+
+def test_plan_writes_a_valid_spec_and_a_report(tmp_path, prof, capsys):
+    assert main(plan_args(tmp_path, prof, "--report", str(tmp_path / "report"))) == 0
+    out = capsys.readouterr().out
+    assert "plan: " in out and "best colocated" in out
+    spec = load_spec(tmp_path / "cluster.yaml")  # the same check `pdserve validate --skip-model` runs
+    assert spec.model == "smollm2-135m"
+    pools = spec.pools_in_use()
+    assert sum(p.replicas * p.tensor_parallel * p.pipeline_parallel for p in pools.values()) <= 2
+    assert all(p.resources.num_gpus == 0 and p.resources.num_cpus == 1 for p in pools.values())
+    assert spec.slo.ttft_ms == 1500 and spec.ray.address == "local"
+    text = (tmp_path / "report" / "report.md").read_text()
+    for section in ("## Chosen plan", "Binding constraint", "## Disaggregated vs colocated", "## Alternatives",
+                    "| TTFT |", "attainment.png"):
+        assert section in text
+    assert (tmp_path / "report" / "attainment.png").stat().st_size > 1000
+    summary = json.loads((tmp_path / "report" / "plan.json").read_text())
+    assert summary["chosen"]["attainment"] >= 0.9
+    assert yaml.safe_load((tmp_path / "cluster.yaml").read_text())["pools"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--hardware", "h10"], "unknown hardware 'h10' (did you mean h100?)"),
+    (["--model", "smollm3"], "unknown model 'smollm3'"),
+    (["--ttft-ms", "1"], "closest feasible: --ttft-ms"),
+    (["--rate", "500"], "closest feasible: --rate"),
+    (["--output-len", "lots"], "--output-len 'lots': give N, uniform:LO:HI or exp:MEAN"),
+])
+def test_bad_inputs_exit_2_with_the_reason(tmp_path, prof, capsys, change, message):
+    args = plan_args(tmp_path, prof)
+    for i in range(0, len(change), 2):
+        args[args.index(change[i]) + 1] = change[i + 1]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "cluster.yaml").exists()
+
+
+def test_workload_trace_is_read(tmp_path, prof, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(f"t,{100 + 7 * i},{5 + i % 20}\n"
+                                                                           for i in range(50)))
+    args = plan_args(tmp_path, prof)
+    k = args.index("--input-len")
+    args[k:k + 4] = ["--workload", str(trace)]
+    assert main(args) == 0
+    assert load_spec(tmp_path / "cluster.yaml").mode in ("disaggregated", "colocated")
