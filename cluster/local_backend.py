@@ -73,6 +73,7 @@ class LocalEngineBackend:
         self._preemptions = 0
         self._ended = {"aborted": 0, "timed_out": 0}  # requests the backend ended early, by reason
         self._pages = (0, llm.kv_usage()["num_pages"])  # snapshot written by the engine thread
+        self._spec: dict[str, float] = {}  # speculation counters (engine thread's snapshot; {} when off)
         self._gate = threading.Event()
         self._gate.set()
         self._closed = False
@@ -105,6 +106,7 @@ class LocalEngineBackend:
             queued, running = self._queued, len(self._streams) - self._queued
             preemptions = self._preemptions
             extra = {f"requests_{k}": float(v) for k, v in self._ended.items()}
+        extra.update({f"spec_{k}": float(v) for k, v in self._spec.items()})
         in_use, total = self._pages
         return BackendStats(queued=queued, running=running, pages_in_use=in_use, num_pages=total,
                             preemptions=preemptions, extra=extra)
@@ -160,6 +162,7 @@ class LocalEngineBackend:
             self._expire()
             usage = self.llm.kv_usage()
             self._pages = (usage["pages_in_use"], usage["num_pages"])
+            self._spec = self.llm.spec_stats() if hasattr(self.llm, "spec_stats") else {}
         for rid in self._live_ids():  # shut down with requests in flight: free their pages first
             self.llm.abort(rid)
         self._fail_all(BackendUnavailableError("the backend shut down"))

@@ -4,9 +4,11 @@ from engine.errors import (InvalidRequestError, OutOfPagesError, PdserveError, R
 from engine.kv_cache.spec import KVPageSpec
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "KVPageSpec", "PdserveError", "InvalidRequestError",
-           "UnknownModelError", "UnsupportedArchitectureError", "OutOfPagesError", "ReservationError"]
+__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "KVPageSpec", "PdserveError",
+           "InvalidRequestError", "UnknownModelError", "UnsupportedArchitectureError", "OutOfPagesError",
+           "ReservationError"]
 
 
 def __getattr__(name):  # LLM pulls in torch and transformers; import it lazily

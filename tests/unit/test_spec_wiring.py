@@ -73,3 +73,30 @@ def test_colocated_decode_worker_speculates_and_reports(tmp_path):
     for w in (plain, spec):
         w.close()
         assert_engine_empty(w.llm)
+
+
+def test_local_backend_reports_spec_counters(tmp_path):
+    import asyncio
+
+    from cluster.local_backend import LocalEngineBackend
+    from cluster.serving_api import GenerateRequest
+    from engine.llm import LLM
+
+    d = write_tiny("llama", tmp_path / "llama", initializer_range=0.1)
+    llm = LLM(model=str(d), dtype="float32", num_pages=64,
+              speculative={"proposer": "ngram", "gate": False, "proposer_options": {"min_ngram": 1}})
+    backend = LocalEngineBackend(llm)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    async def run():
+        async for _ in backend.generate(GenerateRequest("r", [5, 6, 7, 8] * 6, params, model="llama")):
+            pass
+        await asyncio.sleep(0.05)  # the engine thread snapshots counters after its step
+        return await backend.stats()
+
+    try:
+        stats = asyncio.run(run())
+    finally:
+        backend.close()
+    assert stats.extra["spec_num_verifies"] > 0 and "spec_acceptance_rate" in stats.extra
+    assert_engine_empty(llm)
