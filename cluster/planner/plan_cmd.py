@@ -77,10 +77,16 @@ def run_plan(args: argparse.Namespace) -> int:
     if req.nodes > 1 and res.best.mode == "disaggregated":
         header.append(f"KV receivers listen beyond loopback: export {'PDSERVE_KV_TOKEN'} on every node")
     write_spec(spec, args.out, header)
-    report = None
+    report, summary = None, {}
     if args.report:
         from cluster.planner.report import write_report
-        report = str(write_report(args.report, req, res, inputs, args.out))
+        path, summary = write_report(args.report, req, res, inputs, args.out)
+        report = str(path)
     _print(res, args.out, report)
+    for mode, per_gpu in summary.get("whole_plan_goodput_per_gpu", {}).items():
+        print(f"  whole-plan simulated goodput, best {mode}: {summary['whole_plan_goodput'][mode]:.2f} req/s "
+              f"= {per_gpu:.2f} per GPU")
+    if summary:
+        print(f"  why: {summary['why']}")
     print(f"  total {time.perf_counter() - start:.1f} s")
     return 0

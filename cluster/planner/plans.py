@@ -61,5 +61,6 @@ class Plan:
         return next(((c, n) for c, n in self.pools if c.phase == phase), None)
 
     def describe(self) -> str:
-        pools = " + ".join(f"{n}x {c.phase} {c.parallel}" for c, n in self.pools)
+        pools = " + ".join(f"{n}x {c.phase} {c.parallel}" + (f"/b{c.token_budget}" if c.phase != "decode" else "")
+                           for c, n in self.pools)
         return f"{self.mode} [{self.placement}] {pools} = {self.gpus} GPUs"

@@ -9,19 +9,42 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cluster.planner.goodput import bisect_rate
 from cluster.planner.metrics import percentile
 from cluster.planner.placement import simulate_plan
 from cluster.planner.plans import Plan
 from cluster.planner.search import PlanRequest, SearchResult
 
-RATE_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+RATE_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5)
 
 
-def binding_constraint(req: PlanRequest, plan: Plan) -> str:
-    """Which pool limits the plan's goodput, and which SLO target it misses first above that rate."""
+class PlanProbe:
+    """Whole-plan simulations of one plan, cached by rate: its goodput (bisection) and its curve."""
+
+    def __init__(self, req: PlanRequest, plan: Plan):
+        self.req, self.plan, self.cache = req, plan, {}
+
+    def attainment(self, rate: float) -> float:
+        if rate not in self.cache:
+            self.cache[rate] = simulate_plan(self.req, self.plan, rate).attainment(self.req.slo)
+        return self.cache[rate]
+
+    def goodput(self) -> float:
+        """The highest rate the whole plan serves at the attainment target (3% resolution)."""
+        ok = self.plan.attainment is not None and self.plan.attainment >= self.req.slo.attainment
+        guess = max(self.plan.goodput, self.req.rate) if ok else self.plan.goodput
+        return bisect_rate(self.attainment, self.req.slo.attainment, guess, 0.03, warm=True)[0]
+
+    def curve(self) -> list[tuple[float, float]]:
+        return [(self.req.rate * f, self.attainment(self.req.rate * f)) for f in RATE_FACTORS]
+
+
+def binding_constraint(req: PlanRequest, plan: Plan, whole: float | None = None) -> str:
+    """Which pool limits the plan's goodput, and which SLO target it misses first above that rate;
+    headroom from the whole-plan goodput when simulated (else from the per-instance goodputs)."""
     choice, n = min(plan.pools, key=lambda cn: cn[0].goodput * cn[1])
     what = {"ttft": f"TTFT {req.slo.ttft_s * 1000:g} ms", "tpot": f"TPOT {req.slo.tpot_s * 1000:g} ms"}
-    headroom = choice.goodput * n / req.rate - 1
+    headroom = (whole or choice.goodput * n) / req.rate - 1
     kv_note = ""
     if choice.phase != "prefill":
         mean_len = sum(i + o for i, o in req.pairs) / len(req.pairs)
@@ -39,9 +62,9 @@ def why(best_d: Plan | None, best_c: Plan | None) -> str:
     d, c = best_d.ideal_per_gpu_goodput, best_c.ideal_per_gpu_goodput
     (pc, _), (dc, _) = best_d.pools
     cc, _ = best_c.pools[0]
-    coloc = (f"colocated {cc.parallel} replicas reach {cc.per_gpu:.2f} req/s per GPU and miss "
+    coloc = (f"colocated {cc.parallel} replicas alone reach {cc.per_gpu:.2f} req/s per GPU and miss "
              f"{cc.binding.upper()} first (prompt chunks and decode steps share every batch)")
-    split = (f"disaggregated: prefill {pc.parallel} at {pc.per_gpu:.2f} and decode {dc.parallel} at "
+    split = (f"disaggregated instances alone: prefill {pc.parallel} at {pc.per_gpu:.2f} and decode {dc.parallel} at "
              f"{dc.per_gpu:.2f} req/s per GPU, {d:.2f} per GPU at the ideal ratio")
     if d > c * 1.02:
         return f"disaggregation pays: {split}, each phase at its own parallelism without interference; {coloc}"
@@ -49,10 +72,6 @@ def why(best_d: Plan | None, best_c: Plan | None) -> str:
         return (f"colocation pays: {coloc}, which is still more than {split}: the SLO leaves room for "
                 f"interference, and one pool avoids splitting GPUs between two")
     return f"a tie within 2%: {split}; {coloc}"
-
-
-def _curve(req: PlanRequest, plan: Plan) -> list[tuple[float, float]]:
-    return [(req.rate * f, simulate_plan(req, plan, req.rate * f).attainment(req.slo)) for f in RATE_FACTORS]
 
 
 def _plot(path: Path, req: PlanRequest, curves: dict[str, list[tuple[float, float]]]) -> None:
@@ -83,20 +102,25 @@ def _percentile_rows(plan: Plan, req: PlanRequest) -> list[str]:
             for m in ("ttft", "tpot", "e2e")]
 
 
-def write_report(out_dir: str | Path, req: PlanRequest, res: SearchResult, inputs: dict, spec_path: str) -> Path:
+def write_report(out_dir: str | Path, req: PlanRequest, res: SearchResult, inputs: dict,
+                 spec_path: str) -> tuple[Path, dict]:
+    """Write the report; returns its path and the plan.json summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     best = res.best
     best_d, best_c = res.best_of("disaggregated"), res.best_of("colocated")
     other = best_c if best.mode == "disaggregated" else best_d
-    curves = {f"chosen: {best.describe()}": _curve(req, best)}
-    if other is not None:
-        curves[f"best {other.mode}: {other.describe()}"] = _curve(req, other)
+    probes = {"chosen": PlanProbe(req, best)} | ({"other": PlanProbe(req, other)} if other else {})
+    whole = {k: p.goodput() for k, p in probes.items()}
+    curves = {f"{'chosen' if k == 'chosen' else 'best ' + p.plan.mode}: {p.plan.describe()}": p.curve()
+              for k, p in probes.items()}
     _plot(out / "attainment.png", req, curves)
-    md = _markdown(req, res, inputs, spec_path, best_d, best_c, curves)
+    whole_by_mode = {probes[k].plan.mode: g for k, g in whole.items()}
+    md = _markdown(req, res, inputs, spec_path, best_d, best_c, curves, whole_by_mode)
     (out / "report.md").write_text(md)
-    (out / "plan.json").write_text(json.dumps(_summary(req, res, inputs, best_d, best_c), indent=2))
-    return out / "report.md"
+    summary = _summary(req, res, inputs, best_d, best_c, whole_by_mode)
+    (out / "plan.json").write_text(json.dumps(summary, indent=2))
+    return out / "report.md", summary
 
 
 def _plan_row(p: Plan) -> str:
@@ -113,7 +137,7 @@ def _workload_line(req: PlanRequest) -> str:
             f"{sum(outs) / len(outs):.0f}); Poisson arrivals")
 
 
-def _markdown(req, res: SearchResult, inputs: dict, spec_path: str, best_d, best_c, curves) -> str:
+def _markdown(req, res: SearchResult, inputs: dict, spec_path: str, best_d, best_c, curves, whole) -> str:
     best = res.best
     lines = [f"# pdserve plan: {req.model.name} on {req.nodes} x {req.gpus_per_node} {req.hw.name}", "",
              f"- command: `{inputs['command']}`",
@@ -130,14 +154,16 @@ def _markdown(req, res: SearchResult, inputs: dict, spec_path: str, best_d, best
     lines += ["", f"Predicted goodput {best.goodput:.2f} req/s ({best.per_gpu_goodput:.2f} per GPU; "
                   f"{best.ideal_per_gpu_goodput:.2f} per GPU at the ideal ratio); simulated attainment at "
                   f"{req.rate:g} req/s: {att}.", "",
-              f"**Binding constraint:** {binding_constraint(req, best)}.", "",
+              f"**Binding constraint:** {binding_constraint(req, best, whole.get(best.mode))}.", "",
               "Predicted latencies at the target rate (ms):", "", "| | p50 | p90 | p99 |", "|---|---|---|---|",
               *_percentile_rows(best, req), "",
               "## Disaggregated vs colocated", ""]
     for label, p in (("best disaggregated", best_d), ("best colocated", best_c)):
         if p is not None:
-            lines.append(f"- {label}: {p.describe()}: {p.per_gpu_goodput:.2f} req/s per GPU "
-                         f"({p.ideal_per_gpu_goodput:.2f} at the ideal ratio)")
+            sim = (f"whole plan simulated: {whole[p.mode]:.2f} req/s = {whole[p.mode] / p.gpus:.2f} per GPU; "
+                   if p.mode in whole else "")
+            lines.append(f"- {label}: {p.describe()}: {sim}per-instance goodputs give {p.per_gpu_goodput:.2f} "
+                         f"req/s per GPU ({p.ideal_per_gpu_goodput:.2f} at the ideal ratio)")
     lines += ["", f"Why: {why(best_d, best_c)}.", "", "## Alternatives", "",
               "| plan | GPUs | goodput (req/s) | per GPU | per GPU, ideal ratio | attainment at target |",
               "|---|---|---|---|---|---|", *[_plan_row(p) for p in res.plans[:10]], "",
@@ -166,7 +192,9 @@ def _plan_dict(p: Plan | None) -> dict | None:
                       for c, n in p.pools]}
 
 
-def _summary(req: PlanRequest, res: SearchResult, inputs: dict, best_d, best_c) -> dict:
+def _summary(req: PlanRequest, res: SearchResult, inputs: dict, best_d, best_c, whole: dict) -> dict:
     return {"inputs": inputs, "chosen": _plan_dict(res.best), "best_disaggregated": _plan_dict(best_d),
-            "best_colocated": _plan_dict(best_c), "binding": binding_constraint(req, res.best),
-            "why": why(best_d, best_c), "search_seconds": res.seconds}
+            "best_colocated": _plan_dict(best_c), "whole_plan_goodput": whole,
+            "whole_plan_goodput_per_gpu": {m: g / p.gpus for m, g in whole.items()
+                                           for p in (best_d, best_c) if p is not None and p.mode == m},
+            "binding": binding_constraint(req, res.best, whole.get(res.best.mode)), "why": why(best_d, best_c), "search_seconds": res.seconds}

@@ -1,15 +1,18 @@
-"""Analytic roofline latency for GPUs: max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) per
-stage, plus a fixed per-forward overhead and the tensor-parallel all-reduces.
+"""Analytic roofline latency for GPUs, per operator class: matmuls (weights streamed once per step, FLOPs
+for every token) plus attention (prefill: compute; decode: reading the KV cache), plus a fixed
+per-forward overhead and the tensor-parallel all-reduces. Matmuls and attention are separate kernels, so
+their times add: a colocated step does not hide decode attention's KV reads under prefill's compute.
 
 Per stage of `layers/pp` layers, per TP rank (matmul weights and heads split `tp` ways; KV heads split
 too, but a rank keeps at least one whole KV head, so TP beyond the KV heads replicates them):
-  prefill FLOPs = 2 * P_stage * T + 2 * L_s * q_dim * SQ          (causal attention: half of l^2)
-  decode  FLOPs = 2 * P_stage * B + 4 * L_s * q_dim * C           (QK^T and AV over the context)
-  bytes         = weights of the stage + KV written (T tokens) or read (C tokens)
-  all-reduce    = 2 per layer (after attention and MLP) of tokens x hidden x 2 bytes, ring: 2(tp-1)/tp
-                  of the message over the intra-node link, plus a fixed latency each
-`Calibration` holds the efficiency factors; `calibrate()` derives them from a fitted TP=1 profile so the
-roofline extends a measured profile to TP/PP degrees and devices that were not measured.
+  matmuls(N tokens)   = max(2 * P_stage * N / FLOP/s, weight bytes / bandwidth)
+  prefill attention   = max(2 * L_s * q_dim * SQ / FLOP/s, KV bytes written (T tokens) / bandwidth)
+  decode attention    = max(4 * L_s * q_dim * C / FLOP/s, KV bytes read (C tokens) / bandwidth)
+  all-reduce          = 2 per layer (after attention and MLP) of N x hidden x 2 bytes, ring: 2(tp-1)/tp
+                        of the message over the intra-node link, plus a fixed latency each
+FLOP/s and bandwidth are the datasheet peaks times `Calibration` efficiencies; `calibrate()` derives
+them from a fitted TP=1 profile so the roofline extends a measured profile to TP/PP degrees and devices
+that were not measured.
 """
 from __future__ import annotations
 
@@ -55,46 +58,39 @@ class RooflineLatency(LatencyModel):
         per = 2 * (tp - 1) / tp * msg / self.hw.intra_node_bw + self.cal.allreduce_latency_s
         return 2 * self.stage_layers * per
 
-    def _time(self, flops: float, nbytes: float, tokens: float) -> float:
-        return max(flops / self.flops, nbytes / self.bw) + self.cal.overhead_s + self._allreduce(tokens)
+    def _fixed(self, tokens: float) -> float:
+        return self.cal.overhead_s + self._allreduce(tokens)
 
-    def _prefill_work(self, tokens: float, sq: float) -> tuple[float, float]:
-        flops = 2 * self.matmul_params * tokens + 2 * self.stage_layers * self.q_dim * sq
-        return flops, tokens * self.kv_bytes_token
+    def _matmuls(self, tokens: float) -> float:
+        return max(2 * self.matmul_params * tokens / self.flops, self.weight_bytes / self.bw)
 
-    def _decode_work(self, batch: float, context: float) -> tuple[float, float]:
-        flops = 2 * self.matmul_params * batch + 4 * self.stage_layers * self.q_dim * context
-        return flops, context * self.kv_bytes_token
+    def _prefill_attention(self, tokens: float, sq: float) -> float:
+        return max(2 * self.stage_layers * self.q_dim * sq / self.flops, tokens * self.kv_bytes_token / self.bw)
+
+    def _decode_attention_slope(self) -> float:
+        """Seconds per context token of decode attention (the slower of its FLOPs and its KV reads)."""
+        return max(4 * self.stage_layers * self.q_dim / self.flops, self.kv_bytes_token / self.bw)
 
     def stage_prefill(self, tokens: float, sq: float) -> float:
-        f, b = self._prefill_work(tokens, sq)
-        return self._time(f, self.weight_bytes + b, tokens)
-
-    def stage_decode(self, batch: float, context: float) -> float:
-        f, b = self._decode_work(batch, context)
-        return self._time(f, self.weight_bytes + b, batch)
+        return self._matmuls(tokens) + self._prefill_attention(tokens, sq) + self._fixed(tokens)
 
     def stage_decode_lines(self, batch: float):
-        fixed = self.cal.overhead_s + self._allreduce(batch)
-        compute = (2 * self.matmul_params * batch / self.flops + fixed, 4 * self.stage_layers * self.q_dim / self.flops)
-        memory = (self.weight_bytes / self.bw + fixed, self.kv_bytes_token / self.bw)
-        return compute, memory
+        line = (self._matmuls(batch) + self._fixed(batch), self._decode_attention_slope())
+        return line, line
 
     def stage_mixed(self, tokens: float, sq: float, batch: float, context: float) -> float:
-        fp, bp = self._prefill_work(tokens, sq)
-        fd, bd = self._decode_work(batch, context)
-        return self._time(fp + fd, self.weight_bytes + bp + bd, tokens + batch)
+        return (self._matmuls(tokens + batch) + self._prefill_attention(tokens, sq)
+                + context * self._decode_attention_slope() + self._fixed(tokens + batch))
 
     def p2p(self, tokens: float) -> float:
         return tokens * self.model.hidden * self.nbytes / self.pp_link_bw + self.cal.allreduce_latency_s
 
     def is_compute_bound_prefill(self, tokens: float, sq: float) -> bool:
-        f, b = self._prefill_work(tokens, sq)
-        return f / self.flops > (self.weight_bytes + b) / self.bw
+        return 2 * self.matmul_params * tokens / self.flops > self.weight_bytes / self.bw
 
     def is_memory_bound_decode(self, batch: float, context: float) -> bool:
-        f, b = self._decode_work(batch, context)
-        return (self.weight_bytes + b) / self.bw > f / self.flops
+        matmul_mem = self.weight_bytes / self.bw > 2 * self.matmul_params * batch / self.flops
+        return matmul_mem and self.kv_bytes_token / self.bw > 4 * self.stage_layers * self.q_dim / self.flops
 
 
 def calibrate(model: ModelSpec, hw: Hardware, coeffs: Coeffs, dtype: str = "bfloat16") -> Calibration:
