@@ -144,7 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cluster.bench.prompts import PromptSource, load_tokenizer
-    from cluster.bench.report import write_report
+    from cluster.bench.report import write_probe, write_report
     from cluster.bench.runner import BenchConfig, SLOSetting, run_bench
     from cluster.bench.server import BenchServerError
     from cluster.bench.workload import TraceScaling, WorkloadError, load_workload
@@ -180,7 +180,7 @@ def _bench(args: argparse.Namespace) -> int:
     prompt_of = (lambda s: source.ids(s.index, s.input_len)) if args.prompt_format == "ids" else \
         (lambda s: source.text(s.index, s.input_len))
     try:
-        result = run_bench(cfg, workload, prompt_of, targets)
+        result = run_bench(cfg, workload, prompt_of, targets, lambda t, run: write_probe(out_dir, t, run))
     except BenchServerError as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 1

@@ -75,6 +75,15 @@ def _run_json(run: RateRun) -> dict:
             "phases_ms": phase_means(run.records), "requests": [record_json(r) for r in run.records]}
 
 
+def write_probe(out_dir: Path, t: TargetResult, run: RateRun) -> Path:
+    """One probe's records as soon as it ends (`probes/<label>@<rate>.json`): a long run that dies or is
+    interrupted keeps what it measured."""
+    path = out_dir / "probes" / f"{t.label}@{run.rate if run.rate is not None else 'trace'}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_clean(dict(_run_json(run), label=t.label)), indent=1))
+    return path
+
+
 def target_json(t: TargetResult) -> dict:
     return {"label": t.label, "group": t.group, "spec": t.spec, "settings": t.settings,
             "goodput": asdict(t.goodput) if t.goodput else None, "server_log": t.server_log,

@@ -25,6 +25,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from cluster.bench.loadgen import Target, run_load, run_sequential
 from cluster.bench.metrics import (GoodputResult, RatePoint, RequestRecord, Summary, find_goodput, meets,
@@ -126,6 +127,7 @@ class BenchResult:
     workload: Workload
     slo: SLO | None = None
     targets: list[TargetResult] = field(default_factory=list)
+    on_probe: Callable[[TargetResult, RateRun], None] | None = None  # e.g. write each probe as it ends
 
 
 def unloaded_sample(workload: Workload, n: int) -> list[RequestSpec]:
@@ -211,6 +213,8 @@ def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarge
         run = _probe(cfg, workload, prompt_of, target, rate, bt.label, slo)
         run.summary = summarize(run.records, slo.ttft_s, slo.tpot_s)
         tr.runs.append(run)
+        if result.on_probe is not None:
+            result.on_probe(tr, run)
         s = run.summary
         _say(f"{bt.label} @ {'trace' if rate is None else f'{rate:g}'} req/s: attainment {s.attainment:.2f}, "
              f"TTFT p50 {s.ttft_ms['p50']:.0f} ms, TPOT p50 {s.tpot_ms['p50']:.1f} ms, "
@@ -230,8 +234,9 @@ def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarge
     return tr
 
 
-def run_bench(cfg: BenchConfig, workload: Workload, prompt_of, targets: list[BenchTarget]) -> BenchResult:
-    result = BenchResult(cfg, workload)
+def run_bench(cfg: BenchConfig, workload: Workload, prompt_of, targets: list[BenchTarget],
+              on_probe: Callable[[TargetResult, RateRun], None] | None = None) -> BenchResult:
+    result = BenchResult(cfg, workload, on_probe=on_probe)
     if not cfg.needs_unloaded:
         result.slo = resolve_slo(cfg, [], "")
     ordered = sorted(targets, key=lambda t: not t.reference)  # reference first (stable otherwise)

@@ -147,7 +147,7 @@ def test_client_timeout_and_unreachable_server_fail_the_request(fake):
 
 def test_report_from_fake_runs(fake, tmp_path):
     from cluster.bench.metrics import GoodputResult, RatePoint
-    from cluster.bench.report import compare_summary, write_report
+    from cluster.bench.report import compare_summary, write_probe, write_report
     from cluster.bench.runner import SLO, BenchConfig, BenchResult, RateRun, SLOSetting, TargetResult
     from cluster.bench.workload import load_workload
 
@@ -173,6 +173,8 @@ def test_report_from_fake_runs(fake, tmp_path):
     md = files["markdown"].read_text()
     assert "Goodput ratio a / b" in md and "| c | - | c: the server exited before it was ready |" in md
     assert compare_summary(result, ["a", "missing"]) is None
+    probe = json.loads(write_probe(tmp_path, result.targets[0], result.targets[0].runs[1]).read_text())
+    assert probe["label"] == "a" and probe["rate"] == 20.0 and len(probe["requests"]) == 3
 
 
 def test_early_stop_cancels_a_hopeless_probe(fake):
