@@ -1,7 +1,8 @@
 """Quantized KV pages ("int8", "fp8"; engine/kv_cache/quantized.py): the cell codec's error bounds, cells
 moving bit-exactly between pools of different page sizes, KV quantized on a prefill engine and shipped
 over the fake transport decoding exactly like one engine with the same format (the wire format is the
-storage format), layouts of different formats refusing each other, and the bytes shipped per token."""
+storage format), layouts of different formats refusing each other, the bytes shipped per token, and the
+Hadamard rotation: orthonormal for any head dim, attention in the rotated space equal to plain attention."""
 from __future__ import annotations
 
 import random
@@ -12,7 +13,8 @@ import torch
 from engine import SamplingParams
 from engine.kv_cache.backend import make_backend
 from engine.kv_cache.page_io import export_kv, import_kv
-from engine.kv_cache.quantized import dequantize, quantize
+from engine.attention_context import SeqLayout, build_context
+from engine.kv_cache.quantized import dequantize, hadamard, quantize
 from engine.kv_cache.spec import KVPageSpec
 from engine.llm import LLM
 from kv_transfer.config import ReceiverConfig, SenderConfig
@@ -134,3 +136,46 @@ def test_compression_off_is_unchanged_and_int8_stays_close(tiny_dir):
     q = [o.token_ids for o in make(tiny_dir, "int8").generate(PROMPTS, GREEDY)]
     agree = sum(a == b for x, y in zip(base, q) for a, b in zip(x, y))
     assert agree >= 0.75 * sum(map(len, base)), (agree, base, q)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 80, 8])
+def test_rotation_is_orthonormal_for_any_head_dim(head_dim):
+    h = hadamard(head_dim)
+    assert torch.allclose(h @ h.T, torch.eye(head_dim), atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_in_the_rotated_space_equals_attention_over_the_stored_values(fmt):
+    """The backend rotates queries in and outputs out instead of rotating the cache back: the result must
+    equal plain attention over the dequantized, unrotated K/V that `read()` returns."""
+    torch.manual_seed(3)
+    spec = KVPageSpec(1, 2, 16, 4, "float32", fmt)
+    b = make_backend(spec, 16)
+    n = 13
+    pages = [5, 2, 9, 11]
+    slots = torch.tensor([pages[t // 4] * 4 + t % 4 for t in range(n)])
+    k, v = torch.randn(n, 2, 16) * 3, torch.randn(n, 2, 16)
+    k[:, :, 3] *= 20  # an outlier channel, as real keys have
+    b.write(0, slots, k, v)
+    rk, rv = b.read(0, slots)
+    assert (rk - k).norm() / k.norm() < (0.01 if fmt == "int8" else 0.05)
+    q = torch.randn(1, 4, 16)  # one decode token, 4 query heads over 2 KV heads
+    ctx = build_context([SeqLayout("r", 1, n - 1, pages)], 4, 0.25)
+    got = b.attend(0, q, ctx)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.view(1, 1, 4, 16).transpose(1, 2), rk.unsqueeze(0).transpose(1, 2), rv.unsqueeze(0).transpose(1, 2),
+        scale=0.25, enable_gqa=True).transpose(1, 2).reshape(1, 4, 16)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("proposer", ["oracle", "always_wrong", "ngram"])
+def test_speculative_output_equals_plain_output_over_quantized_pages(tiny_dir, fmt, proposer):
+    """Cells are quantized per (token, head), so a verify step writing 1 + k tokens stores exactly what
+    k + 1 single-token steps would; rejected drafts roll back. Same tokens, same pages left: none."""
+    plain = make(tiny_dir, fmt)
+    want = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    spec = make(tiny_dir, fmt, speculative={"proposer": proposer, "max_draft": 3, "gate": False})
+    got = [o.token_ids for o in spec.generate(PROMPTS, GREEDY)]
+    assert_greedy_equal(want, got)
+    assert_engine_empty(spec)

@@ -1,0 +1,173 @@
+"""KV quality harness: what a compressed KV cache costs in model quality, per storage format.
+
+For each format (raw = the baseline, int8, fp8, ...), on the same model, dtype and text:
+  ppl       perplexity of held-out text read through the stored pages: prefill `--prefill` tokens (their
+            KV is written in the format, and the prefill itself reads it back), then score the next
+            `--score` tokens in chunks of `--chunk` (<= 128: at most that many tokens per step are still
+            only in flight, the rest is read from pages). Change vs raw in percent.
+  passkey   a 5-digit pass key hidden at `--depths` of filler text of `--lengths` tokens; greedy answer
+            after "What is the pass key?"; accuracy over `--trials` keys per cell, and vs raw.
+  agree     greedy-agreement length: tokens generated before the first divergence from raw (mean, min)
+            over `--agree-prompts` real-text prompts, `--agree-tokens` new tokens each.
+Text: the stdlib's pydoc topics (real English prose; not used to pick any setting).
+Run:  .venv/bin/python bench/kv_quality.py [--formats raw,int8,fp8] [--dtype bfloat16] [--quick]
+Writes bench/out/kv_quality_<dtype>.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from pydoc_data.topics import topics
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.batch import SeqStep, StepBatch  # noqa: E402
+
+GATES = {"int8": 0.2, "fp8": 1.0, "kivi4": 1.0}  # max perplexity change in percent (issue: int8 0.2%, 4-bit 1%)
+
+
+def corpus_ids(tok, n: int, offset: int = 0) -> list[int]:
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = tok.encode(text)
+    assert len(ids) >= offset + n, f"corpus has {len(ids)} tokens"
+    return ids[offset:offset + n]
+
+
+def perplexity(llm: LLM, ids: list[int], prefill: int, chunk: int) -> float:
+    """exp(mean NLL) of ids[prefill:] given everything before it, read through the page pool."""
+    res = llm.reserve(len(ids), lease_s=3600)
+    try:
+        nll, count, done = 0.0, 0, 0
+        while done < len(ids):
+            n = prefill if done == 0 else min(chunk, len(ids) - done)
+            score = done >= prefill
+            step = SeqStep("ppl", ids[done:done + n], done, done, res.pages,
+                           list(range(n)) if score else [])
+            out = llm.execute(StepBatch([step], return_logits=score)).results[0]
+            if score:
+                logp = torch.log_softmax(out.logits.float(), -1)  # [n, vocab]
+                nxt = ids[done + 1:done + n + 1]
+                nll -= logp[torch.arange(len(nxt)), torch.tensor(nxt)].sum().item()
+                count += len(nxt)
+            done += n
+        return math.exp(nll / count)
+    finally:
+        llm.allocator.cancel(res.reservation_id)
+
+
+def passkey_prompt(tok, filler: list[int], length: int, depth: float, key: int) -> list[int]:
+    needle = tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    ask = tok.encode(" What is the pass key? The pass key is")
+    body = filler[:max(0, length - len(needle) - len(ask))]
+    at = int(len(body) * depth)
+    return body[:at] + needle + body[at:] + ask
+
+
+def passkey(llm: LLM, lengths, depths, trials: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    filler = corpus_ids(llm.tokenizer, max(lengths), offset=5000)
+    cells = {}
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    for length in lengths:
+        for depth in depths:
+            keys = [rng.randrange(10000, 100000) for _ in range(trials)]
+            prompts = [passkey_prompt(llm.tokenizer, filler, length, depth, k) for k in keys]
+            outs = llm.generate(prompts, greedy)
+            cells[f"{length}@{depth}"] = sum(str(k) in o.text for k, o in zip(keys, outs)) / trials
+    return cells
+
+
+def agreement(llm: LLM, ref: list[list[int]] | None, prompts, new: int) -> tuple[list[list[int]], list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+    toks = [o.token_ids for o in outs]
+    if ref is None:
+        return toks, [new] * len(toks)
+    return toks, [next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), new) for r, t in zip(ref, toks)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--formats", default="raw,int8,fp8")
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--score", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--lengths", default="1024,2048,4096")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--agree-prompts", type=int, default=8)
+    ap.add_argument("--agree-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="ppl 1024+256, passkey 1024/2048 x 3 depths x 4 trials")
+    ap.add_argument("--only", choices=["ppl", "passkey", "agree"], action="append",
+                    help="measure only these (repeatable); default: all three")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    if a.quick:
+        a.prefill, a.score, a.lengths, a.depths, a.trials, a.agree_prompts = 1024, 256, "1024,2048", "0.1,0.5,0.9", 4, 4
+    formats = a.formats.split(",")
+    assert formats[0] == "raw", "the first format is the baseline: raw"
+    lengths = [int(x) for x in a.lengths.split(",")]
+    depths = [float(x) for x in a.depths.split(",")]
+    max_len = max(max(lengths), a.prefill + a.score) + 64
+    results, ref_toks = {}, None
+    for fmt in formats:
+        t0 = time.perf_counter()
+        llm = LLM(a.model, dtype=a.dtype, kv_storage=fmt, num_pages=-(-max_len * 4 // 16), max_model_len=max_len,
+                  max_num_batched_tokens=2048)
+        ids = corpus_ids(llm.tokenizer, a.prefill + a.score)
+        prompts = [corpus_ids(llm.tokenizer, 96, offset=20000 + 500 * i) for i in range(a.agree_prompts)]
+        want = set(a.only or ["ppl", "passkey", "agree"])
+        r = {"bytes_per_token_layer": llm.kv_spec.bytes_per_token_layer(), "ppl": None, "passkey": {}, "agree": []}
+        if "ppl" in want:
+            r["ppl"] = perplexity(llm, ids, a.prefill, a.chunk)
+        if "passkey" in want:
+            r["passkey"] = passkey(llm, lengths, depths, a.trials, a.seed)
+        if "agree" in want:
+            ref_toks_new, r["agree"] = agreement(llm, ref_toks, prompts, a.agree_tokens)
+            ref_toks = ref_toks or ref_toks_new
+        r["seconds"] = time.perf_counter() - t0
+        results[fmt] = r
+        print(f"{fmt}: ppl {r['ppl']} passkey {r['passkey']} agree {r['agree']} [{r['seconds']:.0f} s]", flush=True)
+    _report(results, a)
+
+
+def _report(results: dict, a) -> None:
+    base = results["raw"]
+
+    def acc_of(r):
+        return sum(r["passkey"].values()) / len(r["passkey"]) if r["passkey"] else float("nan")
+    base_acc = acc_of(base)
+    print(f"\nKV quality | {a.model} {a.dtype} | ppl: {a.prefill} prefill + {a.score} scored in chunks of {a.chunk}")
+    print(f"{'format':8} {'ppl':>9} {'change':>8} {'gate':>6} {'passkey':>8} {'vs raw':>7} {'agree mean/min':>15} "
+          f"{'bytes vs raw':>12}")
+    for fmt, r in results.items():
+        ppl = r["ppl"] if r["ppl"] is not None else float("nan")
+        change = 100 * (ppl / base["ppl"] - 1) if base["ppl"] else float("nan")
+        gate = GATES.get(fmt)
+        acc = acc_of(r)
+        ok = "" if gate is None or math.isnan(change) else ("PASS" if abs(change) < gate else "FAIL")
+        agree = r["agree"] or [0]
+        print(f"{fmt:8} {ppl:9.4f} {change:+7.3f}% {ok:>6} {acc:8.2f} {acc / max(base_acc, 1e-9):7.2f} "
+              f"{sum(agree) / len(agree):9.1f}/{min(agree):<5d} "
+              f"{r['bytes_per_token_layer'] / base['bytes_per_token_layer']:11.3f}x")
+    out = Path(a.out) if a.out else ROOT / "bench" / "out" / f"kv_quality_{a.dtype}{'_quick' if a.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    print(f"reproduce: .venv/bin/python bench/kv_quality.py {' '.join(sys.argv[1:])}\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
