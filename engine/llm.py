@@ -21,6 +21,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache.allocator import PageAllocator, Reservation
 from engine.kv_cache.backend import make_backend
 from engine.kv_cache.block_table import BlockTables, seq_owner
+from engine.kv_cache.eviction import EvictionPolicy, compact, keep_slots
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
 from engine.model import LlamaForward
@@ -42,7 +43,7 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic,
                  keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None,
-                 kv_storage: str = "raw"):
+                 kv_storage: str = "raw", kv_eviction: EvictionPolicy | dict | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = resolve_model(model)
@@ -67,6 +68,9 @@ class LLM:
         self.requests: dict[str, Request] = {}
         self.clock = clock
         self.keep_logits = keep_logits  # tests: keep each sampled position's float32 logits on the request
+        self.eviction = EvictionPolicy.of(kv_eviction)  # prompt KV kept at the end of prefill (kv_cache/eviction)
+        self._evicting: set[str] = set()  # requests whose prompt completes in the step being run
+        self.num_evicted_tokens = 0
         self.spec = None  # draft-verify decoding (engine/spec_decode), when configured
         spec_cfg = SpeculativeConfig.of(speculative)
         if spec_cfg is not None:
@@ -172,10 +176,15 @@ class LLM:
             return []
         if self.spec is not None:
             return self.spec.step(sched)
-        return self._finish_step(sched, self.runner.execute(self._batch(sched)).results)
+        out = self.runner.execute(self._batch(sched))
+        return self._finish_step(sched, out.results, out.observations)
 
-    def _finish_step(self, sched: SchedulerOutput, results: list[SeqResult]) -> list[RequestOutput]:
+    def _finish_step(self, sched: SchedulerOutput, results: list[SeqResult],
+                     observations: dict | None = None) -> list[RequestOutput]:
         """Apply a plain step's results (one sampled token per sampling chunk); the outputs."""
+        for c in sched.chunks:
+            if c.request.request_id in self._evicting:
+                self._evict(c.request, observations or {})
         sampled = {r.request_id: r.sampled for r in results if r.sampled is not None}
         if self.keep_logits:
             for c, r in zip(sched.chunks, results):
@@ -189,16 +198,39 @@ class LLM:
         return outs
 
     def _batch(self, sched: SchedulerOutput) -> StepBatch:
-        seqs = []
+        seqs, observe = [], {}
+        self._evicting.clear()
         for c in sched.chunks:
             req = c.request
+            if self._evicts(c):
+                self._evicting.add(req.request_id)
+                if self.eviction.observe() is not None:
+                    observe[req.request_id] = self.eviction.observe()
             sample = None
             if c.sample:
                 sample = SampleRequest(req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids)
             seqs.append(SeqStep(req.request_id, req.token_ids[c.start:c.start + c.num_tokens], c.start,
                                 c.num_cached, self.tables.get(req.request_id).pages,
                                 [c.num_tokens - 1] if c.sample else [], sample))
-        return StepBatch(seqs, return_logits=self.keep_logits)
+        return StepBatch(seqs, return_logits=self.keep_logits, observe=observe or None)
+
+    def _evicts(self, c) -> bool:
+        """Does this chunk complete a prompt whose KV the eviction policy thins? Not on a recompute after
+        preemption (outputs exist) and not for prefill-only requests until the KV transfer ships
+        compacted pages (their layers are published while they are computed)."""
+        req = c.request
+        return (self.eviction is not None and c.sample and req.num_output == 0 and not req.prefill_only
+                and c.start + c.num_tokens == req.num_prompt and self.eviction.applies(req.num_prompt))
+
+    def _evict(self, req: Request, observations: dict) -> None:
+        """Keep the policy's prompt tokens, compacted to the front of the request's slots."""
+        table = self.tables.get(req.request_id)
+        attn = {layer: observations[(req.request_id, layer)]["window"] for layer in self.kv_spec.local_layers
+                if (req.request_id, layer) in observations}
+        keep = keep_slots(self.eviction, req.num_prompt, self.kv_spec.local_layers, attn)
+        compact(self.backend, table.pages, keep)
+        self.tables.truncate(req.request_id, self.eviction.keep_count(req.num_prompt))
+        self.num_evicted_tokens += req.num_prompt - self.eviction.keep_count(req.num_prompt)
 
     def _output(self, req: Request) -> RequestOutput:
         if self.outputs.advance(req) and not req.finished:

@@ -77,7 +77,7 @@ class SpecDecoder:
         out = llm.runner.execute(batch)
         self._observe(batch, out.results)
         n = len(plain.chunks)
-        outs = llm._finish_step(plain, out.results[:n]) if n else []
+        outs = llm._finish_step(plain, out.results[:n], out.observations) if n else []
         outs += [self._commit(c, drafts[c.request.request_id], r) for c, r in zip(verify, out.results[n:])]
         # The gate weighs whole steps (forward, sampling every verify row, commits), proposers apart.
         self.cost.observe(batch.num_tokens, self.timer() - t_start - t_proposers)
