@@ -36,8 +36,9 @@ class Precision:
 
 
 FINE = Precision(1500, 8, 3000, 0.03)
-VERIFY = Precision(5000, 10, 8000, 0.02)  # whole plans at the target rate, and the report's curves
-COARSE = Precision(800, 3, 1500, 0.1)  # the search's first pass over every configuration
+VERIFY = Precision(4000, 10, 6000, 0.02)  # whole plans at the target rate
+REPORT = Precision(4000, 10, 6000, 0.05)  # the report: as VERIFY (shorter runs read optimistic), coarser bisection
+COARSE = Precision(600, 3, 1000, 0.1)  # the search's first pass over every configuration
 
 
 class ZeroLatency(LatencyModel):
@@ -73,12 +74,14 @@ def _mean(pairs, f, at_most: int = 200) -> float:
 
 
 def bisect_rate(attain: Callable[[float], float], target: float, guess: float, rel_tol: float = 0.02,
-                warm: bool = False) -> tuple[float, float, float]:
+                warm: bool = False, cap: float = float("inf")) -> tuple[float, float, float]:
     """(goodput, a passing or the lowest probed rate, the lowest failing rate): the largest rate with
     attain(rate) >= target; 0 when even `guess`/100 fails. `warm`: `guess` is a measured goodput (the
-    coarse pass's), so the bracket starts at +-10% around it."""
+    coarse pass's), so the bracket starts at +-10% around it. `cap`: a throughput bound the rate cannot
+    exceed in steady state; a finite run above it only looks fine because the backlog has not built up."""
+    guess = min(guess, cap)
     low = guess / 100
-    lo, hi = (guess * 0.9, guess * 1.1) if warm else (low, guess)
+    lo, hi = (guess * 0.9, min(guess * 1.1, cap)) if warm else (low, guess)
     if attain(lo) < target:
         if not warm or attain(low) < target:
             return 0.0, low, low
@@ -86,7 +89,9 @@ def bisect_rate(attain: Callable[[float], float], target: float, guess: float, r
     for _ in range(12):  # grow the bracket until attainment fails
         if attain(hi) < target:
             break
-        lo, hi = hi, hi * 2
+        if hi >= cap:
+            return hi, low if not warm else lo, hi
+        lo, hi = hi, min(hi * 2, cap)
     else:
         return lo, low if not warm else lo, lo  # never failed: reported as the last passing rate
     while (hi - lo) / hi > rel_tol:
@@ -96,15 +101,23 @@ def bisect_rate(attain: Callable[[float], float], target: float, guess: float, r
 
 
 def _goodput(run: Callable[[float], SimResult], slo: SLO, guess: float, prec: Precision,
-             warm: float = 0.0) -> Goodput:
+             warm: float = 0.0, cap: float = float("inf")) -> Goodput:
     results: dict[float, SimResult] = {}
 
     def attain(rate: float) -> float:
         results[rate] = run(rate)
         return results[rate].attainment(slo)
 
-    rate, low, fail = bisect_rate(attain, slo.attainment, warm or guess, prec.rel_tol, warm > 0)
+    rate, low, fail = bisect_rate(attain, slo.attainment, warm or guess, prec.rel_tol, warm > 0, cap)
     return Goodput(rate, results[low], results[fail].binding(slo))
+
+
+def _batch_capacity(step: Callable[[float, float], float], pairs, budget: int, max_seqs: int) -> float:
+    """Prompts per second when every step is a full token-budget batch of average prompts (x1.2 for the
+    estimate's slack): no rate above it is sustainable."""
+    mean_in = _mean(pairs, lambda i, o: i)
+    per_batch = max(1.0, min(max_seqs, budget / mean_in))
+    return 1.2 * per_batch / step(per_batch * mean_in, per_batch * _mean(pairs, lambda i, o: i * i))
 
 
 def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO, prec: Precision = FINE,
@@ -112,7 +125,7 @@ def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO
     if phase == "prefill":
         pairs1 = [(i, 1) for i, _ in pairs]
         guess = 1.0 / _mean(pairs1, lambda i, o: setup.model.prefill_interval(i, i * i))
-
+        cap = _batch_capacity(setup.model.prefill_interval, pairs, setup.token_budget, setup.max_seqs)
         life = 1.0 / guess
 
         def run(rate: float) -> SimResult:
@@ -122,12 +135,13 @@ def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO
         batch = max(1, min(setup.max_seqs, setup.kv_tokens // max(1, int(_mean(pairs, lambda i, o: i + o)))))
         step = setup.model.decode(batch, batch * _mean(pairs, lambda i, o: i + o / 2))
         guess = batch / step / _mean(pairs, lambda i, o: max(1, o - 1))
+        cap = 1.1 * guess  # at the largest batch the KV and max_seqs allow: a throughput bound
         life = _mean(pairs, lambda i, o: (o - 1) * setup.model.decode(1, i + o / 2))
 
         def run(rate: float) -> SimResult:
             reqs = poisson_requests(pairs, rate, prec.size(rate, life), seed)
             return simulate_decode_only(reqs, [setup])
-    return _goodput(run, slo, guess, prec, warm)
+    return _goodput(run, slo, guess, prec, warm, cap)
 
 
 def coloc_goodput(setup: ColocSetup, pairs, slo: SLO, prec: Precision = FINE, seed: int = 0,
@@ -135,8 +149,10 @@ def coloc_goodput(setup: ColocSetup, pairs, slo: SLO, prec: Precision = FINE, se
     per_req = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0)) + \
         _mean(pairs, lambda i, o: (o - 1) * setup.model.decode(32, 32 * (i + o / 2)) / 32)
     life = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0) + (o - 1) * setup.model.decode(1, i + o / 2))
+    # a colocated replica cannot take prompts faster than its steps compute them alone
+    cap = _batch_capacity(lambda t, sq: setup.model.mixed(t, sq, 0, 0), pairs, setup.token_budget, setup.max_seqs)
     return _goodput(lambda rate: simulate_colocated(poisson_requests(pairs, rate, prec.size(rate, life), seed),
-                                                    [setup]), slo, 1.0 / per_req, prec, warm)
+                                                    [setup]), slo, 1.0 / per_req, prec, warm, cap)
 
 
 def lifetime(model: LatencyModel, pairs) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from cluster.planner.goodput import VERIFY, lifetime
+from cluster.planner.goodput import VERIFY, Precision, lifetime
 from cluster.planner.plans import PhaseChoice, Plan
 from cluster.planner.profiles import latency_model
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
@@ -47,13 +47,21 @@ def _stages(c: PhaseChoice, n: int) -> list[int]:
 
 
 def _independent(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> Plan | None:
-    n_p, n_d = math.ceil(req.rate / p.goodput), math.ceil(req.rate / d.goodput)
-    gpus = n_p * p.parallel.gpus + n_d * d.parallel.gpus
-    if gpus > req.total_gpus or not _packs(_stages(p, n_p) + _stages(d, n_d), req.nodes, req.gpus_per_node):
-        return None
+    """Replicas for the target rate; when those do not fit the GPUs, the split that serves the most
+    within them (a whole plan serves more than its instances alone, so it may still meet the rate)."""
     per_device = req.hw.inter_node_bw if req.nodes > 1 else req.hw.intra_node_bw
     link = per_device * min(p.parallel.gpus, d.parallel.gpus)
-    return Plan("disaggregated", "independent", ((p, n_p), (d, n_d)), gpus, link)
+    n_p, n_d = math.ceil(req.rate / p.goodput), math.ceil(req.rate / d.goodput)
+    splits = [(n_p, n_d)]
+    if n_p * p.parallel.gpus + n_d * d.parallel.gpus > req.total_gpus:
+        splits = sorted(((a, (req.total_gpus - a * p.parallel.gpus) // d.parallel.gpus)
+                         for a in range(1, req.total_gpus // p.parallel.gpus + 1)),
+                        key=lambda ab: -min(ab[0] * p.goodput, ab[1] * d.goodput))
+    for a, b in splits:
+        gpus = a * p.parallel.gpus + b * d.parallel.gpus
+        if b >= 1 and gpus <= req.total_gpus and _packs(_stages(p, a) + _stages(d, b), req.nodes, req.gpus_per_node):
+            return Plan("disaggregated", "independent", ((p, a), (d, b)), gpus, link)
+    return None
 
 
 def _co_node(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> list[Plan]:
@@ -62,8 +70,8 @@ def _co_node(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> list[Plan]:
     g, pp, out = req.gpus_per_node, p.parallel.pp, []
     for a in range(1, g // p.parallel.tp + 1):
         for b in range(1, (g - a * p.parallel.tp) // d.parallel.tp + 1):
-            units = math.ceil(req.rate / min(a * p.goodput, b * d.goodput))
-            if units * pp > req.nodes:  # each unit stage takes one node
+            units = min(math.ceil(req.rate / min(a * p.goodput, b * d.goodput)), req.nodes // pp)
+            if units < 1:  # each unit stage takes one node
                 continue
             gpus = units * pp * (a * p.parallel.tp + b * d.parallel.tp)
             link = req.hw.intra_node_bw * min(p.parallel.gpus, d.parallel.gpus)
@@ -72,13 +80,15 @@ def _co_node(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> list[Plan]:
 
 
 def _colocated(req: "PlanRequest", c: PhaseChoice) -> Plan | None:
-    n = math.ceil(req.rate / c.goodput)
-    if n * c.parallel.gpus > req.total_gpus or not _packs(_stages(c, n), req.nodes, req.gpus_per_node):
-        return None
-    return Plan("colocated", "colocated", ((c, n),), n * c.parallel.gpus)
+    n = min(math.ceil(req.rate / c.goodput), req.total_gpus // c.parallel.gpus)
+    while n >= 1 and not _packs(_stages(c, n), req.nodes, req.gpus_per_node):
+        n -= 1
+    return Plan("colocated", "colocated", ((c, n),), n * c.parallel.gpus) if n >= 1 else None
 
 
 def candidate_plans(req: "PlanRequest", phases: dict[str, list[PhaseChoice]]) -> list[Plan]:
+    """Plans sized for the target rate by per-instance goodputs, or (when that does not fit) the most
+    goodput the GPUs hold; the whole-plan check decides."""
     plans: list[Plan] = []
     for p in phases["prefill"]:
         for d in phases["decode"]:
@@ -88,13 +98,13 @@ def candidate_plans(req: "PlanRequest", phases: dict[str, list[PhaseChoice]]) ->
     return plans
 
 
-def simulate_plan(req: "PlanRequest", plan: Plan, rate: float):
+def simulate_plan(req: "PlanRequest", plan: Plan, rate: float, prec: Precision = VERIFY):
     """Simulate the whole plan at `rate` (req/s); returns the `SimResult`."""
     def lm(c: PhaseChoice):
         return latency_model(req.model, req.hw, c.parallel, req.dtype, req.profile, req.gpus_per_node)
 
     first = plan.pools[0][0]
-    n = VERIFY.size(rate, lifetime(lm(first), list(req.pairs)))
+    n = prec.size(rate, lifetime(lm(first), list(req.pairs)))
     reqs = poisson_requests(list(req.pairs), rate, n, req.seed + 1)  # a fresh draw, not the search's
     if plan.mode == "colocated":
         c, k = plan.pools[0]
@@ -127,6 +137,16 @@ def _resized(req: "PlanRequest", plan: Plan, pools: list) -> Plan | None:
     return Plan(plan.mode, plan.placement, tuple(pools), gpus, plan.link_bw)
 
 
+def _scaled(req: "PlanRequest", plan: Plan, factor: float) -> Plan | None:
+    """Every pool scaled by `factor` (at least one replica; co-node plans by whole units)."""
+    pools = list(plan.pools)
+    if plan.placement == "co-node":
+        units = math.gcd(pools[0][1], pools[1][1])
+        keep = max(1, math.ceil(units * factor))
+        return _resized(req, plan, [(c, n // units * keep) for c, n in pools])
+    return _resized(req, plan, [(c, max(1, math.ceil(n * factor))) for c, n in pools])
+
+
 def _trims(req: "PlanRequest", plan: Plan) -> list[Plan]:
     """The plan with one replica fewer in one pool (largest instances first); co-node: one unit fewer."""
     pools = list(plan.pools)
@@ -144,29 +164,64 @@ def _checked(req: "PlanRequest", plan: Plan) -> Plan:
     return Plan(plan.mode, plan.placement, plan.pools, plan.gpus, plan.link_bw, result.attainment(req.slo), result)
 
 
+def _bumped_until_ok(req: "PlanRequest", plan: Plan) -> list[Plan]:
+    """The plan simulated whole; while it misses, one more replica of the pool that misses more."""
+    out = [_checked(req, plan)]
+    for _ in range(MAX_BUMPS):
+        if out[-1].attainment >= req.slo.attainment:
+            break
+        bigger = _bump(req, plan, out[-1].result)
+        if bigger is None:
+            break
+        plan = bigger
+        out.append(_checked(req, bigger))
+    return out
+
+
+def _shrunk(req: "PlanRequest", plan: Plan) -> list[Plan]:
+    """Per-instance goodputs come from one instance alone, and many instances behind a load-balancing
+    router smooth each other's bursts: a plan sized from them usually has spare replicas. Bisect a scale
+    factor on all pools (4 probes), then try one replica fewer per pool."""
+    out, best, lo, hi = [], plan, 0.0, 1.0
+    for _ in range(4):
+        mid = (lo + hi) / 2
+        cand = _scaled(req, plan, mid)
+        if cand is None or cand.pools == best.pools:
+            hi = mid
+            continue
+        checked = _checked(req, cand)
+        out.append(checked)
+        if checked.attainment >= req.slo.attainment:
+            best, hi = checked, mid
+        else:
+            lo = mid
+    for smaller in _trims(req, best):
+        checked = _checked(req, smaller)
+        out.append(checked)
+        if checked.attainment >= req.slo.attainment:
+            break
+    return out
+
+
 def verify(req: "PlanRequest", plans: list[Plan]) -> list[Plan]:
-    """Simulate the best `verify_per_mode` plans of each mode whole at the target rate: add replicas
-    while one misses (per-instance goodputs come from one instance alone), then try one replica fewer
-    (many instances smooth each other's bursts, so one alone is a pessimistic guide)."""
+    """Simulate the best `verify_per_mode` plans of each mode whole at the target rate (adding replicas
+    while one misses), then shrink the best passing plan of each mode: both modes on equal terms."""
     out = []
     for mode in ("disaggregated", "colocated"):
-        mine = sorted((p for p in plans if p.mode == mode), key=lambda p: (p.gpus, -p.per_gpu_goodput))
-        for plan in mine[:req.verify_per_mode]:
-            checked = _checked(req, plan)
-            for _ in range(MAX_BUMPS):
-                if checked.attainment >= req.slo.attainment:
-                    break
-                out.append(checked)
-                bigger = _bump(req, plan, checked.result)
-                if bigger is None:
-                    break
-                plan, checked = bigger, _checked(req, bigger)
-            out.append(checked)
-            if checked.attainment < req.slo.attainment:
-                continue
-            for smaller in _trims(req, checked):
-                trimmed = _checked(req, smaller)
-                out.append(trimmed)
-                if trimmed.attainment >= req.slo.attainment:
-                    break
+        mine = sorted((p for p in plans if p.mode == mode), key=_by_size)
+        meets = [p for p in mine if p.goodput >= req.rate]  # by per-instance goodputs
+        picks = meets[:req.verify_per_mode]
+        biggest = max(mine, key=lambda p: p.goodput, default=None)  # in case none meets it alone
+        picks += [biggest] if biggest is not None and biggest not in picks else []
+        passing = []
+        for plan in picks:
+            runs = _bumped_until_ok(req, plan)
+            out += runs
+            passing += [runs[-1]] if runs[-1].attainment >= req.slo.attainment else []
+        if passing:
+            out += _shrunk(req, min(passing, key=_by_size))
     return out
+
+
+def _by_size(p: Plan) -> tuple[int, float]:
+    return p.gpus, -p.per_gpu_goodput

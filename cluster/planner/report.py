@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.planner.goodput import bisect_rate
+from cluster.planner.goodput import REPORT, bisect_rate
 from cluster.planner.metrics import percentile
 from cluster.planner.placement import simulate_plan
 from cluster.planner.plans import Plan
@@ -26,14 +26,14 @@ class PlanProbe:
 
     def attainment(self, rate: float) -> float:
         if rate not in self.cache:
-            self.cache[rate] = simulate_plan(self.req, self.plan, rate).attainment(self.req.slo)
+            self.cache[rate] = simulate_plan(self.req, self.plan, rate, REPORT).attainment(self.req.slo)
         return self.cache[rate]
 
     def goodput(self) -> float:
-        """The highest rate the whole plan serves at the attainment target (3% resolution)."""
+        """The highest rate the whole plan serves at the attainment target (5% resolution)."""
         ok = self.plan.attainment is not None and self.plan.attainment >= self.req.slo.attainment
         guess = max(self.plan.goodput, self.req.rate) if ok else self.plan.goodput
-        return bisect_rate(self.attainment, self.req.slo.attainment, guess, 0.03, warm=True)[0]
+        return bisect_rate(self.attainment, self.req.slo.attainment, guess, REPORT.rel_tol, warm=True)[0]
 
     def curve(self) -> list[tuple[float, float]]:
         return [(self.req.rate * f, self.attainment(self.req.rate * f)) for f in RATE_FACTORS]
@@ -56,22 +56,33 @@ def binding_constraint(req: PlanRequest, plan: Plan, whole: float | None = None)
             f"{headroom:.0%} headroom at {req.rate:g} req/s; GPUs: {plan.gpus} of {req.total_gpus}")
 
 
-def why(best_d: Plan | None, best_c: Plan | None) -> str:
+def why(best_d: Plan | None, best_c: Plan | None, whole: dict[str, float]) -> str:
+    """Which mode serves more per GPU (whole-plan simulated goodput when both were simulated, else the
+    per-instance goodputs at the ideal ratio), and the per-instance facts behind it."""
     if best_d is None or best_c is None:
-        return "only one mode has a plan within the GPUs and SLO"
-    d, c = best_d.ideal_per_gpu_goodput, best_c.ideal_per_gpu_goodput
+        return "only one mode has a plan within the GPUs and the SLO"
     (pc, _), (dc, _) = best_d.pools
     cc, _ = best_c.pools[0]
-    coloc = (f"colocated {cc.parallel} replicas alone reach {cc.per_gpu:.2f} req/s per GPU and miss "
-             f"{cc.binding.upper()} first (prompt chunks and decode steps share every batch)")
-    split = (f"disaggregated instances alone: prefill {pc.parallel} at {pc.per_gpu:.2f} and decode {dc.parallel} at "
-             f"{dc.per_gpu:.2f} req/s per GPU, {d:.2f} per GPU at the ideal ratio")
+    if "disaggregated" in whole and "colocated" in whole:
+        d, c = whole["disaggregated"] / best_d.gpus, whole["colocated"] / best_c.gpus
+        basis = "whole-plan simulated goodput per GPU"
+    else:
+        d, c = best_d.ideal_per_gpu_goodput, best_c.ideal_per_gpu_goodput
+        basis = "per-instance goodput per GPU at the ideal ratio"
+    facts = (f"one instance alone: prefill {pc.parallel} {pc.per_gpu:.2f} req/s per GPU (misses "
+             f"{pc.binding.upper()} first), decode {dc.parallel} {dc.per_gpu:.2f} ({dc.binding.upper()}), "
+             f"colocated {cc.parallel} {cc.per_gpu:.2f} ({cc.binding.upper()})")
     if d > c * 1.02:
-        return f"disaggregation pays: {split}, each phase at its own parallelism without interference; {coloc}"
-    if c > d * 1.02:
-        return (f"colocation pays: {coloc}, which is still more than {split}: the SLO leaves room for "
-                f"interference, and one pool avoids splitting GPUs between two")
-    return f"a tie within 2%: {split}; {coloc}"
+        verdict = (f"disaggregation pays ({d:.2f} vs {c:.2f} req/s per GPU, {basis}): each phase runs at its "
+                   f"own parallelism and decode steps never wait behind prompt chunks")
+    elif c > d * 1.02:
+        verdict = (f"colocation pays ({c:.2f} vs {d:.2f} req/s per GPU, {basis}): the TPOT target leaves room "
+                   f"for prompt chunks to share steps with decode, decode tokens ride along on compute-bound "
+                   f"chunks, and one pool of interchangeable replicas balances load better than two pools at a "
+                   f"fixed ratio")
+    else:
+        verdict = f"a tie within 2% ({d:.2f} vs {c:.2f} req/s per GPU, {basis})"
+    return f"{verdict}; {facts}"
 
 
 def _plot(path: Path, req: PlanRequest, curves: dict[str, list[tuple[float, float]]]) -> None:
@@ -164,7 +175,7 @@ def _markdown(req, res: SearchResult, inputs: dict, spec_path: str, best_d, best
                    if p.mode in whole else "")
             lines.append(f"- {label}: {p.describe()}: {sim}per-instance goodputs give {p.per_gpu_goodput:.2f} "
                          f"req/s per GPU ({p.ideal_per_gpu_goodput:.2f} at the ideal ratio)")
-    lines += ["", f"Why: {why(best_d, best_c)}.", "", "## Alternatives", "",
+    lines += ["", f"Why: {why(best_d, best_c, whole)}.", "", "## Alternatives", "",
               "| plan | GPUs | goodput (req/s) | per GPU | per GPU, ideal ratio | attainment at target |",
               "|---|---|---|---|---|---|", *[_plan_row(p) for p in res.plans[:10]], "",
               "## Instances measured (fine pass)", "", "| kind | TP x PP | budget | goodput | per GPU | binds |",
@@ -197,4 +208,4 @@ def _summary(req: PlanRequest, res: SearchResult, inputs: dict, best_d, best_c, 
             "best_colocated": _plan_dict(best_c), "whole_plan_goodput": whole,
             "whole_plan_goodput_per_gpu": {m: g / p.gpus for m, g in whole.items()
                                            for p in (best_d, best_c) if p is not None and p.mode == m},
-            "binding": binding_constraint(req, res.best, whole.get(res.best.mode)), "why": why(best_d, best_c), "search_seconds": res.seconds}
+            "binding": binding_constraint(req, res.best, whole.get(res.best.mode)), "why": why(best_d, best_c, whole), "search_seconds": res.seconds}

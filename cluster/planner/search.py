@@ -74,10 +74,14 @@ class SearchResult:
     rejected: tuple[str, ...]  # configurations that do not exist, and why
     seconds: float = 0.0
     notes: tuple[str, ...] = field(default=())
+    target: float = 0.9  # the attainment a plan must reach
 
     def best_of(self, mode: str) -> Plan | None:
-        return next((p for p in self.plans if p.mode == mode and p.attainment is not None
-                     and p.result is not None), next((p for p in self.plans if p.mode == mode), None))
+        """The best plan of `mode` that met the target in its whole-plan simulation; else the simulated
+        one of that mode that came closest (None: none was simulated)."""
+        mine = [p for p in self.plans if p.mode == mode and p.attainment is not None]
+        return next((p for p in mine if p.attainment >= self.target), None) or \
+            max(mine, key=lambda p: p.attainment, default=None)
 
 
 def _no_config_error(req: PlanRequest, rejected: list[str]) -> NoFeasibleConfigError:
@@ -189,7 +193,7 @@ def search(req: PlanRequest) -> SearchResult:
     took = time.perf_counter() - start
     notes = (f"{len(configs)} TP x PP configurations; per-instance goodputs {t_phases:.1f} s, "
              f"whole-plan checks {took - t_phases:.1f} s",)
-    return SearchResult(ranked[0], tuple(ranked), all_phases, tuple(rejected), took, notes)
+    return SearchResult(ranked[0], tuple(ranked), all_phases, tuple(rejected), took, notes, req.slo.attainment)
 
 
 def _key(p: Plan):

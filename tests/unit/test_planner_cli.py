@@ -73,3 +73,21 @@ def test_workload_trace_is_read(tmp_path, prof, capsys):
     args[k:k + 4] = ["--workload", str(trace)]
     assert main(args) == 0
     assert load_spec(tmp_path / "cluster.yaml").mode in ("disaggregated", "colocated")
+
+
+def test_multi_node_gpu_spec_binds_kv_beyond_loopback_with_a_token(tmp_path):
+    from cluster.planner.latency import Parallel
+    from cluster.planner.plans import PhaseChoice, Plan
+    from cluster.planner.spec_writer import plan_spec, write_spec
+
+    p = PhaseChoice("prefill", Parallel(2, 1), 8192, 500_000, 256, 40.0)
+    d = PhaseChoice("decode", Parallel(4, 2), 0, 2_000_000, 256, 90.0)
+    plan = Plan("disaggregated", "independent", ((p, 3), (d, 2)), 22, 5e10)
+    data = plan_spec(plan, "llama-3-8b", "bfloat16", nodes=4, cpu=False, max_len=8192, ttft_ms=250, tpot_ms=100)
+    write_spec(data, tmp_path / "multi.yaml", ["test"])
+    spec = load_spec(tmp_path / "multi.yaml")
+    assert spec.kv_transfer.host == "0.0.0.0" and spec.kv_transfer.auth_token.env == "PDSERVE_KV_TOKEN"
+    assert spec.ray.address == "auto"
+    dec = spec.pools_in_use()["decode"]
+    assert (dec.replicas, dec.tensor_parallel, dec.pipeline_parallel, dec.resources.num_gpus) == (2, 4, 2, 8)
+    assert dec.kv.num_pages * dec.kv.page_size <= 2_000_000
