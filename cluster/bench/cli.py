@@ -68,6 +68,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--max-input", type=int, default=1024, help="trace prompt length cap (tokens)")
     b.add_argument("--max-output", type=int, default=256, help="trace output length cap (tokens)")
     b.add_argument("--trace-start", type=int, default=0, help="first trace row to replay")
+    b.add_argument("--trace-stride", type=int, default=1,
+                   help="replay every k-th trace row (1: a contiguous slice; k thins bursts over a k-times "
+                        "longer window)")
     b.add_argument("--tokenizer", default=None, help="model whose tokenizer builds prompts (default: the "
                    "spec's model, else smollm2-135m)")
     b.add_argument("--model", help="--endpoint: model name to request (default: the first /v1/models lists)")
@@ -153,7 +156,8 @@ def _bench(args: argparse.Namespace) -> int:
         ttft, tpot = SLOSetting.parse(args.ttft_ms), SLOSetting.parse(args.tpot_ms)
         scaling = TraceScaling(args.input_scale, args.output_scale, max_input=args.max_input,
                                max_output=args.max_output)
-        workload = load_workload(args.workload, args.num_requests, args.seed, scaling, args.trace_start)
+        workload = load_workload(args.workload, args.num_requests, args.seed, scaling, args.trace_start,
+                                 args.trace_stride)
     except (ValueError, WorkloadError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
@@ -184,7 +188,10 @@ def _bench(args: argparse.Namespace) -> int:
     except BenchServerError as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 1
+    if result.slo is None:
+        print("pdserve bench: interrupted before the SLOs were set; nothing to report", file=sys.stderr)
+        return 130
     files = write_report(result, out_dir, order, {k: v for k, v in vars(args).items() if k != "func"})
     print(files["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in files.values()))
-    return 0
+    return 130 if result.interrupted else 0

@@ -133,6 +133,8 @@ def markdown(result: BenchResult, compare: dict | None) -> str:
     lines = [f"# pdserve bench: {result.workload.name}", "",
              f"SLO: TTFT {_f(slo.ttft_s * 1000)} ms, TPOT {_f(slo.tpot_s * 1000, '.1f')} ms ({slo.source}); "
              f"attainment target {result.config.target_attainment:g}", "",
+             *(["**Interrupted**: only the probes finished before Ctrl-C are reported.", ""]
+               if result.interrupted else []),
              "| target | rate (req/s) | attainment | ok/sent | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) "
              "| out tok/s |", "|---|---|---|---|---|---|---|"]
     for t in result.targets:
@@ -250,7 +252,7 @@ def write_report(result: BenchResult, out_dir: Path, compare_order: list[str] | 
     out_dir.mkdir(parents=True, exist_ok=True)
     compare = compare_summary(result, compare_order) if compare_order else None
     cfg = asdict(result.config)
-    doc = {"args": args, "config": cfg, "workload": dict(result.workload.info, name=result.workload.name),
+    doc = {"args": args, "interrupted": result.interrupted, "config": cfg, "workload": dict(result.workload.info, name=result.workload.name),
            "slo": asdict(result.slo) if result.slo else None, "compare": compare,
            "targets": [target_json(t) for t in result.targets]}
     files = {"json": out_dir / "bench.json", "markdown": out_dir / "summary.md"}

@@ -128,6 +128,7 @@ class BenchResult:
     slo: SLO | None = None
     targets: list[TargetResult] = field(default_factory=list)
     on_probe: Callable[[TargetResult, RateRun], None] | None = None  # e.g. write each probe as it ends
+    interrupted: bool = False  # Ctrl-C: the report covers the probes finished before it
 
 
 def unloaded_sample(workload: Workload, n: int) -> list[RequestSpec]:
@@ -195,6 +196,7 @@ def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarge
     """Warm-up, unloaded (reference only), rate sweep + goodput search on one running target."""
     tr = TargetResult(bt.label, bt.group, bt.variant.source if bt.variant else None,
                       dict(bt.variant.settings) if bt.variant else {})
+    result.targets.append(tr)  # now: an interrupted run still reports the probes this target finished
     target = bt.target
     tr.base_url = target.base_url
     warm = unloaded_sample(workload, cfg.warmup)
@@ -239,24 +241,31 @@ def run_bench(cfg: BenchConfig, workload: Workload, prompt_of, targets: list[Ben
     result = BenchResult(cfg, workload, on_probe=on_probe)
     if not cfg.needs_unloaded:
         result.slo = resolve_slo(cfg, [], "")
-    ordered = sorted(targets, key=lambda t: not t.reference)  # reference first (stable otherwise)
-    for bt in ordered:
-        if bt.variant is None:
-            _say(f"{bt.label}: {bt.target.base_url}")
-            result.targets.append(bench_target(cfg, workload, prompt_of, bt, result))
-            continue
-        log = cfg.out_dir / f"server-{bt.label}.log"
-        _say(f"{bt.label}: starting pdserve serve {bt.variant.path} (log {log})")
-        try:
-            with SpecServer(bt.variant.path, log) as server:
-                _say(f"{bt.label}: serving {server.model} at {server.base_url}")
-                bt.target = Target(server.base_url, server.model, pdserve=True, timeout_s=cfg.timeout_s)
-                tr = bench_target(cfg, workload, prompt_of, bt, result)
-        except BenchServerError as e:
-            if result.slo is None:
-                raise  # the SLO reference did not start: nothing else can be judged
-            _say(f"{bt.label}: {e}")  # a variant that cannot start (say, a bad --set value) is reported
-            tr = TargetResult(bt.label, bt.group, bt.variant.source, dict(bt.variant.settings), error=str(e))
-        tr.server_log = str(log)
-        result.targets.append(tr)
+    try:
+        for bt in sorted(targets, key=lambda t: not t.reference):  # reference first (stable otherwise)
+            _bench_one(cfg, workload, prompt_of, bt, result)
+    except KeyboardInterrupt:  # Ctrl-C: the server of the current spec is stopped by now; report the rest
+        result.interrupted = True
+        _say("interrupted: reporting what was measured")
     return result
+
+
+def _bench_one(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarget, result: BenchResult) -> None:
+    if bt.variant is None:
+        _say(f"{bt.label}: {bt.target.base_url}")
+        bench_target(cfg, workload, prompt_of, bt, result)
+        return
+    log = cfg.out_dir / f"server-{bt.label}.log"
+    _say(f"{bt.label}: starting pdserve serve {bt.variant.path} (log {log})")
+    try:
+        with SpecServer(bt.variant.path, log) as server:
+            _say(f"{bt.label}: serving {server.model} at {server.base_url}")
+            bt.target = Target(server.base_url, server.model, pdserve=True, timeout_s=cfg.timeout_s)
+            tr = bench_target(cfg, workload, prompt_of, bt, result)
+    except BenchServerError as e:
+        if result.slo is None:
+            raise  # the SLO reference did not start: nothing else can be judged
+        _say(f"{bt.label}: {e}")  # a variant that cannot start (say, a bad --set value) is reported
+        tr = TargetResult(bt.label, bt.group, bt.variant.source, dict(bt.variant.settings), error=str(e))
+        result.targets.append(tr)
+    tr.server_log = str(log)

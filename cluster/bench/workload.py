@@ -14,11 +14,16 @@ Descriptions (`--workload`):
         Poisson, < 1 burstier; `cv=2` is the same as burstiness=0.25). Seeded by `--seed`.
     azure-code | azure-conv | mooncake   the traces in ../shared/workloads (README there), or a path to an
         Azure 2023 CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or a Mooncake JSONL (timestamp in ms,
-        input_length, output_length). Requests `start` .. `start + num_requests` of the file in order.
+        input_length, output_length). Rows `start`, `start + stride`, ... (`--trace-start`, `--trace-stride`),
+        `num_requests` of them. Stride 1 replays a contiguous slice: a few dozen requests then cover
+        seconds of the original hour and its bursts (Azure code: the first 30 rows are two bursts,
+        gap CV 4.5). A stride k thins the trace (every k-th request over k x num_requests rows), which
+        keeps the rate's shape over a longer window and breaks up sub-second bursts.
 
 Trace scaling (the traces were served on large GPUs; this machine is 2 CPU cores), defaults in
 `TraceScaling`, recorded in the output JSON:
     time    gaps keep their pattern; at_rate(r) scales them so the slice's mean rate is r
+    stride  1 (contiguous); see above
     input   tokens x 0.25, clipped to [4, 1024]   (Azure code: median 1469 -> ~367, p90 clipped at 1024)
     output  tokens x 0.5, clipped to [1, 256]      (Azure conv: median 129 -> ~64; code: 13 -> ~6)
 """
@@ -163,7 +168,7 @@ def workloads_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "workloads"
 
 
-def _azure_rows(path: Path, start: int, n: int) -> list[tuple[float, int, int]]:
+def _azure_rows(path: Path, start: int, n: int, stride: int) -> list[tuple[float, int, int]]:
     rows = []
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
@@ -171,7 +176,7 @@ def _azure_rows(path: Path, start: int, n: int) -> list[tuple[float, int, int]]:
         if missing:
             raise WorkloadError(f"{path}: not an Azure 2023 trace, missing columns {sorted(missing)}")
         for i, row in enumerate(reader):
-            if i < start:
+            if i < start or (i - start) % stride:
                 continue
             if len(rows) >= n:
                 break
@@ -180,11 +185,11 @@ def _azure_rows(path: Path, start: int, n: int) -> list[tuple[float, int, int]]:
     return rows
 
 
-def _mooncake_rows(path: Path, start: int, n: int) -> list[tuple[float, int, int]]:
+def _mooncake_rows(path: Path, start: int, n: int, stride: int) -> list[tuple[float, int, int]]:
     rows = []
     with path.open() as f:
         for i, line in enumerate(f):
-            if i < start or not line.strip():
+            if i < start or (i - start) % stride or not line.strip():
                 continue
             if len(rows) >= n:
                 break
@@ -196,16 +201,19 @@ def _mooncake_rows(path: Path, start: int, n: int) -> list[tuple[float, int, int
     return rows
 
 
-def trace(path: Path, num_requests: int, start: int = 0, scaling: TraceScaling = TraceScaling()) -> Workload:
+def trace(path: Path, num_requests: int, start: int = 0, scaling: TraceScaling = TraceScaling(),
+          stride: int = 1) -> Workload:
     if not path.is_file():
         raise WorkloadError(f"{path}: no such trace file")
+    if start < 0 or stride < 1:
+        raise WorkloadError(f"need --trace-start >= 0 and --trace-stride >= 1, got {start}, {stride}")
     reader = _mooncake_rows if path.suffix == ".jsonl" else _azure_rows
-    rows = reader(path, start, num_requests)
+    rows = reader(path, start, num_requests, stride)
     if not rows:
         raise WorkloadError(f"{path}: no requests from index {start}")
     rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep file order
     arrivals, rate = _normalise([r[0] for r in rows])
-    info = {"kind": "trace", "path": str(path), "start": start, "requests": len(rows),
+    info = {"kind": "trace", "path": str(path), "start": start, "stride": stride, "requests": len(rows),
             "native_rate": rate, "scaling": asdict(scaling),
             "time": "gaps scaled by one factor so the slice's mean rate equals the requested rate",
             "raw_input_mean": sum(r[1] for r in rows) / len(rows),
@@ -215,7 +223,7 @@ def trace(path: Path, num_requests: int, start: int = 0, scaling: TraceScaling =
 
 
 def load_workload(desc: str, num_requests: int, seed: int = 0, scaling: TraceScaling = TraceScaling(),
-                  start: int = 0) -> Workload:
+                  start: int = 0, stride: int = 1) -> Workload:
     """`--workload DESC`: `random[:k=v,...]`, a trace name (azure-code, azure-conv, mooncake) or path."""
     if num_requests < 1:
         raise WorkloadError("need at least one request")
@@ -223,4 +231,4 @@ def load_workload(desc: str, num_requests: int, seed: int = 0, scaling: TraceSca
     if kind == "random":
         return synthetic(parse_options(opts), num_requests, seed)
     path = workloads_dir() / TRACES[desc] if desc in TRACES else Path(desc)
-    return trace(path, num_requests, start, scaling)
+    return trace(path, num_requests, start, scaling, stride)

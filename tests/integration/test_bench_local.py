@@ -78,6 +78,7 @@ def test_spec_then_endpoint_reproduce(tmp_path, own_server):
     for png in PNGS:
         assert (spec_out / png).read_bytes()[:4] == b"\x89PNG"
     assert "| local | 2 |" in (spec_out / "summary.md").read_text()
+    assert json.loads((spec_out / "probes" / "local@2.0.json").read_text())["summary"]["completed"] == 5
     with pytest.raises(httpx.TransportError):  # the bench stopped the server it started
         httpx.get(target["base_url"] + "/health", timeout=5.0)
 

@@ -211,3 +211,34 @@ def test_hopeless_counts_finished_misses_and_overdue_first_tokens():
     assert check([fine, slow_tpot, waiting, unsent], now=1.1)  # the waiting one is now past its TTFT
     failed = RequestRecord(3, 0, 4, 2, sent_s=0.0, end_s=0.1, error="HTTP 500: x")
     assert check([fine, slow_tpot, waiting, failed], now=0.2)
+
+
+def test_run_bench_on_an_endpoint_and_after_ctrl_c(fake, tmp_path):
+    from cluster.bench.runner import BenchConfig, BenchTarget, SLOSetting, run_bench
+    from cluster.bench.workload import load_workload
+
+    wl = load_workload("random:input=8,output=4", 3)
+    cfg = BenchConfig([10.0, 20.0], SLOSetting(3, True), SLOSetting(3, True), bisect_steps=0, expand=0,
+                      warmup=1, unloaded_requests=2, progress=False, out_dir=tmp_path)
+    probes = []
+
+    def target():
+        return BenchTarget("fake", target=Target(fake.url, "fake", pdserve=True, timeout_s=30.0), reference=True)
+
+    result = run_bench(cfg, wl, lambda s: [0] * s.input_len, [target()], lambda t, run: probes.append(run.rate))
+    [tr] = result.targets
+    assert len(tr.unloaded) == 2 and result.slo.ref_ttft_s > 0 and result.slo.ttft_s == 3 * result.slo.ref_ttft_s
+    assert probes == [10.0, 20.0] and [r.rate for r in tr.runs] == [10.0, 20.0]
+    assert all(r.summary.completed == 3 for r in tr.runs) and tr.goodput.points and not result.interrupted
+
+    calls = []
+
+    def interrupt_in_second_probe(spec):
+        calls.append(spec)
+        if len(calls) > 1 + 2 + 3:  # warm-up, unloaded, first probe
+            raise KeyboardInterrupt
+        return [0] * spec.input_len
+
+    result = run_bench(cfg, wl, interrupt_in_second_probe, [target()])
+    assert result.interrupted and [r.rate for r in result.targets[0].runs] == [10.0]
+    assert result.targets[0].goodput is None

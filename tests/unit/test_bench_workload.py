@@ -127,3 +127,12 @@ def test_spec_variants_sweep_only_specs_with_the_key(tmp_path):
     assert out[1][1].label == "co[max_num_batched_tokens=1024]"
     with pytest.raises(ValueError, match="dotted.key"):
         parse_sets(["nokey"])
+
+
+@needs_traces
+def test_trace_stride_thins_the_trace():
+    every = load_workload("azure-code", 60)
+    thin = load_workload("azure-code", 20, stride=3, start=1)
+    assert thin.input_lens == every.input_lens[1::3][:20] and thin.info["stride"] == 3
+    with pytest.raises(WorkloadError, match="stride"):
+        load_workload("azure-code", 5, stride=0)
