@@ -64,7 +64,7 @@ _FREE_LINK = Link(1.0, float("inf"), 1)
 class Goodput:
     rate: float  # req/s at the attainment target (0: not even at low load)
     low_load: SimResult  # the run at the lowest probed rate (for "closest feasible SLO")
-    binding: str  # ttft | tpot: what fails first above `rate`
+    binding: str  # ttft | tpot: what fails first above `rate`; throughput: capped by the capacity bound
 
 
 def _mean(pairs, f, at_most: int = 200) -> float:
@@ -109,7 +109,8 @@ def _goodput(run: Callable[[float], SimResult], slo: SLO, guess: float, prec: Pr
         return results[rate].attainment(slo)
 
     rate, low, fail = bisect_rate(attain, slo.attainment, warm or guess, prec.rel_tol, warm > 0, cap)
-    return Goodput(rate, results[low], results[fail].binding(slo))
+    capped = rate >= cap * (1 - 1e-9)  # the throughput bound, not an SLO target, stopped the search
+    return Goodput(rate, results[low], "throughput" if capped else results[fail].binding(slo))
 
 
 def _batch_capacity(step: Callable[[float, float], float], pairs, budget: int, max_seqs: int) -> float:

@@ -54,9 +54,12 @@ def _independent(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> Plan | N
     n_p, n_d = math.ceil(req.rate / p.goodput), math.ceil(req.rate / d.goodput)
     splits = [(n_p, n_d)]
     if n_p * p.parallel.gpus + n_d * d.parallel.gpus > req.total_gpus:
-        splits = sorted(((a, (req.total_gpus - a * p.parallel.gpus) // d.parallel.gpus)
-                         for a in range(1, req.total_gpus // p.parallel.gpus + 1)),
-                        key=lambda ab: -min(ab[0] * p.goodput, ab[1] * d.goodput))
+        splits = []
+        for a in range(1, req.total_gpus // p.parallel.gpus + 1):
+            room = (req.total_gpus - a * p.parallel.gpus) // d.parallel.gpus
+            splits.append((a, min(room, math.ceil(a * p.goodput / d.goodput))))  # no idle decode replicas
+        splits.sort(key=lambda ab: (-min(ab[0] * p.goodput, ab[1] * d.goodput),
+                                    ab[0] * p.parallel.gpus + ab[1] * d.parallel.gpus))
     for a, b in splits:
         gpus = a * p.parallel.gpus + b * d.parallel.gpus
         if b >= 1 and gpus <= req.total_gpus and _packs(_stages(p, a) + _stages(d, b), req.nodes, req.gpus_per_node):

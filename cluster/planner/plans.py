@@ -22,7 +22,7 @@ class PhaseChoice:
     kv_tokens: int
     max_seqs: int
     goodput: float  # req/s of one instance
-    binding: str = ""  # ttft | tpot: the target that fails first just above the goodput
+    binding: str = ""  # ttft | tpot: the target that fails first just above the goodput; throughput: capped
 
     @property
     def per_gpu(self) -> float:

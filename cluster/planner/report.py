@@ -43,7 +43,8 @@ def binding_constraint(req: PlanRequest, plan: Plan, whole: float | None = None)
     """Which pool limits the plan's goodput, and which SLO target it misses first above that rate;
     headroom from the whole-plan goodput when simulated (else from the per-instance goodputs)."""
     choice, n = min(plan.pools, key=lambda cn: cn[0].goodput * cn[1])
-    what = {"ttft": f"TTFT {req.slo.ttft_s * 1000:g} ms", "tpot": f"TPOT {req.slo.tpot_s * 1000:g} ms"}
+    what = {"ttft": f"TTFT {req.slo.ttft_s * 1000:g} ms", "tpot": f"TPOT {req.slo.tpot_s * 1000:g} ms",
+            "throughput": "its throughput (no SLO target)"}
     headroom = (whole or choice.goodput * n) / req.rate - 1
     kv_note = ""
     if choice.phase != "prefill":
@@ -69,8 +70,8 @@ def why(best_d: Plan | None, best_c: Plan | None, whole: dict[str, float]) -> st
     else:
         d, c = best_d.ideal_per_gpu_goodput, best_c.ideal_per_gpu_goodput
         basis = "per-instance goodput per GPU at the ideal ratio"
-    facts = (f"one instance alone: prefill {pc.parallel} {pc.per_gpu:.2f} req/s per GPU (misses "
-             f"{pc.binding.upper()} first), decode {dc.parallel} {dc.per_gpu:.2f} ({dc.binding.upper()}), "
+    facts = (f"one instance alone: prefill {pc.parallel} {pc.per_gpu:.2f} req/s per GPU (limited by "
+             f"{pc.binding.upper()}), decode {dc.parallel} {dc.per_gpu:.2f} ({dc.binding.upper()}), "
              f"colocated {cc.parallel} {cc.per_gpu:.2f} ({cc.binding.upper()})")
     if d > c * 1.02:
         verdict = (f"disaggregation pays ({d:.2f} vs {c:.2f} req/s per GPU, {basis}): each phase runs at its "
