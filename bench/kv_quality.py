@@ -1,16 +1,19 @@
 """KV quality harness: what a compressed KV cache costs in model quality, per storage format.
 
-For each format (raw = the baseline, int8, fp8, ...), on the same model, dtype and text:
+For each config -- a storage format (raw = the baseline, int8, fp8) and optionally an eviction policy
+applied at the end of prefill (snapkv / streaming at a budget) -- on the same model, dtype and text:
   ppl       perplexity of held-out text read through the stored pages: prefill `--prefill` tokens (their
             KV is written in the format, and the prefill itself reads it back), then score the next
             `--score` tokens in chunks of `--chunk` (<= 128: at most that many tokens per step are still
             only in flight, the rest is read from pages). Change vs raw in percent.
-  passkey   a 5-digit pass key hidden at `--depths` of filler text of `--lengths` tokens; greedy answer
-            after "What is the pass key?"; accuracy over `--trials` keys per cell, and vs raw.
+  passkey   the passkey task (Mohtashami & Jaggi 2023): a 5-digit key hidden at `--depths` of repeated
+            filler, `--lengths` tokens in all; greedy answer after "What is the pass key?"; accuracy over
+            `--trials` keys per cell, and vs raw.
   agree     greedy-agreement length: tokens generated before the first divergence from raw (mean, min)
             over `--agree-prompts` real-text prompts, `--agree-tokens` new tokens each.
+  bytes     KV bytes per prompt token vs raw (format size x share kept): what crosses the wire.
 Text: the stdlib's pydoc topics (real English prose; not used to pick any setting).
-Run:  .venv/bin/python bench/kv_quality.py [--formats raw,int8,fp8] [--dtype bfloat16] [--quick]
+Run:  .venv/bin/python bench/kv_quality.py [--configs raw,int8,snapkv:0.3+int8] [--dtype bfloat16] [--quick]
 Writes bench/out/kv_quality_<dtype>.json and prints a table.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ if str(ROOT) not in sys.path:
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.batch import SeqStep, StepBatch  # noqa: E402
+from engine.kv_cache.eviction import compact, keep_slots  # noqa: E402
 
 GATES = {"int8": 0.2, "fp8": 1.0, "kivi4": 1.0}  # max perplexity change in percent (issue: int8 0.2%, 4-bit 1%)
 
@@ -45,16 +49,25 @@ def corpus_ids(tok, n: int, offset: int = 0) -> list[int]:
 
 
 def perplexity(llm: LLM, ids: list[int], prefill: int, chunk: int) -> float:
-    """exp(mean NLL) of ids[prefill:] given everything before it, read through the page pool."""
+    """exp(mean NLL) of ids[prefill:] given everything before it, read through the page pool. With an
+    eviction policy on the engine, the prefill's KV is thinned (as at the end of a served prefill)
+    before the scored tokens extend it: slots and positions part ways as in serving."""
     res = llm.reserve(len(ids), lease_s=3600)
+    policy = llm.eviction if llm.eviction is not None and llm.eviction.applies(prefill) else None
     try:
-        nll, count, done = 0.0, 0, 0
+        nll, count, done, slots = 0.0, 0, 0, 0
         while done < len(ids):
             n = prefill if done == 0 else min(chunk, len(ids) - done)
             score = done >= prefill
-            step = SeqStep("ppl", ids[done:done + n], done, done, res.pages,
-                           list(range(n)) if score else [])
-            out = llm.execute(StepBatch([step], return_logits=score)).results[0]
+            step = SeqStep("ppl", ids[done:done + n], done, slots, res.pages, list(range(n)) if score else [])
+            observe = {"ppl": policy.observe()} if policy is not None and done == 0 and policy.observe() else None
+            out = llm.execute(StepBatch([step], return_logits=score, observe=observe))
+            slots += n
+            if policy is not None and done == 0:
+                attn = {layer: rec["window"] for (_, layer), rec in out.observations.items()}
+                compact(llm.backend, res.pages, keep_slots(policy, prefill, llm.kv_spec.local_layers, attn))
+                slots = policy.keep_count(prefill)
+            out = out.results[0]
             if score:
                 logp = torch.log_softmax(out.logits.float(), -1)  # [n, vocab]
                 nxt = ids[done + 1:done + n + 1]
@@ -66,23 +79,27 @@ def perplexity(llm: LLM, ids: list[int], prefill: int, chunk: int) -> float:
         llm.allocator.cancel(res.reservation_id)
 
 
-def passkey_prompt(tok, filler: list[int], length: int, depth: float, key: int) -> list[int]:
-    needle = tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+def passkey_prompt(tok, length: int, depth: float, key: int) -> list[int]:
+    """The passkey task of Mohtashami & Jaggi (2023): a key hidden at `depth` in repeated filler."""
+    head = tok.encode("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+                      "it. I will quiz you about the important information there.")
+    unit = tok.encode(" The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.")
+    needle = tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key.")
     ask = tok.encode(" What is the pass key? The pass key is")
-    body = filler[:max(0, length - len(needle) - len(ask))]
-    at = int(len(body) * depth)
-    return body[:at] + needle + body[at:] + ask
+    n = max(0, length - len(head) - len(needle) - len(ask))
+    body = (unit * (n // len(unit) + 1))[:n]
+    at = int(n * depth) // len(unit) * len(unit)  # between two filler sentences
+    return head + body[:at] + needle + body[at:] + ask
 
 
 def passkey(llm: LLM, lengths, depths, trials: int, seed: int) -> dict:
     rng = random.Random(seed)
-    filler = corpus_ids(llm.tokenizer, max(lengths), offset=5000)
     cells = {}
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     for length in lengths:
         for depth in depths:
             keys = [rng.randrange(10000, 100000) for _ in range(trials)]
-            prompts = [passkey_prompt(llm.tokenizer, filler, length, depth, k) for k in keys]
+            prompts = [passkey_prompt(llm.tokenizer, length, depth, k) for k in keys]
             outs = llm.generate(prompts, greedy)
             cells[f"{length}@{depth}"] = sum(str(k) in o.text for k, o in zip(keys, outs)) / trials
     return cells
@@ -96,11 +113,22 @@ def agreement(llm: LLM, ref: list[list[int]] | None, prompts, new: int) -> tuple
     return toks, [next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), new) for r, t in zip(ref, toks)]
 
 
+def parse_config(name: str) -> tuple[str, dict | None]:
+    """"int8" -> ("int8", None); "snapkv:0.3+int8" -> ("int8", {"method": "snapkv", "budget": 0.3, ...})."""
+    evict, _, fmt = name.partition("+") if ":" in name else ("", "", name)
+    if not evict:
+        return fmt or "raw", None
+    method, _, budget = evict.partition(":")
+    return fmt or "raw", {"method": method, "budget": float(budget), "min_prompt": 64}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--formats", default="raw,int8,fp8")
+    ap.add_argument("--configs", default="raw,int8,fp8,streaming:0.3,snapkv:0.3,snapkv:0.3+int8",
+                    help="comma list: a storage format (raw, int8, fp8), or METHOD:BUDGET[+FORMAT] for eviction "
+                         "at the end of prefill (snapkv, streaming; budget a share <= 1 or tokens)")
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--score", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=128)
@@ -115,22 +143,28 @@ def main() -> None:
                     help="measure only these (repeatable); default: all three")
     ap.add_argument("--out")
     a = ap.parse_args()
-    if a.quick:
-        a.prefill, a.score, a.lengths, a.depths, a.trials, a.agree_prompts = 1024, 256, "1024,2048", "0.1,0.5,0.9", 4, 4
-    formats = a.formats.split(",")
-    assert formats[0] == "raw", "the first format is the baseline: raw"
+    if a.quick:  # (explicit flags still win)
+        quick = dict(prefill=1024, score=256, lengths="1024,2048", depths="0.1,0.5,0.9", trials=4, agree_prompts=4)
+        for key, value in quick.items():
+            if getattr(a, key) == ap.get_default(key):
+                setattr(a, key, value)
+    configs = a.configs.split(",")
+    assert configs[0] == "raw", "the first config is the baseline: raw"
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
     max_len = max(max(lengths), a.prefill + a.score) + 64
     results, ref_toks = {}, None
-    for fmt in formats:
+    for name in configs:
         t0 = time.perf_counter()
-        llm = LLM(a.model, dtype=a.dtype, kv_storage=fmt, num_pages=-(-max_len * 4 // 16), max_model_len=max_len,
-                  max_num_batched_tokens=2048)
+        fmt, eviction = parse_config(name)
+        llm = LLM(a.model, dtype=a.dtype, kv_storage=fmt, kv_eviction=eviction, num_pages=-(-max_len * 4 // 16),
+                  max_model_len=max_len, max_num_batched_tokens=max(2048, a.prefill))
         ids = corpus_ids(llm.tokenizer, a.prefill + a.score)
         prompts = [corpus_ids(llm.tokenizer, 96, offset=20000 + 500 * i) for i in range(a.agree_prompts)]
         want = set(a.only or ["ppl", "passkey", "agree"])
-        r = {"bytes_per_token_layer": llm.kv_spec.bytes_per_token_layer(), "ppl": None, "passkey": {}, "agree": []}
+        keep = eviction["budget"] if eviction else 1.0  # share of prompt slots kept (what crosses the wire)
+        r = {"bytes_per_token_layer": llm.kv_spec.bytes_per_token_layer() * keep, "ppl": None, "passkey": {},
+             "agree": []}
         if "ppl" in want:
             r["ppl"] = perplexity(llm, ids, a.prefill, a.chunk)
         if "passkey" in want:
@@ -139,8 +173,8 @@ def main() -> None:
             ref_toks_new, r["agree"] = agreement(llm, ref_toks, prompts, a.agree_tokens)
             ref_toks = ref_toks or ref_toks_new
         r["seconds"] = time.perf_counter() - t0
-        results[fmt] = r
-        print(f"{fmt}: ppl {r['ppl']} passkey {r['passkey']} agree {r['agree']} [{r['seconds']:.0f} s]", flush=True)
+        results[name] = r
+        print(f"{name}: ppl {r['ppl']} passkey {r['passkey']} agree {r['agree']} [{r['seconds']:.0f} s]", flush=True)
     _report(results, a)
 
 
@@ -151,16 +185,16 @@ def _report(results: dict, a) -> None:
         return sum(r["passkey"].values()) / len(r["passkey"]) if r["passkey"] else float("nan")
     base_acc = acc_of(base)
     print(f"\nKV quality | {a.model} {a.dtype} | ppl: {a.prefill} prefill + {a.score} scored in chunks of {a.chunk}")
-    print(f"{'format':8} {'ppl':>9} {'change':>8} {'gate':>6} {'passkey':>8} {'vs raw':>7} {'agree mean/min':>15} "
+    print(f"{'config':16} {'ppl':>9} {'change':>8} {'gate':>6} {'passkey':>8} {'vs raw':>7} {'agree mean/min':>15} "
           f"{'bytes vs raw':>12}")
-    for fmt, r in results.items():
+    for name, r in results.items():
         ppl = r["ppl"] if r["ppl"] is not None else float("nan")
         change = 100 * (ppl / base["ppl"] - 1) if base["ppl"] else float("nan")
-        gate = GATES.get(fmt)
+        gate = GATES.get(name)
         acc = acc_of(r)
         ok = "" if gate is None or math.isnan(change) else ("PASS" if abs(change) < gate else "FAIL")
         agree = r["agree"] or [0]
-        print(f"{fmt:8} {ppl:9.4f} {change:+7.3f}% {ok:>6} {acc:8.2f} {acc / max(base_acc, 1e-9):7.2f} "
+        print(f"{name:16} {ppl:9.4f} {change:+7.3f}% {ok:>6} {acc:8.2f} {acc / max(base_acc, 1e-9):7.2f} "
               f"{sum(agree) / len(agree):9.1f}/{min(agree):<5d} "
               f"{r['bytes_per_token_layer'] / base['bytes_per_token_layer']:11.3f}x")
     out = Path(a.out) if a.out else ROOT / "bench" / "out" / f"kv_quality_{a.dtype}{'_quick' if a.quick else ''}.json"
