@@ -99,9 +99,10 @@ class LatencyModel:
         pp = self.parallel.pp
         if pp == 1:
             return self.stage_mixed(tokens, sq, batch, context)
-        # chunked prefill under PP: the step's work is split into pp micro-batches like decode's
-        return pp * self.stage_mixed(tokens / pp, sq / pp, batch / pp, context / pp) \
-            + (pp - 1) * self.p2p((tokens + batch) / pp)
+        # the prompt chunk crosses every stage whole, as in `prefill` (splitting it into micro-batches
+        # would cut a prompt's latency by pp, which a prefill instance is not granted); decode sequences
+        # ride in pp micro-batches as in `decode`. Steps do not overlap across stages (conservative).
+        return pp * self.stage_mixed(tokens, sq, batch / pp, context / pp) + (pp - 1) * self.p2p(tokens + batch / pp)
 
 
 class FittedLatency(LatencyModel):
