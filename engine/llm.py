@@ -139,12 +139,19 @@ class LLM:
         return self.allocator.reserve(self.tables.pages_for(num_tokens), lease_s)
 
     def add_prefilled_request(self, prompt_token_ids: list[int], first_token_id: int, reservation_id: str,
-                              params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Join a request whose prompt KV is already in the reserved pages; decoding starts next step."""
+                              params: SamplingParams | None = None, request_id: str | None = None,
+                              num_slots: int | None = None) -> str:
+        """Join a request whose prompt KV is already in the reserved pages; decoding starts next step.
+        `num_slots`: the prefill side evicted KV and the pages hold only that many (kept) tokens, at the
+        front; the reservation's surplus pages go back to the pool."""
         req = self._new_request(prompt_token_ids, params, request_id)
         tok = self._tokens([first_token_id])[0]
+        if num_slots is not None and not 0 < num_slots <= req.num_prompt:
+            raise InvalidRequestError("num_slots", f"{num_slots} for a {req.num_prompt}-token prompt")
         pages = self.allocator.commit(reservation_id, seq_owner(req.request_id))
         self.tables.adopt(req.request_id, pages, req.num_prompt)
+        if num_slots is not None:
+            self.tables.truncate(req.request_id, num_slots)
         req.token_ids.append(tok)
         if req.params.logprobs is not None:  # the prefill side holds its logprob; keep outputs aligned
             req.output_logprobs.append(SampledToken(tok))
@@ -216,11 +223,17 @@ class LLM:
 
     def _evicts(self, c) -> bool:
         """Does this chunk complete a prompt whose KV the eviction policy thins? Not on a recompute after
-        preemption (outputs exist) and not for prefill-only requests until the KV transfer ships
-        compacted pages (their layers are published while they are computed)."""
+        preemption (outputs exist: the recompute keeps everything)."""
         req = c.request
-        return (self.eviction is not None and c.sample and req.num_output == 0 and not req.prefill_only
-                and c.start + c.num_tokens == req.num_prompt and self.eviction.applies(req.num_prompt))
+        return (c.sample and req.num_output == 0 and c.start + c.num_tokens == req.num_prompt
+                and self.will_evict(req.request_id))
+
+    def will_evict(self, request_id: str) -> bool:
+        """Will this request's prompt KV be thinned at the end of its prefill (policy on, prompt long
+        enough)? The KV sender asks, to ship the kept pages once instead of each layer as computed."""
+        req = self.requests.get(request_id)
+        return (self.eviction is not None and req is not None and req.num_output == 0
+                and self.eviction.applies(req.num_prompt))
 
     def _evict(self, req: Request, observations: dict) -> None:
         """Keep the policy's prompt tokens, compacted to the front of the request's slots."""

@@ -141,8 +141,9 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def finish_frame(first_token_id: int, num_chunks: int) -> pb.Frame:
-    return pb.Frame(finish=pb.Finish(first_token_id=first_token_id, num_chunks=num_chunks))
+def finish_frame(first_token_id: int, num_chunks: int, num_slots: int = 0) -> pb.Frame:
+    """num_slots: tokens of KV shipped when the prefill evicted some (0: the whole prompt)."""
+    return pb.Frame(finish=pb.Finish(first_token_id=first_token_id, num_chunks=num_chunks, num_slots=num_slots))
 
 
 # ---- receiver side -------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class Inbound:
     pending_writes: int = 0  # chunks being written by transport threads right now
     committing: bool = False  # picked by pump() for commit: transport threads leave it alone
     covered: int = 0
+    num_slots: int | None = None  # tokens of KV the finish frame announced (< num_tokens after eviction)
     _cells: list[bytearray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -45,7 +46,14 @@ class Inbound:
 
     @property
     def total_cells(self) -> int:
-        return self.layout.num_local_layers * self.desc.num_tokens * self.layout.num_heads
+        """Cells to receive: every prompt token, or the `num_slots` the finish frame announced."""
+        tokens = self.desc.num_tokens if self.num_slots is None else self.num_slots
+        return self.layout.num_local_layers * tokens * self.layout.num_heads
+
+    def covers_prefix(self, num_slots: int) -> bool:
+        """Exactly the cells of tokens [0, num_slots) of every layer were received (after eviction)."""
+        n = num_slots * self.layout.num_heads
+        return all(cells.count(1, 0, n) == n and cells.count(1) == n for cells in self._cells)
 
     @property
     def ready(self) -> bool:

@@ -233,6 +233,14 @@ class KVReceiver:
     def _accept_finish(self, ib: Inbound, msg) -> PushResult:
         with self._lock:
             self._check_live(ib)
+            if 0 < msg.num_slots < ib.desc.num_tokens:  # the prefill evicted KV: only the kept tokens came
+                if not ib.covers_prefix(msg.num_slots):
+                    raise FailedPrecondition(f"finish announces {msg.num_slots} kept tokens; the chunks received "
+                                             f"do not cover exactly tokens [0, {msg.num_slots}) of every layer")
+                ib.num_slots = msg.num_slots
+            elif msg.num_slots not in (0, ib.desc.num_tokens):
+                raise InvalidFrame(f"finish num_slots {msg.num_slots} exceeds the reservation's "
+                                   f"{ib.desc.num_tokens} tokens")
             if ib.covered != ib.total_cells:
                 raise FailedPrecondition(f"finish before all KV arrived: {ib.missing()}")
             if ib.first_token is not None:
@@ -319,7 +327,7 @@ class KVReceiver:
         """Engine thread: hand the filled reservation to the engine as a running request."""
         try:
             rid = self.llm.add_prefilled_request(ib.prompt, ib.first_token, ib.desc.reservation_id,
-                                                 ib.params, ib.desc.request_id)
+                                                 ib.params, ib.desc.request_id, num_slots=ib.num_slots)
         except (InvalidRequestError, ReservationError) as e:  # raised before any page changes hands
             with self._lock:
                 self._end(ib, TransferState.FAILED, f"commit refused: {e}", ErrorCode.FAILED_PRECONDITION)

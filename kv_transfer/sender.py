@@ -17,6 +17,10 @@ into ~`chunk_bytes` chunks (XXH3-64 checksum each; frames are wire bytes) off th
 the prefill ends HELD, `poll()` queues the `Finish` frame (first token); once the push has ended, done
 or failed, and its thread has exited, `poll()` releases the held pages (or aborts a prefill whose
 transfer failed). A preempted prefill recomputes; tokens already published are not sent again.
+Eviction: when the engine will thin a request's KV at the end of its prefill (`llm.will_evict`), nothing
+is published per layer (which tokens survive is known only then); once HELD, the kept tokens --
+compacted to the front of its pages -- are shipped like a HELD request's, and the Finish frame says how
+many (`num_slots`), so the decode side adopts that many slots and frees the rest of its reservation.
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ class Outbound:
         self.state, self.reason, self.code = TransferState.PENDING, None, None
         self.bytes = self.chunks = 0
         self.threads: list[threading.Thread] = []  # the push thread
+        self.deferred = False  # the prefill will evict KV: ship the kept pages once it is HELD, not per layer
 
     # engine thread
     def publish(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview) -> None:
@@ -63,9 +68,10 @@ class Outbound:
         self._q.put(("held", backend, pages, num_tokens))
         self.published = [num_tokens] * self.layout.num_local_layers
 
-    def finish(self, first_token_id: int) -> None:
+    def finish(self, first_token_id: int, num_slots: int = 0) -> None:
+        """num_slots: tokens of KV shipped, when the prefill evicted some (0: the whole prompt)."""
         self.input_closed = True
-        self._q.put(("finish", first_token_id))
+        self._q.put(("finish", first_token_id, num_slots))
 
     def abort(self, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         self.end(TransferState.FAILED, reason, code)
@@ -83,7 +89,7 @@ class Outbound:
         while True:
             item = self._q.get()
             if item[0] == "finish":
-                yield codec.encode(codec.finish_frame(item[1], self.chunks))
+                yield codec.encode(codec.finish_frame(item[1], self.chunks, item[2]))
                 return
             if item[0] == "abort":
                 return
@@ -158,7 +164,8 @@ class KVSender:
         ob = Outbound(request_id, desc, address, self.layout, list(req.prompt_token_ids),
                       self.llm.kv_spec.num_kv_heads, self.config.chunk_bytes, self.clock())
         self._out[request_id] = ob
-        if request_id in self.llm.tables:  # computed before send(): publish what is already in pages
+        ob.deferred = self.llm.will_evict(request_id)
+        if request_id in self.llm.tables and not ob.deferred:  # computed before send(): publish what is there
             self._publish_cached(ob, req.status == RequestStatus.HELD)
         push = threading.Thread(target=self._push, args=(ob,), name=f"kv-push-{request_id}", daemon=True)
         ob.threads = [push]
@@ -179,6 +186,9 @@ class KVSender:
             if not ob.input_closed:
                 if req is None or req.finished:
                     ob.abort("the prefill request ended without its KV (finished at its first token or aborted)")
+                elif req.status == RequestStatus.HELD and ob.deferred:  # evicted: ship the kept tokens now
+                    self._publish_cached(ob, held=True)
+                    ob.finish(req.output_token_ids[0], self.llm.tables.get(rid).num_slots)
                 elif req.status == RequestStatus.HELD:
                     ob.finish(req.output_token_ids[0])
             deadline = self.config.deadline_s
@@ -228,7 +238,7 @@ class KVSender:
             return
         for s in batch.seqs:
             ob = self._out.get(s.request_id)
-            if ob is None or ob.input_closed:
+            if ob is None or ob.input_closed or ob.deferred:
                 continue
             start = max(s.num_cached, ob.published[layer - self.layout.layer_start])
             stop = s.num_cached + len(s.token_ids)
