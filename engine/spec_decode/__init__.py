@@ -3,10 +3,11 @@
 Map (who calls what, in order, once per engine step when `LLM(speculative=...)` is set):
 
     LLM.step -> scheduler.schedule() -> SpecDecoder.step(sched)            (step.py)
-        plan: per decode request a draft length from its acceptance (policy.AdaptiveDraft), drafts from
-              the request's proposer (proposers/, registered by name), then the load-aware gate
-              (policy.CostModel: tokens/s with vs without the drafts for this batch) trims or drops them;
-              draft slots are appended to the block table only when pages are free (drafts never preempt)
+        plan: per decode request a draft length from its acceptance (policy.AcceptanceTracker), drafts
+              from the request's proposer (proposers/, registered by name), then the load-aware gate
+              (policy.choose_lengths over policy.CostModel, fitted to measured step times: expected
+              tokens/s of this batch with vs without each draft token) trims or drops them; draft slots
+              are appended to the block table only when pages are free (drafts never preempt)
         run:  one ragged forward: plain chunks as usual, each drafted request brings [last] + draft with
               logits at every position
         verify (verify.py, pure): every row is sampled by the ordinary keyed sampler, then the longest
