@@ -5,7 +5,7 @@ Shape (only `model` is required; the pools the mode needs must be named; default
     model, dtype, mode: disaggregated | colocated
     pools:        prefill + decode (disaggregated) or colocated; each: replicas, tensor_parallel,
                   pipeline_parallel, resources {num_cpus, num_gpus, custom}, max_num_seqs,
-                  max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage},
+                  max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage, eviction},
                   speculative {proposer, max_draft, adaptive, gate, draft_model} (decode/colocated only)
     kv_transfer:  host, auth_token {env | file}, tls {cert_file, key_file, ca_file}, failure_policy
     server:       host, port, api_key {env | file}, request_timeout_s, max_queued_requests
@@ -17,6 +17,7 @@ Order: `load_spec(path)` reads the YAML (`spec_errors.read_yaml`), validates the
 after the caller resolves the model, `spec.check_against_model(config)` checks what needs the model
 (parallelism divides heads and layers, KV pages hold one sequence). Every failure is a `SpecError`
 listing `<dotted.key>: <reason>`. Models are frozen; secrets are never inline, only their sources.
+The engine-facing parts of a pool (kv pages, storage, eviction; speculative) live in `spec_sections.py`.
 Nothing here imports torch or ray (`resolve_model_config` imports the loader lazily).
 """
 from __future__ import annotations
@@ -24,11 +25,12 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
+from cluster.spec_sections import EvictionSpec, KVPages, SpeculativeSpec, _fail_if, _Section  # noqa: F401
 from engine.config import ModelConfig
 from kv_transfer.config import LOOPBACK_HOSTS, TOKEN_ENV
 
@@ -42,24 +44,6 @@ RAY_RESERVED = {"CPU": "use num_cpus", "GPU": "use num_gpus", "memory": "Ray's o
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOST = re.compile(r"^[A-Za-z0-9_.:%\-\[\]]+$")
 _RAY_ADDRESS = re.compile(r"^(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,5})$")
-
-
-class _Section(BaseModel):
-    # strict: YAML already types its scalars, so "8000" (a string) for a port is a mistake worth naming
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-    _blank_is_default: ClassVar[tuple[str, ...]] = ()  # keys where `key:` with nothing under it means {}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _blank_sections(cls, data: Any) -> Any:
-        if isinstance(data, dict) and cls._blank_is_default:
-            return {k: {} if v is None and k in cls._blank_is_default else v for k, v in data.items()}
-        return data
-
-
-def _fail_if(problems: list[Problem]) -> None:
-    if problems:
-        raise SpecError(problems)  # pydantic wraps it; spec_errors re-roots its keys at this model
 
 
 def _check_host(host: str) -> str:
@@ -120,12 +104,6 @@ class Resources(_Section):
         return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.custom)}
 
 
-class KVPages(_Section):
-    page_size: int = Field(16, ge=1, le=1024)  # tokens per KV page
-    num_pages: int = Field(1024, ge=1)  # pages per replica: 16k tokens, ~380 MB for SmolLM2 in bf16
-    storage: Literal["raw", "int8", "fp8"] = "raw"  # page format, also the KV wire format (quantized: ~0.52x)
-
-
 def _capacity_problem(pool: "Pool", max_len: int) -> Problem | None:
     cap = pool.kv.num_pages * pool.kv.page_size
     if cap >= max_len:
@@ -134,30 +112,6 @@ def _capacity_problem(pool: "Pool", max_len: int) -> Problem | None:
     return Problem("kv.num_pages", f"{pool.kv.num_pages} pages x {pool.kv.page_size} tokens = {cap} tokens cannot "
                                    f"hold one {max_len}-token sequence; raise num_pages to >= {need} or set "
                                    f"max_model_len <= {cap}")
-
-
-class SpeculativeSpec(_Section):
-    """Draft-verify decoding in a decode or colocated pool (engine.spec_decode.SpeculativeConfig)."""
-    proposer: Literal["ngram", "recycling", "draft_model"] = "ngram"
-    max_draft: int = Field(4, ge=1, le=16)  # draft tokens per request per step, at most
-    adaptive: bool = True  # per-request draft length from its acceptance
-    gate: bool = True  # speculate only when the measured verify cost says it pays for the batch
-    draft_model: str | None = Field(None, min_length=1)  # proposer draft_model: a model with the same tokenizer
-
-    @model_validator(mode="after")
-    def _check(self) -> "SpeculativeSpec":
-        if self.proposer == "draft_model" and self.draft_model is None:
-            _fail_if([Problem("draft_model", "required with proposer: draft_model (a model name, HF directory "
-                                             "or .gguf with the served model's tokenizer)")])
-        if self.proposer != "draft_model" and self.draft_model is not None:
-            _fail_if([Problem("draft_model", f"only used with proposer: draft_model (proposer is {self.proposer})")])
-        return self
-
-    def engine_config(self) -> dict[str, Any]:
-        """The `speculative` keyword of `engine.LLM` (plain data: it crosses to Ray actors)."""
-        opts = {"model": self.draft_model} if self.draft_model else {}
-        return {"proposer": self.proposer, "max_draft": self.max_draft, "adaptive": self.adaptive,
-                "gate": self.gate, "proposer_options": opts}
 
 
 class Pool(_Section):
@@ -286,6 +240,10 @@ class ClusterSpec(_Section):
             problems.append(Problem("pools.prefill.speculative", "prefill workers do not decode; set "
                                                                  "speculative on pools.decode"))
         pre, dec = self.pools.prefill, self.pools.decode
+        if self.mode == "disaggregated" and dec is not None and dec.kv.eviction is not None:
+            problems.append(Problem("pools.decode.kv.eviction", "eviction runs where prompts are prefilled: set "
+                                                                "it on pools.prefill (the decode pool adopts "
+                                                                "the kept tokens)"))
         if self.mode == "disaggregated" and pre and dec and pre.kv.storage != dec.kv.storage:
             problems.append(Problem("pools.decode.kv.storage", f"{dec.kv.storage!r} differs from pools.prefill.kv."
                                     f"storage {pre.kv.storage!r}: KV pages travel in their storage format, so "
@@ -328,6 +286,8 @@ class ClusterSpec(_Section):
         kw = {"model": self.model, "dtype": self.dtype, "page_size": p.kv.page_size, "num_pages": p.kv.num_pages,
               "max_num_seqs": p.max_num_seqs, "max_num_batched_tokens": p.max_num_batched_tokens,
               "max_model_len": p.max_model_len, "kv_storage": p.kv.storage}
+        if p.kv.eviction is not None:
+            kw["kv_eviction"] = p.kv.eviction.model_dump()
         if p.speculative is not None:
             kw["speculative"] = p.speculative.engine_config()
         return kw

@@ -82,6 +82,7 @@ class DecodeStats:
     num_transfer_failures: int = 0  # of requests this worker still owned (recomputed or ended "error")
     kv_bytes_received: int = 0  # KV payload bytes of committed transfers
     transfers_committed: int = 0
+    kv_evicted_tokens: int = 0  # colocated: prompt tokens whose KV eviction dropped
     spec_steps: int = 0  # steps with a request that could draft (0 without speculation)
     spec_share: float = 0.0  # share of those steps that verified drafts
     spec_drafted: int = 0  # draft tokens verified
@@ -191,7 +192,8 @@ class DecodeWorker:
         out = DecodeStats(self.llm.allocator.num_free, u["num_pages"], u["pages_in_use"], u["reservations"],
                           self.receiver.num_live if self.receiver else 0, len(s.running), len(s.waiting),
                           s.cfg.max_num_seqs, s.stats.num_preemptions, s.stats.num_steps,
-                          self.num_transfer_failures, self.kv_bytes_received, self.transfers_committed)
+                          self.num_transfer_failures, self.kv_bytes_received, self.transfers_committed,
+                          self.llm.num_evicted_tokens)
         sp = self.llm.spec_stats()
         if sp:
             out.spec_steps, out.spec_share = int(sp["num_steps"]), sp["spec_share"]

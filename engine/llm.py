@@ -22,6 +22,7 @@ from engine.kv_cache.allocator import PageAllocator, Reservation
 from engine.kv_cache.backend import make_backend
 from engine.kv_cache.block_table import BlockTables, seq_owner
 from engine.kv_cache.eviction import EvictionPolicy, compact, keep_slots
+from engine.kv_cache.eviction_policy import resolve as resolve_eviction
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
 from engine.model import LlamaForward
@@ -211,8 +212,8 @@ class LLM:
             req = c.request
             if self._evicts(c):
                 self._evicting.add(req.request_id)
-                if self.eviction.observe() is not None:
-                    observe[req.request_id] = self.eviction.observe()
+                if self._eviction_of(req).observe() is not None:
+                    observe[req.request_id] = self._eviction_of(req).observe()
             sample = None
             if c.sample:
                 sample = SampleRequest(req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids)
@@ -232,18 +233,23 @@ class LLM:
         """Will this request's prompt KV be thinned at the end of its prefill (policy on, prompt long
         enough)? The KV sender asks, to ship the kept pages once instead of each layer as computed."""
         req = self.requests.get(request_id)
-        return (self.eviction is not None and req is not None and req.num_output == 0
-                and self.eviction.applies(req.num_prompt))
+        policy = self._eviction_of(req) if req is not None else None
+        return policy is not None and req.num_output == 0 and policy.applies(req.num_prompt)
+
+    def _eviction_of(self, req: Request) -> EvictionPolicy | None:
+        """The engine's policy as the request's `kv_eviction` option changes it."""
+        return resolve_eviction(self.eviction, req.params.kv_eviction)
 
     def _evict(self, req: Request, observations: dict) -> None:
         """Keep the policy's prompt tokens, compacted to the front of the request's slots."""
         table = self.tables.get(req.request_id)
         attn = {layer: observations[(req.request_id, layer)]["window"] for layer in self.kv_spec.local_layers
                 if (req.request_id, layer) in observations}
-        keep = keep_slots(self.eviction, req.num_prompt, self.kv_spec.local_layers, attn)
+        policy = self._eviction_of(req)
+        keep = keep_slots(policy, req.num_prompt, self.kv_spec.local_layers, attn)
         compact(self.backend, table.pages, keep)
-        self.tables.truncate(req.request_id, self.eviction.keep_count(req.num_prompt))
-        self.num_evicted_tokens += req.num_prompt - self.eviction.keep_count(req.num_prompt)
+        self.tables.truncate(req.request_id, policy.keep_count(req.num_prompt))
+        self.num_evicted_tokens += req.num_prompt - policy.keep_count(req.num_prompt)
 
     def _output(self, req: Request) -> RequestOutput:
         if self.outputs.advance(req) and not req.finished:

@@ -34,6 +34,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     speculative: SpecRequestOptions | None = None  # engines without speculation ignore it
+    kv_eviction: dict | str | None = None  # "off", or fields overriding the pool's EvictionPolicy
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -77,6 +78,11 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.kv_eviction is not None:
+            from engine.kv_cache.eviction_policy import resolve  # (pure Python)
+
+            if self.kv_eviction != "off":
+                resolve(None, self.kv_eviction)  # a typed error names a bad field
         o = self.speculative
         if o is not None:
             if not isinstance(o, SpecRequestOptions) or not isinstance(o.enabled, bool):

@@ -65,6 +65,7 @@ class PrefillStats:
     kv_transfer_seconds: float = 0.0  # summed transfer_start -> transfer end of ended transfers
     transfers_done: int = 0
     transfers_failed: int = 0
+    kv_evicted_tokens: int = 0  # prompt tokens whose KV eviction dropped (never sent)
 
 
 class PrefillWorker:
@@ -131,7 +132,8 @@ class PrefillWorker:
         t = self._totals
         return PrefillStats(queued, len(s.waiting), len(s.running), len(s.held), self.sender.num_live,
                             u["pages_in_use"], u["num_pages"], u["reservations"], s.stats.num_preemptions,
-                            s.stats.num_steps, t["bytes"], t["seconds"], t["done"], t["failed"])
+                            s.stats.num_steps, t["bytes"], t["seconds"], t["done"], t["failed"],
+                            self.llm.num_evicted_tokens)
 
     def close(self) -> None:
         """Abort every transfer and prefill, stop the push threads and the transport."""

@@ -54,6 +54,16 @@ class SpeculativeOptions(_Strict):
     proposer: Literal["ngram", "recycling", "draft_model"] | None = None  # draft_model only where configured
 
 
+class KVEvictionOptions(_Strict):
+    """Per-request KV-eviction override: fields replace the pool's policy (engine/kv_cache/eviction_policy)."""
+    method: Literal["snapkv", "streaming"] | None = None
+    budget: float | None = Field(None, gt=0)  # <= 1: share of the prompt kept; > 1: tokens kept
+    min_prompt: int | None = Field(None, ge=1)
+    window: int | None = Field(None, ge=1)
+    pool: int | None = Field(None, ge=1)
+    sinks: int | None = Field(None, ge=0)
+
+
 class PdserveOptions(_Strict):
     """pdserve's own per-request options (the `pdserve` object of the body)."""
     timeline: bool = False  # return the request's timeline (queued, first_token, finish, ...) in the response
@@ -65,6 +75,7 @@ class PdserveOptions(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list)
     skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
+    kv_eviction: Literal["off"] | KVEvictionOptions | None = None  # "off" keeps every prompt token
 
 
 class StreamOptions(_Strict):
@@ -197,6 +208,8 @@ def sampling_params(req: CompletionRequest | ChatRequest, choice: int, default_m
         stop_token_ids=list(o.stop_token_ids), ignore_eos=o.ignore_eos, logprobs=logprobs,
         seed=None if req.seed is None else req.seed + choice, skip_special_tokens=o.skip_special_tokens,
         speculative=SpecRequestOptions(**o.speculative.model_dump()) if o.speculative is not None else None,
+        kv_eviction=o.kv_eviction if not isinstance(o.kv_eviction, KVEvictionOptions)
+        else o.kv_eviction.model_dump(exclude_none=True),
     )
     params.validate(vocab_size=2**31)  # early 400s; the engine re-checks token ids against its vocabulary
     return params

@@ -20,53 +20,12 @@ the logical length (next position = prompt length) apart from the physical one (
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from engine.attention_context import ObserveSpec
-from engine.errors import InvalidRequestError
+from engine.kv_cache.eviction_policy import POLICY_NAMES, EvictionPolicy
 
-
-@dataclass(frozen=True)
-class EvictionPolicy:
-    method: str = "snapkv"  # a name in POLICIES
-    budget: float = 0.3  # <= 1: share of the prompt to keep; > 1: tokens to keep
-    min_prompt: int = 256  # shorter prompts are kept whole
-    window: int = 32  # snapkv: observation window (the last prompt queries); always kept
-    pool: int = 7  # snapkv: max-pool kernel over token scores
-    sinks: int = 4  # streaming: first tokens always kept
-
-    def __post_init__(self) -> None:
-        if self.method not in POLICIES:
-            raise InvalidRequestError("kv_eviction.method", f"{self.method!r}; known: {', '.join(POLICIES)}")
-        if not self.budget > 0:
-            raise InvalidRequestError("kv_eviction.budget", "must be > 0 (a share <= 1 or a token count)")
-        if self.min_prompt < 1 or self.window < 1 or self.pool < 1 or self.pool % 2 == 0 or self.sinks < 0:
-            raise InvalidRequestError("kv_eviction", "min_prompt, window >= 1; pool odd >= 1; sinks >= 0")
-
-    @classmethod
-    def of(cls, value: "EvictionPolicy | dict | None") -> "EvictionPolicy | None":
-        if value is None or isinstance(value, cls):
-            return value
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"kv_eviction.{unknown[0]}", f"unknown key; known: {', '.join(sorted(known))}")
-        return cls(**value)
-
-    def keep_count(self, prompt_len: int) -> int:
-        """Slots a prompt of `prompt_len` tokens keeps (>= the window / sinks, <= the prompt)."""
-        n = int(round(self.budget * prompt_len)) if self.budget <= 1 else int(self.budget)
-        floor = self.window if self.method == "snapkv" else self.sinks + 1
-        return max(min(n, prompt_len), min(floor, prompt_len))
-
-    def applies(self, prompt_len: int) -> bool:
-        return prompt_len >= self.min_prompt and self.keep_count(prompt_len) < prompt_len
-
-    def observe(self) -> ObserveSpec | None:
-        return ObserveSpec(window=self.window) if self.method == "snapkv" else None
+__all__ = ["EvictionPolicy", "POLICIES", "keep_slots", "compact"]
 
 
 def _snapkv(policy: EvictionPolicy, n: int, keep: int, attn: torch.Tensor | None) -> torch.Tensor:
@@ -87,6 +46,7 @@ def _streaming(policy: EvictionPolicy, n: int, keep: int, attn: torch.Tensor | N
 
 
 POLICIES = {"snapkv": _snapkv, "streaming": _streaming}
+assert set(POLICIES) == set(POLICY_NAMES)
 
 
 def keep_slots(policy: EvictionPolicy, prompt_len: int, layers, attn_by_layer: dict[int, torch.Tensor]

@@ -115,3 +115,22 @@ def test_short_prompts_and_int8_pages_and_preemption(tiny_dir):
     assert llm.num_evicted_tokens == (60 - 12) + (61 - 12)  # the two long prompts, once each
     assert llm.scheduler.stats.num_preemptions > 0
     assert_engine_empty(llm)
+
+
+def test_a_request_can_turn_eviction_off_or_on(tiny_dir):
+    """`kv_eviction` on the request: "off" keeps every token under a pool policy; a dict evicts on an
+    engine without one; a bad field is a typed error naming it."""
+    on = make(tiny_dir, SNAP)
+    off = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, kv_eviction="off")
+    full = [o.token_ids for o in make(tiny_dir).generate(PROMPTS, GREEDY)]
+    assert [o.token_ids for o in on.generate(PROMPTS, off)] == full and on.num_evicted_tokens == 0
+    plain = make(tiny_dir)
+    ask = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, kv_eviction=dict(STREAM))
+    want = [o.token_ids for o in make(tiny_dir, STREAM).generate(PROMPTS, GREEDY)]
+    assert [o.token_ids for o in plain.generate(PROMPTS, ask)] == want and plain.num_evicted_tokens > 0
+    for bad, field in (({"budget": -1}, "kv_eviction.budget"), ({"methd": "x"}, "kv_eviction.methd"),
+                       ("on", "kv_eviction")):
+        with pytest.raises(InvalidRequestError) as info:
+            plain.add_request(PROMPTS[0], SamplingParams(max_tokens=4, kv_eviction=bad))
+        assert info.value.field == field
+    assert_engine_empty(plain)

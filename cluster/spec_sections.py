@@ -1,0 +1,77 @@
+"""Parts of the cluster spec (`cluster/spec.py`) that configure the engine of a pool replica: KV pages (size,
+count, storage format, eviction) and draft-verify decoding; plus the strict base section every spec
+model derives from and `_fail_if`, which turns cross-field problems into a `SpecError`.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.spec_errors import Problem, SpecError
+
+
+class _Section(BaseModel):
+    # strict: YAML already types its scalars, so "8000" (a string) for a port is a mistake worth naming
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    _blank_is_default: ClassVar[tuple[str, ...]] = ()  # keys where `key:` with nothing under it means {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _blank_sections(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls._blank_is_default:
+            return {k: {} if v is None and k in cls._blank_is_default else v for k, v in data.items()}
+        return data
+
+
+def _fail_if(problems: list[Problem]) -> None:
+    if problems:
+        raise SpecError(problems)  # pydantic wraps it; spec_errors re-roots its keys at this model
+
+
+class KVPages(_Section):
+    page_size: int = Field(16, ge=1, le=1024)  # tokens per KV page
+    num_pages: int = Field(1024, ge=1)  # pages per replica: 16k tokens, ~380 MB for SmolLM2 in bf16
+    storage: Literal["raw", "int8", "fp8"] = "raw"  # page format, also the KV wire format (quantized: ~0.52x)
+    eviction: "EvictionSpec | None" = None  # thin prompt KV at the end of prefill (prefill/colocated pools)
+
+
+class EvictionSpec(_Section):
+    """`kv.eviction`: which prompt tokens' KV survive the prefill (engine/kv_cache/eviction.py)."""
+    method: Literal["snapkv", "streaming"] = "snapkv"
+    budget: float = Field(0.3, gt=0)  # <= 1: share of the prompt kept; > 1: tokens kept
+    min_prompt: int = Field(256, ge=1)  # shorter prompts keep every token
+    window: int = Field(32, ge=1)  # snapkv: observation window, always kept
+    pool: int = Field(7, ge=1)  # snapkv: max-pool kernel over token scores (odd)
+    sinks: int = Field(4, ge=0)  # streaming: first tokens always kept
+
+    @field_validator("pool")
+    @classmethod
+    def _odd(cls, v: int) -> int:
+        if v % 2 == 0:
+            raise ValueError(f"must be odd (a centred window), got {v}")
+        return v
+
+
+class SpeculativeSpec(_Section):
+    """Draft-verify decoding in a decode or colocated pool (engine.spec_decode.SpeculativeConfig)."""
+    proposer: Literal["ngram", "recycling", "draft_model"] = "ngram"
+    max_draft: int = Field(4, ge=1, le=16)  # draft tokens per request per step, at most
+    adaptive: bool = True  # per-request draft length from its acceptance
+    gate: bool = True  # speculate only when the measured verify cost says it pays for the batch
+    draft_model: str | None = Field(None, min_length=1)  # proposer draft_model: a model with the same tokenizer
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeculativeSpec":
+        if self.proposer == "draft_model" and self.draft_model is None:
+            _fail_if([Problem("draft_model", "required with proposer: draft_model (a model name, HF directory "
+                                             "or .gguf with the served model's tokenizer)")])
+        if self.proposer != "draft_model" and self.draft_model is not None:
+            _fail_if([Problem("draft_model", f"only used with proposer: draft_model (proposer is {self.proposer})")])
+        return self
+
+    def engine_config(self) -> dict[str, Any]:
+        """The `speculative` keyword of `engine.LLM` (plain data: it crosses to Ray actors)."""
+        opts = {"model": self.draft_model} if self.draft_model else {}
+        return {"proposer": self.proposer, "max_draft": self.max_draft, "adaptive": self.adaptive,
+                "gate": self.gate, "proposer_options": opts}
