@@ -305,11 +305,13 @@ def _divisors(n: int) -> list[int]:
 def _model_problems(pool: Pool, c: ModelConfig) -> list[Problem]:
     out: list[Problem] = []
     tp, pp = pool.tensor_parallel, pool.pipeline_parallel
-    if c.num_heads % tp or c.num_kv_heads % tp:
-        ok = ", ".join(map(str, _divisors(math.gcd(c.num_heads, c.num_kv_heads))))
-        out.append(Problem("tensor_parallel", f"{tp} does not divide the model's {c.num_heads} attention heads "
-                                              f"and {c.num_kv_heads} KV heads (each rank holds whole heads); "
-                                              f"use one of {ok}"))
+    # Each rank holds whole query heads; KV heads are split, or replicated when tp is a multiple of them
+    # (8 query / 2 KV heads at tp 4: each KV head on two ranks).
+    if c.num_heads % tp or (c.num_kv_heads % tp and tp % c.num_kv_heads):
+        ok = ", ".join(str(d) for d in _divisors(c.num_heads) if not c.num_kv_heads % d or not d % c.num_kv_heads)
+        out.append(Problem("tensor_parallel", f"{tp} does not divide the model's {c.num_heads} attention heads, "
+                                              f"or neither divides nor is a multiple of its {c.num_kv_heads} KV "
+                                              f"heads (ranks hold whole heads); use one of {ok}"))
     if c.num_layers % pp:
         ok = ", ".join(map(str, _divisors(c.num_layers)))
         out.append(Problem("pipeline_parallel", f"{pp} does not divide the model's {c.num_layers} layers; "

@@ -111,8 +111,6 @@ BAD = {
     "bad dtype": (MINIMAL + "dtype: bf16\n", "dtype", "did you mean 'bfloat16'?"),
     "tp not dividing heads": ("model: smollm2-135m\npools: {prefill: {tensor_parallel: 2}, decode: {}}\n",
                               "pools.prefill.tensor_parallel", "2 does not divide the model's 9 attention heads"),
-    "tp not dividing kv heads": ("model: smollm2-135m\npools: {prefill: {}, decode: {tensor_parallel: 9}}\n",
-                                 "pools.decode.tensor_parallel", "use one of 1, 3"),
     "pp not dividing layers": ("model: smollm2-135m\npools: {prefill: {}, decode: {pipeline_parallel: 4}}\n",
                                "pools.decode.pipeline_parallel", "does not divide the model's 30 layers"),
     "kv pages too few for the model": ("model: smollm2-135m\npools: {prefill: {}, decode: {kv: {num_pages: 10}}}\n",
@@ -241,3 +239,17 @@ def test_literal_config_matches_the_real_smollm2(smollm2_dir):
     real = load_config(smollm2_dir)
     assert (real.num_heads, real.num_kv_heads, real.num_layers, real.max_position) == \
            (SMOLLM2.num_heads, SMOLLM2.num_kv_heads, SMOLLM2.num_layers, SMOLLM2.max_position)
+
+
+def test_tp_may_replicate_kv_heads_but_must_split_query_heads():
+    """9 query / 3 KV heads: tp 9 replicates each KV head on 3 ranks (allowed); 12 / 4 at tp 6 neither
+    splits nor replicates the KV heads evenly (rejected, naming what works)."""
+    import dataclasses
+
+    spec = parse_spec({"model": "m", "pools": {"prefill": {}, "decode": {"tensor_parallel": 9}}})
+    spec.check_against_model(SMOLLM2)  # no SpecError
+    odd = dataclasses.replace(SMOLLM2, num_heads=12, num_kv_heads=4)
+    bad = parse_spec({"model": "m", "pools": {"prefill": {}, "decode": {"tensor_parallel": 6}}})
+    with pytest.raises(SpecError) as info:
+        bad.check_against_model(odd)
+    assert "pools.decode.tensor_parallel" in str(info.value) and "use one of 1, 2, 4, 12" in str(info.value)
