@@ -13,7 +13,7 @@ speculated, the gate's last cost estimate. `verify` measures the forward cost th
 decode step at batch B with k + 1 tokens per sequence against 1 token (context ~300).
 
 Run:   .venv/bin/python bench/spec_decode_bench.py [--dtype bfloat16] [--proposer ngram] [--repeats 2]
-                                                   [--quick] [--only copy chat verify]
+                                                   [--quick] [--only copy chat verify] [--cells chat:16]
 Writes bench/out/spec_decode_<proposer>_<dtype>.json (or --out). The machine is shared and noisy: read
 ratios from one interleaved run, not absolute numbers.
 """
@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=160, help="output tokens per request, at most")
     ap.add_argument("--quick", action="store_true", help="96 tokens, one repeat, chat up to 4")
     ap.add_argument("--only", nargs="*", default=["copy", "chat", "verify"])
+    ap.add_argument("--cells", nargs="*", help="only these cells, e.g. copy:1 chat:16")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     new, repeats = (96, 1) if a.quick else (a.new, a.repeats)
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
     print(f"{'workload':8} {'conc':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'cpu ratio':>9} {'TPOT ratio':>10} "
           f"{'accept':>6} {'tok/verify':>10} {'spec share':>10} {'gate cost':>9} {'same':>6}")
     for kind, conc in cells:
-        if kind not in a.only:
+        if kind not in a.only or (a.cells and f"{kind}:{conc}" not in a.cells):
             continue
         r = measure_cell(plain, spec, kind, conc, new, repeats)
         rows.append(r)

@@ -21,7 +21,7 @@ class SpeculativeConfig:
     adaptive: bool = True  # per-request draft length from its running acceptance
     gate: bool = True  # speculate only when the cost model says the batch gains tokens/s
     min_accept: float = 0.3  # adaptive: draft position j only while predicted acceptance^j >= this
-    gate_margin: float = 0.02  # gate: the drafted step must beat the plain one by this fraction
+    gate_margin: float = 0.05  # gate: the drafted step must beat the plain one by this fraction (noise)
     proposer_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"model": dir} for draft_model
 
     def __post_init__(self) -> None:

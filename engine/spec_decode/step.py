@@ -79,8 +79,11 @@ class SpecDecoder:
         n = len(plain.chunks)
         outs = llm._finish_step(plain, out.results[:n], out.observations) if n else []
         outs += [self._commit(c, drafts[c.request.request_id], r) for c, r in zip(verify, out.results[n:])]
-        # The gate weighs whole steps (forward, sampling every verify row, commits), proposers apart.
-        self.cost.observe(batch.num_tokens, self.timer() - t_start - t_proposers)
+        # The gate weighs whole decode steps (forward, sampling every verify row, commits), proposers
+        # apart. Steps with prefill chunks are left out: a prompt token costs far less than a verified one
+        # (no LM-head row, no sampling), so they would teach the model a slope too low for drafts.
+        if all(c.num_tokens == 1 for c in sched.chunks):
+            self.cost.observe(batch.num_tokens, self.timer() - t_start - t_proposers)
         for rid in [r for r in self.trackers if r not in llm.requests]:
             self.release(rid)
         return outs
