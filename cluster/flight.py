@@ -8,11 +8,18 @@ it). Each event says how many output tokens exist so far (`num_output`) and how 
 (`text_len`), so `Flight.advance()` streams exactly the tokens not yet sent -- none lost, none repeated --
 and rebuilds the text from whichever view is newest. Text that may be the start of a stop string is held
 back until the next token resolves it (the engine cuts the final text at the stop).
+
+Recovery (`cluster/recovery.py`): after a worker loss the flight runs again elsewhere as `run_prompt` (prompt
++ `output_ids`) under a new `wid`; `rebase()` makes the new workers' counts (which start at 0) continue the
+client's stream: `base_tokens`/`base_chars` are added to every later event's `num_output`/`text_len`.
+The new workers detokenize their outputs on their own, so the seam may lack a separator (a tokenizer
+drops the leading space of a text's first token): `seam(first new ids)` gives the missing prefix once.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from cluster.serving_api import GenerateDelta, GenerateRequest
 from engine.sampling_params import SamplingParams
@@ -50,6 +57,17 @@ class Flight:
     seen_tokens: int = 0  # the newest num_output of any event
     text: str = ""  # the newest full output text
     sent_chars: int = 0
+    output_ids: list[int] = field(default_factory=list)  # every token streamed (a resume re-prefills them)
+    run_prompt: list[int] | None = None  # what workers run (prompt, or prompt + output_ids after a resume)
+    run_params: SamplingParams | None = None
+    base_tokens: int = 0  # output tokens / characters before the current placement (see rebase)
+    base_chars: int = 0
+    recoveries: int = 0
+    seam: Callable[[list[int]], str] | None = None  # after a rebase, until the first new token arrives
+
+    def __post_init__(self) -> None:
+        if self.run_prompt is None:
+            self.run_prompt, self.run_params = self.prompt_ids, self.params
 
     @property
     def queued(self) -> bool:
@@ -63,6 +81,11 @@ class Flight:
                 logprobs: Logprobs | None = None, finished: bool = False,
                 finish_reason: str | None = None) -> GenerateDelta | None:
         """Fold one event's view in; the delta to stream (None when it adds nothing)."""
+        if self.seam is not None and new_ids and text_len == len(new_text):  # the new placement's first text
+            prefix, self.seam = self.seam(new_ids[:1]), None
+            self.base_chars += len(prefix)
+            new_text = prefix + new_text
+        num_output, text_len = num_output + self.base_tokens, text_len + self.base_chars
         if num_output < self.seen_tokens and not finished:
             return None  # an older view (the prefill's first token after the decode's first delta)
         if num_output >= self.seen_tokens:
@@ -81,6 +104,7 @@ class Flight:
         if ids and self.sent_tokens == 0:
             self.mark("first_token")
         self.sent_tokens += len(ids)
+        self.output_ids += ids
         self.sent_chars = max(self.sent_chars, len(shown))
         if finished:
             self.done = True
@@ -88,6 +112,17 @@ class Flight:
         return GenerateDelta(self.req.request_id, ids, chars, finished, finish_reason if finished else None,
                              len(self.prompt_ids), self.sent_tokens, lps,
                              dict(self.timeline) if finished and self.req.return_timeline else None)
+
+    def rebase(self, wid: str, run_prompt: list[int], run_params: SamplingParams,
+               seam: Callable[[list[int]], str] | None = None) -> None:
+        """Start a new placement: the workers' counts restart at 0 after what the client has seen."""
+        assert len(self.output_ids) == self.sent_tokens, (self.wid, len(self.output_ids), self.sent_tokens)
+        self.wid, self.run_prompt, self.run_params = wid, run_prompt, run_params
+        self.base_tokens = self.seen_tokens = self.sent_tokens
+        self.base_chars, self.seam = len(self.text), seam if self.output_ids else None
+        self.prefill = self.decode = None
+        self.prefill_open = self.prefill_ended = self.decode_open = self.prefill_tokens_counted = False
+        self.recoveries += 1
 
     def final(self, reason: str) -> GenerateDelta:
         """The last delta of a request the router ends itself (timeout, abort)."""

@@ -19,6 +19,9 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"):
      on `abort()`, or a typed error (a failed transfer under policy "fail", a dead worker). Whatever a
      worker may still hold -- reservation, running request, held prefill pages, transfer -- is freed by
      `abort`/`cancel` on both sides, also when the caller stops iterating (client disconnect).
+  5. A lost worker (drain or call failed, or no heartbeat within `heartbeat_timeout_s` on the injectable
+     `clock`) does not end the requests it harmed: they are re-placed elsewhere and resume where their
+     stream stopped (`cluster/recovery.py`); the ledger there counts how every admitted request ended.
 Colocated: step 2 is `add_request` on the replica with the least load; every event is a decode delta.
 Timelines: the router marks its own events; workers' `times` (prefill, transfer, decode) are folded in.
 """
@@ -27,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import random
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
 
 from cluster.flight import Flight
+from cluster.intake import validate_request
+from cluster.recovery import Ledger, RecoveryMixin, Worker, WorkerHandle, outcome_of
 from cluster.serving_api import (BackendStats, BackendUnavailableError, GenerateDelta, GenerateRequest,
                                  OverloadedError)
 from decode_worker.worker import DecodeDelta
@@ -40,17 +44,6 @@ from engine.errors import InvalidRequestError, PdserveError, UnknownModelError
 from prefill_worker.worker import PrefillEvent
 
 _TIMEOUT, _ABORT = "timeout", "abort"  # router signals in a flight's queue
-
-
-class WorkerHandle(Protocol):
-    name: str
-    info: dict  # from the worker at start (decode workers: {"address": KV receiver address})
-
-    async def call(self, method: str, *args) -> Any: ...
-
-    async def drain(self, timeout_s: float) -> tuple[list, Any]: ...
-
-    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -65,28 +58,16 @@ class RouterConfig:
     request_timeout_s: float = 120.0
     lease_margin_s: float = 5.0  # reservations outlive the request's deadline by this much
     drain_timeout_s: float = 0.5  # long-poll length (events return at once)
+    heartbeat_timeout_s: float = 30.0  # a worker whose drain has not returned for this long is dead
+    max_recoveries: int = 2  # re-placements of one request after worker losses before it fails
 
 
-@dataclass
-class Worker:
-    """The router's view of one worker: its handle, latest stats and the load the router put on it."""
-    handle: WorkerHandle
-    pool: str
-    stats: Any = None
-    alive: bool = True
-    flights: set[str] = field(default_factory=set)  # wids assigned here
-    queued_tokens: int = 0  # prefill: prompt tokens submitted, first token not yet back
-    pages_claimed: int = 0  # decode: pages reserved since the last stats snapshot
-
-    def free_pages(self) -> int:
-        return (self.stats.free_pages if self.stats is not None else 0) - self.pages_claimed
-
-
-class ClusterRouter:
+class ClusterRouter(RecoveryMixin):
     def __init__(self, config: RouterConfig, pools: dict[str, list[WorkerHandle]], tokenizer,
-                 page_size: int = 16, teardown=None):
+                 page_size: int = 16, teardown=None, clock: Callable[[], float] = time.monotonic):
         """`pools`: "prefill" and "decode" handles (disaggregated) or "colocated" ones; `teardown`: an
-        async callable run last by `shutdown()` (Ray: kill actors, remove placement groups)."""
+        async callable run last by `shutdown()` (Ray: kill actors, remove placement groups); `clock`:
+        monotonic seconds for deadlines and heartbeats (tests inject one)."""
         self.cfg = config
         self.model_name = config.model_name
         self._tokenizer = tokenizer
@@ -101,6 +82,8 @@ class ClusterRouter:
         self._tasks: list[asyncio.Task] = []
         self._spawned: set[asyncio.Task] = set()
         self._closed = False
+        self._clock = clock
+        self.ledger = Ledger()
 
     @classmethod
     def from_spec(cls, spec, **kwargs) -> "ClusterRouter":
@@ -115,22 +98,28 @@ class ClusterRouter:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         f = self._open(req)
+        outcome = "cancelled"  # unless it ends below: the caller stopped iterating (disconnect)
         try:
             while True:
-                remaining = f.deadline - time.monotonic()
+                remaining = f.deadline - self._clock()
                 try:
                     item = await asyncio.wait_for(f.queue.get(), remaining) if remaining > 0 else _TIMEOUT
                 except asyncio.TimeoutError:
                     item = _TIMEOUT
-                delta = self._apply(f, item)
+                try:
+                    delta = self._apply(f, item)
+                except BaseException:
+                    outcome = "failed"
+                    raise
                 if f.done:  # free before the last yield: a caller may never resume the generator after it
-                    self._end(f)
+                    outcome = outcome_of(delta.finish_reason if delta is not None else None)
+                    self._end(f, outcome)
                 if delta is not None:
                     yield delta
                 if f.done:
                     return
         finally:
-            self._end(f)  # normal end, error, timeout, or the caller stopped iterating (disconnect)
+            self._end(f, outcome)  # normal end, error, timeout, or the caller stopped iterating
 
     async def abort(self, request_id: str) -> None:
         f = self._by_request.get(request_id)
@@ -146,6 +135,7 @@ class ClusterRouter:
         senders = [w.stats for w in everyone if w.pool == "prefill"]  # totals the /metrics gauges read
         extra["kv_transfer_bytes"] = float(sum(s.kv_bytes_sent for s in senders))
         extra["kv_transfer_seconds"] = float(sum(s.kv_transfer_seconds for s in senders))
+        extra.update(self.ledger.extra(len(self._flights)))
         return BackendStats(queued, len(self._flights) - queued, sum(w.stats.pages_in_use for w in everyone),
                             sum(w.stats.num_pages for w in everyone),
                             sum(w.stats.num_preemptions for w in everyone if w.pool != "prefill"), extra)
@@ -176,7 +166,7 @@ class ClusterRouter:
             raise BackendUnavailableError("the router is shut down")
         if req.model != self.model_name:
             raise UnknownModelError(req.model, f"this server serves {self.model_name!r}")
-        prompt_ids, params = self._validate(req)
+        prompt_ids, params = validate_request(req, self.cfg, self._tokenizer)
         if req.request_id in self._by_request:
             raise InvalidRequestError("request_id", f"{req.request_id!r} is already in flight")
         queued = sum(f.queued for f in self._flights.values())
@@ -184,38 +174,15 @@ class ClusterRouter:
             raise OverloadedError(f"{queued} requests are queued (limit {self.cfg.max_queued_requests}); retry later")
         self._ensure_started()
         timeout = req.deadline_s if req.deadline_s is not None else self.cfg.request_timeout_s
-        f = Flight(req, f"{req.request_id}#{next(self._ids)}", prompt_ids, params, time.monotonic() + timeout,
+        f = Flight(req, f"{req.request_id}#{next(self._ids)}", prompt_ids, params, self._clock() + timeout,
                    asyncio.Queue())
         f.mark("queued")
+        self.ledger.admitted += 1
         self._flights[f.wid] = f
         self._by_request[req.request_id] = f
         self._waiting.append(f)
         self._wake.set()
         return f
-
-    def _validate(self, req: GenerateRequest) -> tuple[list[int], Any]:
-        params = dataclasses.replace(req.params)  # never mutate the caller's
-        params.validate(self.cfg.vocab_size)
-        if params.seed is None:  # both workers (and a recompute) must sample the same tokens
-            params.seed = random.getrandbits(63)
-        if isinstance(req.prompt, str):
-            ids = self._tokenizer.encode(req.prompt)
-        elif isinstance(req.prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in req.prompt):
-            ids = list(req.prompt)
-        else:
-            raise InvalidRequestError("prompt", "must be a string or a list of integer token ids")
-        if not ids:
-            raise InvalidRequestError("prompt", "is empty")
-        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {self.cfg.vocab_size})")
-        limit = min(self.cfg.max_model_len, self.cfg.kv_capacity_tokens)
-        if len(ids) >= limit or len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError("max_tokens", f"prompt ({len(ids)}) + max_tokens ({params.max_tokens}) "
-                                                    f"exceeds the {limit}-token limit of this cluster")
-        if self.cfg.prefill_capacity_tokens is not None and len(ids) > self.cfg.prefill_capacity_tokens:
-            raise InvalidRequestError("prompt", f"{len(ids)} tokens exceed the prefill pool's KV capacity "
-                                                f"({self.cfg.prefill_capacity_tokens} tokens)")
-        return ids, params
 
     # ---- events -> deltas --------------------------------------------------------------------
     def _apply(self, f: Flight, item) -> GenerateDelta | None:
@@ -224,6 +191,8 @@ class ClusterRouter:
         if isinstance(item, BaseException):
             f.done = True
             raise item
+        if getattr(item, "request_id", f.wid) != f.wid:
+            return None  # a late event of a placement the flight left (a lost worker): already re-run
         for event, t in (getattr(item, "times", None) or {}).items():  # worker-side timeline events
             f.timeline.setdefault(event, t)
         if isinstance(item, PrefillEvent):
@@ -270,18 +239,23 @@ class ClusterRouter:
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
+            self._check_heartbeats()
             while self._waiting:
-                f = self._waiting[0]
+                f = self._waiting.pop(0)  # (a recovery during _place puts it back at the head)
                 if not f.done and not await self._place(f):
+                    self._waiting.insert(0, f)
                     break
-                self._waiting.pop(0)
 
     async def _place(self, f: Flight) -> bool:
         """Try to start `f` on workers; False when none can take it now. Errors end `f`."""
+        wid = f.wid
         try:
             if self.cfg.mode == "colocated":
                 return await self._place_colocated(f)
             return await self._place_disaggregated(f)
+        except BackendUnavailableError as e:  # a worker died under the call: place it again elsewhere
+            if f.wid == wid:  # (unless its loss already re-queued it)
+                self._recover(f, e)
         except PdserveError as e:
             f.queue.put_nowait(e)
         except Exception as e:  # noqa: BLE001 - a bug here must fail one request, not stop admission
@@ -295,29 +269,35 @@ class ClusterRouter:
         return live
 
     async def _place_disaggregated(self, f: Flight) -> bool:
-        need = -(-len(f.prompt_ids) // self._page_size)
-        lease = max(f.deadline - time.monotonic(), 0.0) + self.cfg.lease_margin_s
+        wid, prompt = f.wid, f.run_prompt
+        need = -(-len(prompt) // self._page_size)
+        lease = max(f.deadline - self._clock(), 0.0) + self.cfg.lease_margin_s
         desc = None
         for w in sorted(self._alive("decode"), key=lambda w: (-w.free_pages(), len(w.flights))):
             if w.stats is not None and w.free_pages() < need:
                 continue
-            desc = await w.handle.call("reserve", f.wid, f.prompt_ids, f.params, lease)
+            desc = await w.handle.call("reserve", wid, prompt, f.run_params, lease)
             if desc is not None:
                 break
         if desc is None:
             return False
         w.pages_claimed += need
-        if f.done:  # timed out or aborted while reserving: _end already ran without knowing the decode side
-            self._spawn(self._call(w, "abort", f.wid))
+        if f.done or not w.alive:  # ended while reserving (_end did not know the decode side), or w died
+            self._spawn(self._call(w, "abort", wid))
+            if not f.done:
+                self._recover(f, BackendUnavailableError(f"worker {w.handle.name} died while reserving"))
             return True
         f.decode, f.decode_open = w, True
         w.flights.add(f.wid)
         f.mark("reserved")
         p = min(self._alive("prefill"), key=lambda p: (p.queued_tokens, len(p.flights)))
         f.prefill, f.prefill_tokens_counted = p, True
-        p.queued_tokens += len(f.prompt_ids)
-        p.flights.add(f.wid)
-        await p.handle.call("submit", f.wid, f.prompt_ids, f.params, desc, w.handle.info["address"])
+        p.queued_tokens += len(prompt)
+        p.flights.add(wid)
+        await p.handle.call("submit", wid, prompt, f.run_params, desc, w.handle.info["address"])
+        if f.wid != wid:  # a worker loss re-queued it meanwhile: this placement is void
+            self._spawn(self._call(p, "cancel", wid))
+            return True
         f.prefill_open = not f.prefill_ended
         f.mark("prefill_submitted")
         if f.done:
@@ -326,7 +306,7 @@ class ClusterRouter:
 
     async def _place_colocated(self, f: Flight) -> bool:
         w = min(self._alive("colocated"), key=lambda w: (len(w.flights), -w.free_pages()))
-        await w.handle.call("add_request", f.wid, f.prompt_ids, f.params)
+        await w.handle.call("add_request", f.wid, f.run_prompt, f.run_params)
         if f.done:
             self._spawn(self._call(w, "abort", f.wid))
             return True
@@ -335,37 +315,17 @@ class ClusterRouter:
         f.mark("engine_added")
         return True
 
-    # ---- workers -----------------------------------------------------------------------------
-    async def _poll(self, w: Worker) -> None:
-        """Long-poll one worker's events into their flights; a dead worker fails its flights."""
-        while not self._closed and w.alive:
-            try:
-                events, stats = await w.handle.drain(self.cfg.drain_timeout_s)
-            except Exception as e:  # noqa: BLE001 - any transport failure means the worker is gone
-                w.alive = False
-                err = e if isinstance(e, BackendUnavailableError) else BackendUnavailableError(
-                    f"worker {w.handle.name} failed: {type(e).__name__}: {e}")
-                for wid in list(w.flights):
-                    if wid in self._flights:
-                        self._flights[wid].queue.put_nowait(err)
-                return
-            if stats is not None:
-                w.stats, w.pages_claimed = stats, 0
-            for ev in events:
-                f = self._flights.get(ev.request_id)
-                if f is not None:
-                    f.queue.put_nowait(ev)
-            self._wake.set()
-
+    # ---- workers (polling, losses and recovery: cluster/recovery.py) ---------------------------
     def _uncount_prefill(self, f: Flight) -> None:
         if f.prefill_tokens_counted:
             f.prefill_tokens_counted = False
-            f.prefill.queued_tokens -= len(f.prompt_ids)
+            f.prefill.queued_tokens -= len(f.run_prompt)
 
-    def _end(self, f: Flight) -> None:
-        """The flight leaves the router (exactly once); whatever workers still hold for it is freed."""
+    def _end(self, f: Flight, outcome: str) -> None:
+        """The flight leaves the router (exactly once, counted in the ledger); workers' holdings are freed."""
         if self._flights.pop(f.wid, None) is None:
             return
+        self.ledger.end(outcome)
         if self._by_request.get(f.req.request_id) is f:
             del self._by_request[f.req.request_id]
         f.done = True
@@ -387,6 +347,8 @@ class ClusterRouter:
 
     async def _call(self, w: Worker, method: str, *args) -> None:
         """Fire-and-forget cleanup: a dead worker has nothing left to free."""
+        if not w.alive:
+            return
         try:
             await w.handle.call(method, *args)
         except PdserveError:

@@ -2,7 +2,9 @@
 counters, log the commands they get, and return from `step()` exactly the events a test `emit`s, so each
 test builds one situation: the queue limit (429), deadlines while queued, placement by free pages and
 queued prefill tokens, the two event streams reconciled in either order, the ends (first-token stop,
-abort, disconnect, failed transfer, dead worker) freeing both sides, and typed errors for bad requests."""
+abort, disconnect, failed transfer, dead worker) freeing both sides, and typed errors for bad requests.
+A lost worker's requests that run out of recoveries (`max_recoveries`) fail typed; resuming them elsewhere
+is tested on real workers in test_faults_tiny.py."""
 from __future__ import annotations
 
 import asyncio
@@ -250,8 +252,8 @@ async def test_failed_transfer_goes_to_the_decode_worker_and_its_error_is_typed(
         await first
 
 
-@with_router(decodes=(8, 8))
-async def test_a_dead_worker_fails_its_requests_and_is_skipped(router, fakes):
+@with_router(decodes=(8, 8), max_recoveries=0)  # (recovery: tests/unit/test_faults_tiny.py)
+async def test_a_dead_worker_fails_its_requests_without_recoveries_and_is_skipped(router, fakes):
     gen, first = start(router, "r")
     await until(lambda: any(f.log for f in fakes["decode"]))
     i = next(i for i, f in enumerate(fakes["decode"]) if f.log)

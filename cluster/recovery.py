@@ -1,0 +1,210 @@
+"""The router's worker side: worker records, heartbeats, request recovery and the ledger. Pure Python.
+
+Who calls it: `cluster/router.py` only (`ClusterRouter` takes `RecoveryMixin`'s pollers, `_lose` and
+`_recover`; `Worker` is its record of one worker). Order of events when a worker is lost:
+  1. Detection: its poller's `drain()` raised (the actor or thread is gone), a call to it raised
+     `BackendUnavailableError`, or the router's watchdog saw no heartbeat (a returned `drain()`) for
+     `RouterConfig.heartbeat_timeout_s` on the router's injectable clock (`stale_workers`): a hung worker
+     is declared dead within timeout + one admission tick (50 ms), then fenced (`handle.close()`).
+     Caveat: calls to a worker have no timeout yet, so a worker that hangs inside `reserve`/`submit`
+     stalls admission (and this watchdog, which runs on the admission task) until it answers.
+  2. Triage (`harmed_by`): a flight is harmed when the dead worker still owed it something -- its decode
+     side (reservation or running request), or its prefill side before the KV left (first token or the
+     transfer still pending). A prefill worker whose transfer was done no longer matters to the flight.
+  3. Recovery (`ClusterRouter._recover`): a harmed flight that is not done and has recoveries left is
+     re-placed like a new request, at the head of the queue, under a fresh worker id (so late events of the
+     old placement are ignored), with `resume_plan`: prompt + the tokens already streamed as the new
+     prompt, `max_tokens` reduced by as many. The healthy prefill worker recomputes that KV and ships it
+     to a healthy decode worker, whose stream then continues where the client's stopped
+     (`Flight.rebase`: event counts are offset by the tokens and characters already seen) -- no token
+     lost, none repeated. A flight out of recoveries ends with `BackendUnavailableError`.
+Exactness: greedy requests resume token-identical (the recompute sees the same tokens). Sampled requests
+resume with a valid continuation but not the fault-free one: the sampler keys noise by (seed, output index)
+and the resumed request's output index restarts at 0; presence/frequency penalties likewise only see the
+tokens generated after the resume. A stop string straddling the resume point is not seen.
+
+The ledger counts every request the router accepted exactly once: admitted == completed + failed +
+cancelled + in flight (`Ledger.balanced`); `extra()` feeds `BackendStats.extra` (and so /metrics).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cluster.serving_api import BackendUnavailableError
+from engine.sampling_params import SamplingParams
+
+OUTCOMES = ("completed", "failed", "cancelled")
+
+
+class WorkerHandle(Protocol):
+    name: str
+    info: dict  # from the worker at start (decode workers: {"address": KV receiver address})
+
+    async def call(self, method: str, *args) -> Any: ...
+
+    async def drain(self, timeout_s: float) -> tuple[list, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class Worker:
+    """The router's view of one worker: its handle, latest stats and the load the router put on it."""
+    handle: WorkerHandle
+    pool: str
+    stats: Any = None
+    alive: bool = True
+    flights: set[str] = field(default_factory=set)  # wids assigned here
+    queued_tokens: int = 0  # prefill: prompt tokens submitted, first token not yet back
+    pages_claimed: int = 0  # decode: pages reserved since the last stats snapshot
+    last_seen: float = 0.0  # router clock at the last returned drain (the heartbeat)
+
+    def free_pages(self) -> int:
+        return (self.stats.free_pages if self.stats is not None else 0) - self.pages_claimed
+
+
+@dataclass
+class Ledger:
+    admitted: int = 0
+    completed: int = 0  # finished "stop" / "length"
+    failed: int = 0  # typed error or deadline ("timeout")
+    cancelled: int = 0  # abort() or the caller stopped iterating (client disconnect)
+    recovered: int = 0  # re-placements after a worker loss (a request may count more than once)
+    workers_lost: int = 0
+
+    def end(self, outcome: str) -> None:
+        assert outcome in OUTCOMES, outcome
+        setattr(self, outcome, getattr(self, outcome) + 1)
+
+    def balanced(self, in_flight: int) -> bool:
+        return self.admitted == self.completed + self.failed + self.cancelled + in_flight
+
+    def extra(self, in_flight: int) -> dict[str, float]:
+        out = {f"requests_{k}": float(v) for k, v in dataclasses.asdict(self).items() if k != "workers_lost"}
+        out["requests_in_flight"] = float(in_flight)
+        out["workers_lost"] = float(self.workers_lost)
+        return out
+
+
+def outcome_of(finish_reason: str | None) -> str:
+    """The ledger column of a request that ended with a final delta."""
+    if finish_reason == "abort":
+        return "cancelled"
+    if finish_reason in ("timeout", "error"):
+        return "failed"
+    return "completed"
+
+
+def harmed_by(f, w) -> bool:
+    """Did losing worker record `w` cost flight `f` something it still needed?"""
+    if f.done:
+        return False
+    if f.decode is w and (f.decode_open or f.prefill is None):  # (colocated: the decode side is everything)
+        return True
+    return f.prefill is w and not f.prefill_ended
+
+
+def resume_plan(f) -> tuple[list[int], SamplingParams]:
+    """What to run elsewhere: the prompt plus what was streamed, for the tokens still owed."""
+    done = len(f.output_ids)
+    params = dataclasses.replace(f.params, max_tokens=f.params.max_tokens - done)
+    assert params.max_tokens >= 1, (f.wid, done)  # a flight that produced all its tokens is finished
+    return list(f.prompt_ids) + list(f.output_ids), params
+
+
+def seam_of(tokenizer, before: list[int]):
+    """The text a resumed stream's first token lacks when detokenized alone (a dropped leading space)."""
+    before = list(before)
+
+    def seam(first: list[int]) -> str:
+        joined, head, alone = tokenizer.decode(before + first), tokenizer.decode(before), tokenizer.decode(first)
+        tail = joined[len(head):] if joined.startswith(head) else alone
+        return tail[:len(tail) - len(alone)] if tail.endswith(alone) else ""
+    return seam
+
+
+def stale_workers(workers, now: float, timeout_s: float) -> list:
+    """Live workers whose last heartbeat (a returned drain) is older than `timeout_s`."""
+    return [w for w in workers if w.alive and now - w.last_seen > timeout_s]
+
+
+class RecoveryMixin:
+    """`ClusterRouter`'s worker side: the pollers (heartbeats), losses and recoveries. Uses the router's
+    `cfg`, `workers`, `_flights`, `_waiting`, `_ids`, `_wake`, `_clock`, `_tokenizer`, `ledger`,
+    `_release`."""
+
+    async def _poll(self, w: Worker) -> None:
+        """Long-poll one worker's events into their flights; a returned drain is its heartbeat."""
+        w.last_seen = self._clock()
+        while not self._closed and w.alive:
+            try:
+                events, stats = await w.handle.drain(self.cfg.drain_timeout_s)
+            except Exception as e:  # noqa: BLE001 - any transport failure means the worker is gone
+                self._lose(w, e if isinstance(e, BackendUnavailableError) else BackendUnavailableError(
+                    f"worker {w.handle.name} failed: {type(e).__name__}: {e}"))
+                return
+            if not w.alive:  # declared dead meanwhile (heartbeat): its late events must not count
+                return
+            w.last_seen = self._clock()
+            if stats is not None:
+                w.stats, w.pages_claimed = stats, 0
+            for ev in events:
+                f = self._flights.get(ev.request_id)
+                if f is not None:
+                    f.queue.put_nowait(ev)
+            self._wake.set()
+
+    def _everyone(self) -> list[Worker]:
+        return [w for ws in self.workers.values() for w in ws]
+
+    def _check_heartbeats(self) -> None:
+        """Declare silent workers dead and fence them: closing a wedged worker (Ray: killing the actor)
+        frees what it holds and keeps a zombie from acting on requests that moved on."""
+        for w in stale_workers(self._everyone(), self._clock(), self.cfg.heartbeat_timeout_s):
+            self._lose(w, BackendUnavailableError(
+                f"worker {w.handle.name}: no heartbeat for {self.cfg.heartbeat_timeout_s} s"))
+            self._spawn(self._fence(w))
+
+    async def _fence(self, w: Worker) -> None:
+        try:
+            await w.handle.close()
+        except Exception:  # noqa: BLE001 - it is dead to the router either way
+            pass
+
+    def _lose(self, w: Worker, err: BackendUnavailableError) -> None:
+        """`w` is dead to the router: route around it; the flights it harmed recover or fail."""
+        if not w.alive:
+            return
+        w.alive = False
+        self.ledger.workers_lost += 1
+        for wid in list(w.flights):
+            f = self._flights.get(wid)
+            if f is not None and harmed_by(f, w):
+                self._recover(f, err)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _recover(self, f, err: BackendUnavailableError) -> None:
+        """Re-queue `f` at the head under a fresh worker id to resume elsewhere, or fail it with `err`."""
+        if f.done or f.wid not in self._flights:
+            return
+        if f.recoveries >= self.cfg.max_recoveries:
+            f.queue.put_nowait(BackendUnavailableError(f"{err} (request {f.req.request_id}: "
+                                                       f"{f.recoveries} recoveries already)"))
+            return
+        self._release(f)
+        for w in (f.prefill, f.decode):
+            if w is not None:
+                w.flights.discard(f.wid)
+        del self._flights[f.wid]
+        f.rebase(f"{f.req.request_id}#{next(self._ids)}", *resume_plan(f), seam_of(self._tokenizer, f.output_ids))
+        self._flights[f.wid] = f
+        f.mark("recovered")
+        self.ledger.recovered += 1
+        if f in self._waiting:
+            self._waiting.remove(f)
+        self._waiting.insert(0, f)
+        if self._wake is not None:
+            self._wake.set()
