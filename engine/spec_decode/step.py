@@ -32,7 +32,11 @@ from engine.spec_decode.verify import accepted_length
 
 
 class SpecDecoder:
-    def __init__(self, llm, cfg: SpeculativeConfig, timer=time.perf_counter):
+    def __init__(self, llm, cfg: SpeculativeConfig, timer=None):
+        # On CPU the step's cost is this thread's CPU time (one torch thread runs on it): what other
+        # processes on a shared machine do then barely moves the gate. On an accelerator: wall time.
+        if timer is None:
+            timer = time.thread_time if llm.model.device.type == "cpu" else time.perf_counter
         self.llm, self.cfg, self.timer = llm, cfg, timer
         self.ctx = ProposerContext(llm.config.vocab_size, llm.model_dir, llm.dtype)
         self.proposers: dict[str, Proposer] = {cfg.proposer: make_proposer(cfg.proposer, self.ctx,
