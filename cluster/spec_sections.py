@@ -38,12 +38,13 @@ class KVPages(_Section):
 
 class EvictionSpec(_Section):
     """`kv.eviction`: which prompt tokens' KV survive the prefill (engine/kv_cache/eviction.py)."""
-    method: Literal["snapkv", "streaming"] = "snapkv"
+    method: Literal["snapkv", "streaming", "h2o"] = "snapkv"
     budget: float = Field(0.3, gt=0)  # <= 1: share of the prompt kept; > 1: tokens kept
     min_prompt: int = Field(256, ge=1)  # shorter prompts keep every token
     window: int = Field(32, ge=1)  # snapkv: observation window, always kept
     pool: int = Field(7, ge=1)  # snapkv: max-pool kernel over token scores (odd)
     sinks: int = Field(4, ge=0)  # streaming: first tokens always kept
+    slack: int = Field(16, ge=1)  # h2o: evict during decode once keep + slack slots are held
 
     @field_validator("pool")
     @classmethod

@@ -21,8 +21,8 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache.allocator import PageAllocator, Reservation
 from engine.kv_cache.backend import make_backend
 from engine.kv_cache.block_table import BlockTables, seq_owner
-from engine.kv_cache.eviction import EvictionPolicy, compact, keep_slots
-from engine.kv_cache.eviction_policy import resolve as resolve_eviction
+from engine.evictor import Evictor
+from engine.kv_cache.eviction_policy import EvictionPolicy
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
 from engine.model import LlamaForward
@@ -69,9 +69,8 @@ class LLM:
         self.requests: dict[str, Request] = {}
         self.clock = clock
         self.keep_logits = keep_logits  # tests: keep each sampled position's float32 logits on the request
-        self.eviction = EvictionPolicy.of(kv_eviction)  # prompt KV kept at the end of prefill (kv_cache/eviction)
-        self._evicting: set[str] = set()  # requests whose prompt completes in the step being run
-        self.num_evicted_tokens = 0
+        self.eviction = EvictionPolicy.of(kv_eviction)  # which KV survives (kv_cache/eviction, engine/evictor)
+        self.evictor = Evictor(self, self.eviction)
         self.spec = None  # draft-verify decoding (engine/spec_decode), when configured
         spec_cfg = SpeculativeConfig.of(speculative)
         if spec_cfg is not None:
@@ -172,6 +171,7 @@ class LLM:
         if req is not None:
             self.scheduler.finish(req, "stop")
             self.requests.pop(request_id, None)
+            self.evictor.release(request_id)
 
     # ---- stepping ----------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -190,9 +190,7 @@ class LLM:
     def _finish_step(self, sched: SchedulerOutput, results: list[SeqResult],
                      observations: dict | None = None) -> list[RequestOutput]:
         """Apply a plain step's results (one sampled token per sampling chunk); the outputs."""
-        for c in sched.chunks:
-            if c.request.request_id in self._evicting:
-                self._evict(c.request, observations or {})
+        self.evictor.apply(sched.chunks, observations or {})
         sampled = {r.request_id: r.sampled for r in results if r.sampled is not None}
         if self.keep_logits:
             for c, r in zip(sched.chunks, results):
@@ -206,14 +204,9 @@ class LLM:
         return outs
 
     def _batch(self, sched: SchedulerOutput) -> StepBatch:
-        seqs, observe = [], {}
-        self._evicting.clear()
+        seqs, observe = [], self.evictor.observe(sched)
         for c in sched.chunks:
             req = c.request
-            if self._evicts(c):
-                self._evicting.add(req.request_id)
-                if self._eviction_of(req).observe() is not None:
-                    observe[req.request_id] = self._eviction_of(req).observe()
             sample = None
             if c.sample:
                 sample = SampleRequest(req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids)
@@ -222,40 +215,22 @@ class LLM:
                                 [c.num_tokens - 1] if c.sample else [], sample))
         return StepBatch(seqs, return_logits=self.keep_logits, observe=observe or None)
 
-    def _evicts(self, c) -> bool:
-        """Does this chunk complete a prompt whose KV the eviction policy thins? Not on a recompute after
-        preemption (outputs exist: the recompute keeps everything)."""
-        req = c.request
-        return (c.sample and req.num_output == 0 and c.start + c.num_tokens == req.num_prompt
-                and self.will_evict(req.request_id))
-
     def will_evict(self, request_id: str) -> bool:
         """Will this request's prompt KV be thinned at the end of its prefill (policy on, prompt long
         enough)? The KV sender asks, to ship the kept pages once instead of each layer as computed."""
         req = self.requests.get(request_id)
-        policy = self._eviction_of(req) if req is not None else None
-        return policy is not None and req.num_output == 0 and policy.applies(req.num_prompt)
+        return req is not None and self.evictor.will_evict(req)
 
-    def _eviction_of(self, req: Request) -> EvictionPolicy | None:
-        """The engine's policy as the request's `kv_eviction` option changes it."""
-        return resolve_eviction(self.eviction, req.params.kv_eviction)
-
-    def _evict(self, req: Request, observations: dict) -> None:
-        """Keep the policy's prompt tokens, compacted to the front of the request's slots."""
-        table = self.tables.get(req.request_id)
-        attn = {layer: observations[(req.request_id, layer)]["window"] for layer in self.kv_spec.local_layers
-                if (req.request_id, layer) in observations}
-        policy = self._eviction_of(req)
-        keep = keep_slots(policy, req.num_prompt, self.kv_spec.local_layers, attn)
-        compact(self.backend, table.pages, keep)
-        self.tables.truncate(req.request_id, policy.keep_count(req.num_prompt))
-        self.num_evicted_tokens += req.num_prompt - policy.keep_count(req.num_prompt)
+    @property
+    def num_evicted_tokens(self) -> int:
+        return self.evictor.num_evicted_tokens
 
     def _output(self, req: Request) -> RequestOutput:
         if self.outputs.advance(req) and not req.finished:
             self.scheduler.finish(req, "stop")
         if req.finished:
             self.requests.pop(req.request_id, None)
+            self.evictor.release(req.request_id)
         out = self.outputs.make_output(req)
         if req.status == RequestStatus.HELD:
             self.outputs.forget(req.request_id)  # a held prefill produces no more text
@@ -266,6 +241,7 @@ class LLM:
         if req is not None:
             self.scheduler.finish(req, "abort")
             self.outputs.forget(request_id)
+        self.evictor.release(request_id)
         if self.spec is not None:
             self.spec.release(request_id)
 

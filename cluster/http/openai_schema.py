@@ -56,12 +56,13 @@ class SpeculativeOptions(_Strict):
 
 class KVEvictionOptions(_Strict):
     """Per-request KV-eviction override: fields replace the pool's policy (engine/kv_cache/eviction_policy)."""
-    method: Literal["snapkv", "streaming"] | None = None
+    method: Literal["snapkv", "streaming", "h2o"] | None = None
     budget: float | None = Field(None, gt=0)  # <= 1: share of the prompt kept; > 1: tokens kept
     min_prompt: int | None = Field(None, ge=1)
     window: int | None = Field(None, ge=1)
     pool: int | None = Field(None, ge=1)
     sinks: int | None = Field(None, ge=0)
+    slack: int | None = Field(None, ge=1)
 
 
 class PdserveOptions(_Strict):

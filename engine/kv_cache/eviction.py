@@ -13,6 +13,9 @@ Policies, registered by name in `POLICIES`:
              survive with it), keep the top scores plus the window itself. Per layer, the same tokens for
              every KV head of that layer, so pages stay aligned across heads.
   streaming  StreamingLLM: the first `sinks` tokens (attention sinks) and the most recent ones.
+  h2o        heavy hitters (H2O): the slots that received the most attention so far, plus the `window`
+             most recent; applied at the end of the prompt and again during decode (`engine/evictor.py`
+             keeps the scores), so a sequence's memory stays bounded.
 Every layer keeps the same *number* of tokens (the block table has one slot count per sequence), not
 necessarily the same tokens. Survivors are compacted to a dense prefix of the sequence's slots in their
 original order; keys were cached after RoPE, so they keep their original positions, and the caller keeps
@@ -45,16 +48,26 @@ def _streaming(policy: EvictionPolicy, n: int, keep: int, attn: torch.Tensor | N
     return torch.cat([torch.arange(sinks), torch.arange(n - (keep - sinks), n)])
 
 
-POLICIES = {"snapkv": _snapkv, "streaming": _streaming}
+def _h2o(policy: EvictionPolicy, n: int, keep: int, mass: torch.Tensor | None) -> torch.Tensor:
+    """mass: [n] attention each slot received so far -> the heaviest hitters plus the recent window."""
+    assert mass is not None and len(mass) == n, "h2o needs the accumulated attention mass of every slot"
+    recent = min(policy.window, keep)
+    top = torch.topk(mass[: n - recent].float(), keep - recent).indices if keep > recent else torch.empty(0)
+    return torch.cat([top.long().sort().values, torch.arange(n - recent, n)])
+
+
+POLICIES = {"snapkv": _snapkv, "streaming": _streaming, "h2o": _h2o}
 assert set(POLICIES) == set(POLICY_NAMES)
 
 
-def keep_slots(policy: EvictionPolicy, prompt_len: int, layers, attn_by_layer: dict[int, torch.Tensor]
-               ) -> dict[int, torch.Tensor]:
-    """layer -> ascending prompt token indices to keep; the same count for every layer."""
-    keep = policy.keep_count(prompt_len)
+def keep_slots(policy: EvictionPolicy, num_slots: int, layers, stats_by_layer: dict[int, torch.Tensor],
+               keep: int | None = None) -> dict[int, torch.Tensor]:
+    """layer -> ascending slot indices to keep (`keep`, default the policy's count for a prompt of
+    `num_slots` tokens); the same count for every layer. `stats_by_layer`: what the policy scores by
+    (snapkv: the window's attention [w, n]; h2o: accumulated mass per slot [n]; streaming: nothing)."""
+    keep = policy.keep_count(num_slots) if keep is None else keep
     fn = POLICIES[policy.method]
-    out = {layer: fn(policy, prompt_len, keep, attn_by_layer.get(layer)) for layer in layers}
+    out = {layer: fn(policy, num_slots, keep, stats_by_layer.get(layer)) for layer in layers}
     assert all(len(ix) == keep for ix in out.values())
     return out
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 from engine.errors import InvalidRequestError
 
-POLICY_NAMES = ("snapkv", "streaming")
+POLICY_NAMES = ("snapkv", "streaming", "h2o")
 
 
 @dataclass(frozen=True)
@@ -19,17 +19,19 @@ class EvictionPolicy:
     method: str = "snapkv"  # a name in POLICY_NAMES
     budget: float = 0.3  # <= 1: share of the prompt to keep; > 1: tokens to keep
     min_prompt: int = 256  # shorter prompts are kept whole
-    window: int = 32  # snapkv: observation window (the last prompt queries); always kept
+    window: int = 32  # snapkv: observation window (the last prompt queries); h2o: recent tokens; always kept
     pool: int = 7  # snapkv: max-pool kernel over token scores
     sinks: int = 4  # streaming: first tokens always kept
+    slack: int = 16  # h2o: evict when a sequence holds keep + slack slots (amortizes the compaction)
 
     def __post_init__(self) -> None:
         if self.method not in POLICY_NAMES:
             raise InvalidRequestError("kv_eviction.method", f"{self.method!r}; known: {', '.join(POLICY_NAMES)}")
         if not self.budget > 0:
             raise InvalidRequestError("kv_eviction.budget", "must be > 0 (a share <= 1 or a token count)")
-        if self.min_prompt < 1 or self.window < 1 or self.pool < 1 or self.pool % 2 == 0 or self.sinks < 0:
-            raise InvalidRequestError("kv_eviction", "min_prompt, window >= 1; pool odd >= 1; sinks >= 0")
+        if (self.min_prompt < 1 or self.window < 1 or self.pool < 1 or self.pool % 2 == 0 or self.sinks < 0
+                or self.slack < 1):
+            raise InvalidRequestError("kv_eviction", "min_prompt, window, slack >= 1; pool odd >= 1; sinks >= 0")
 
     @classmethod
     def of(cls, value: "EvictionPolicy | dict | None") -> "EvictionPolicy | None":
@@ -38,7 +40,7 @@ class EvictionPolicy:
     def keep_count(self, prompt_len: int) -> int:
         """Slots a prompt of `prompt_len` tokens keeps (>= the window / sinks, <= the prompt)."""
         n = int(round(self.budget * prompt_len)) if self.budget <= 1 else int(self.budget)
-        floor = self.window if self.method == "snapkv" else self.sinks + 1
+        floor = self.sinks + 1 if self.method == "streaming" else self.window
         return max(min(n, prompt_len), min(floor, prompt_len))
 
     def applies(self, prompt_len: int) -> bool:
@@ -48,7 +50,9 @@ class EvictionPolicy:
         """The attention statistics the last prompt chunk must record (an `ObserveSpec`), or None."""
         from engine.attention_context import ObserveSpec  # (torch): only engines ask
 
-        return ObserveSpec(window=self.window) if self.method == "snapkv" else None
+        if self.method == "snapkv":
+            return ObserveSpec(window=self.window)  # attention of the last prompt queries
+        return ObserveSpec(slot_mass=True) if self.method == "h2o" else None  # mass each slot receives
 
 def resolve(policy: EvictionPolicy | None, options: "dict | str | None") -> EvictionPolicy | None:
     if options is None:

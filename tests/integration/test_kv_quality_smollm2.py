@@ -28,3 +28,29 @@ def test_quantized_pages_keep_perplexity(raw_ppl, fmt, gate):
     assert abs(ppl / base - 1) < gate, (fmt, ppl, base)
     assert llm.kv_spec.bytes_per_token_layer() <= 0.53 * raw_bytes
     assert_engine_empty(llm)
+
+
+def test_h2o_bounds_decode_memory_and_keeps_the_passkey_at_a_generous_budget():
+    """H2O's own quality check (its scores move with every step, so it is not compared token for token):
+    at 90% of a 1,024-token prompt it still answers the passkey at every depth, while no sequence holds
+    more than keep + slack slots after any step."""
+    import random
+
+    from bench.kv_quality import passkey_prompt
+    from engine import SamplingParams
+
+    policy = {"method": "h2o", "budget": 0.9, "min_prompt": 64, "slack": 16}
+    llm = LLM("smollm2-135m", dtype="bfloat16", num_pages=400, max_num_batched_tokens=1024, kv_eviction=policy)
+    rng = random.Random(0)
+    keys = [rng.randrange(10000, 100000) for _ in range(5)]
+    rids = [llm.add_request(passkey_prompt(llm.tokenizer, 1024, d, k), SamplingParams(max_tokens=40, temperature=0))
+            for d, k in zip([0.1, 0.3, 0.5, 0.7, 0.9], keys)]
+    texts, peak = {}, 0
+    while llm.has_unfinished():
+        for o in llm.step():
+            if o.finished:
+                texts[o.request_id] = o.text
+        peak = max([peak] + [llm.tables.get(r).num_slots for r in rids if r in llm.tables])
+    assert all(str(k) in texts[r] for k, r in zip(keys, rids)), texts
+    assert peak < llm.eviction.keep_count(1024) + 16 and llm.num_evicted_tokens > 5 * (1024 - 922)
+    assert_engine_empty(llm)

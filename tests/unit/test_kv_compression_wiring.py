@@ -22,7 +22,7 @@ def test_pool_kv_sections_become_engine_kwargs():
     pre, dec = s.engine_kwargs("prefill"), s.engine_kwargs("decode")
     assert pre["kv_storage"] == dec["kv_storage"] == "int8" and "kv_eviction" not in dec
     assert pre["kv_eviction"] == {"method": "streaming", "budget": 512.0, "min_prompt": 256, "window": 32,
-                                  "pool": 7, "sinks": 8}
+                                  "pool": 7, "sinks": 8, "slack": 16}
     co = parse_spec(_spec({"kv": {"eviction": {}}}, mode="colocated")).engine_kwargs("colocated")
     assert co["kv_eviction"]["method"] == "snapkv" and co["kv_storage"] == "raw"
 
@@ -33,7 +33,7 @@ def test_pool_kv_sections_become_engine_kwargs():
     ({}, {"kv": {"eviction": {}}}, "pools.decode.kv.eviction"),
     ({"kv": {"eviction": {"pool": 4}}}, {}, "pools.prefill.kv.eviction.pool"),
     ({"kv": {"eviction": {"budget": 0}}}, {}, "pools.prefill.kv.eviction.budget"),
-    ({"kv": {"eviction": {"method": "h2o"}}}, {}, "pools.prefill.kv.eviction.method"),
+    ({"kv": {"eviction": {"method": "h3o"}}}, {}, "pools.prefill.kv.eviction.method"),
 ])
 def test_bad_kv_sections_name_the_key(prefill, decode, key):
     with pytest.raises(SpecError) as info:
@@ -48,6 +48,6 @@ def test_request_option_reaches_sampling_params():
     assert params("off").kv_eviction == "off"
     assert params({"budget": 0.5, "method": "snapkv"}).kv_eviction == {"budget": 0.5, "method": "snapkv"}
     assert sampling_params(parse_request({"model": "m", "prompt": "hi"}, "completion"), 0, 16).kv_eviction is None
-    for bad in ("on", {"budget": 0}, {"method": "h2o"}, {"windw": 3}):
+    for bad in ("on", {"budget": 0}, {"method": "h3o"}, {"windw": 3}):
         with pytest.raises(InvalidRequestError, match="pdserve.kv_eviction"):
             params(bad)

@@ -57,7 +57,8 @@ def test_kept_cells_move_to_the_front_and_positions_stay_logical(tiny_dir, polic
     pol = llm.eviction
     prompt = PROMPTS[0]
     before = {}
-    orig_compact = __import__("engine.llm", fromlist=["compact"]).compact
+    import engine.evictor as evictor_mod
+    orig_compact = evictor_mod.compact
 
     def spy_compact(backend, pages, keep):  # snapshot the cells the policy keeps, before they move
         for layer, ix in keep.items():
@@ -70,8 +71,7 @@ def test_kept_cells_move_to_the_front_and_positions_stay_logical(tiny_dir, polic
     def spy_execute(batch):
         seen.extend((s.position_start, s.num_cached, len(s.token_ids)) for s in batch.seqs)
         return orig_execute(batch)
-    import engine.llm as llm_mod
-    llm_mod.compact, llm.runner.execute = spy_compact, spy_execute
+    evictor_mod.compact, llm.runner.execute = spy_compact, spy_execute
     try:
         rid = llm.add_request(prompt, GREEDY)
         while llm.requests[rid].num_output == 0:
@@ -88,7 +88,7 @@ def test_kept_cells_move_to_the_front_and_positions_stay_logical(tiny_dir, polic
         while llm.has_unfinished():
             llm.step()
     finally:
-        llm_mod.compact = orig_compact
+        evictor_mod.compact = orig_compact
     assert_engine_empty(llm)
 
 
@@ -134,3 +134,23 @@ def test_a_request_can_turn_eviction_off_or_on(tiny_dir):
             plain.add_request(PROMPTS[0], SamplingParams(max_tokens=4, kv_eviction=bad))
         assert info.value.field == field
     assert_engine_empty(plain)
+
+
+def test_h2o_keeps_heavy_hitters_and_bounds_memory_during_decode(tiny_dir):
+    mass = torch.zeros(30)
+    mass[[2, 11, 19]] = torch.tensor([5.0, 9.0, 7.0])
+    keep = keep_slots(EvictionPolicy("h2o", budget=7, window=4), 30, [0], {0: mass})[0].tolist()
+    assert keep == [2, 11, 19, 26, 27, 28, 29]
+    policy = {"method": "h2o", "budget": 16, "min_prompt": 16, "window": 4, "slack": 8}
+    llm = make(tiny_dir, policy)
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    rids = [llm.add_request(p, long) for p in PROMPTS]
+    peak = 0
+    while llm.has_unfinished():
+        llm.step()
+        peak = max([peak] + [llm.tables.get(r).num_slots for r in rids if r in llm.tables])
+    assert peak < 16 + 8, peak  # bounded: after every step, fewer than keep + slack slots
+    # the prompts were cut to 16 at their end; then each time 8 decode tokens had arrived, 8 slots went
+    assert llm.num_evicted_tokens >= sum(len(p) - 16 for p in PROMPTS) + len(PROMPTS) * (60 // 8 - 1) * 8
+    assert not llm.evictor._scores
+    assert_engine_empty(llm)
