@@ -1,0 +1,108 @@
+"""How many requests a decode worker holds at once in a fixed KV memory budget, with and without compression.
+
+For each config (storage format, optionally an eviction policy on the prefill side -- the same strings as
+bench/kv_quality.py), a prefill engine and a decode engine run in this process with the in-process fake
+transport (the real sender, receiver, reservations and admission; only the wire is skipped). The decode
+engine gets `--budget-mb` of KV pages in its format (pages = budget / bytes per page). `--requests`
+prompts of `--prompt` tokens (real text) with `--output` new tokens each are offered at once; a request
+is admitted when the decode side can reserve pages for its whole prompt (the reservation is sized before
+the prefill runs; after an eviction the surplus returns at commit). Reported per config: pages, peak
+running requests on the decode side, decode preemptions, KV bytes shipped per prompt token vs raw, and
+wall time. The ratio of peaks vs raw is the capacity gain.
+Run:  .venv/bin/python bench/kv_capacity.py [--configs raw,int8,snapkv:0.3+int8] [--budget-mb 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.kv_quality import corpus_ids, parse_config  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.errors import OutOfPagesError  # noqa: E402
+from kv_transfer.config import ReceiverConfig, SenderConfig  # noqa: E402
+from kv_transfer.fake_transport import FakeTransport  # noqa: E402
+from kv_transfer.receiver import KVReceiver  # noqa: E402
+from kv_transfer.sender import KVSender  # noqa: E402
+
+
+def run(name: str, a) -> dict:
+    fmt, eviction = parse_config(name)
+    if eviction:
+        eviction["min_prompt"] = min(eviction["min_prompt"], a.prompt)
+    kw = dict(model=a.model, dtype=a.dtype, kv_storage=fmt, page_size=16, max_num_batched_tokens=1024,
+              max_num_seqs=256)
+    pre = LLM(num_pages=-(-(a.prompt + 16) * 4 // 16), kv_eviction=eviction, **kw)
+    num_pages = int(a.budget_mb * 2**20 // pre.kv_spec.bytes_per_page())
+    dec = LLM(num_pages=num_pages, **kw)
+    transport = FakeTransport()
+    rx = KVReceiver(dec, ReceiverConfig())
+    address = rx.serve(transport)
+    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=256 << 10))
+    params = SamplingParams(max_tokens=a.output, temperature=0.0, ignore_eos=True)
+    pending = [corpus_ids(pre.tokenizer, a.prompt, offset=1000 + 97 * i) for i in range(a.requests)]
+    peak, done, sent_bytes, t0 = 0, 0, [], time.perf_counter()
+    while pending or tx.num_live or rx.num_live or dec.has_unfinished():
+        while pending and len(pre.scheduler.waiting) + len(pre.scheduler.running) < 2:
+            try:
+                desc = rx.reserve(len(pending[0]), params)
+            except OutOfPagesError:
+                break
+            tx.send(pre.add_request(pending.pop(0), params, prefill_only=True), desc, address)
+        if pre.has_unfinished():
+            tx.step()
+        else:
+            tx.poll()
+        done += sum(o.finished for o in rx.step())
+        peak = max(peak, len(dec.scheduler.running))
+    for rid in list(tx._ended):
+        sent_bytes.append(tx.status(rid).bytes)
+    raw = pre.config.num_layers * 2 * pre.config.num_kv_heads * pre.config.head_dim * 2  # bf16 raw per token
+    tx.close()
+    rx.close()
+    transport.close()
+    return {"pages": num_pages, "peak_running": peak, "finished": done,
+            "preemptions": dec.scheduler.stats.num_preemptions,
+            "bytes_per_prompt_token_vs_raw_bf16": sum(sent_bytes) / (len(sent_bytes) * a.prompt * raw),
+            "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--configs", default="raw,int8,snapkv:0.3,snapkv:0.3+int8")
+    ap.add_argument("--budget-mb", type=float, default=32.0)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    results = {}
+    for name in a.configs.split(","):
+        results[name] = run(name, a)
+        print(name, results[name], flush=True)
+    base = results[next(iter(results))]["peak_running"]
+    print(f"\nKV capacity | {a.model} {a.dtype} | {a.budget_mb} MB of decode KV | {a.requests} x ({a.prompt} prompt "
+          f"+ {a.output} new)")
+    print(f"{'config':16} {'pages':>6} {'peak running':>12} {'vs first':>8} {'preempt':>7} {'bytes/token':>11}")
+    for name, r in results.items():
+        print(f"{name:16} {r['pages']:6d} {r['peak_running']:12d} {r['peak_running'] / max(base, 1):7.2f}x "
+              f"{r['preemptions']:7d} {r['bytes_per_prompt_token_vs_raw_bf16']:10.3f}x")
+    out = Path(a.out) if a.out else ROOT / "bench" / "out" / "kv_capacity.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    print(f"reproduce: .venv/bin/python bench/kv_capacity.py {' '.join(sys.argv[1:])}\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
