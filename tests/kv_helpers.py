@@ -141,3 +141,23 @@ def prefill_child_main(conn, model: str, dtype: str, page_size: int, chunk_bytes
                 tx.poll()
                 time.sleep(0.001)
         conn.send(json.dumps({"statuses": [[tx.status(r).state.value, tx.status(r).reason] for r in rids]}))
+
+
+def ship_all(pre, dec, prompts, params, transport=None, chunk_bytes: int = 1024, timeout_s: float = 60.0):
+    """Reserve on `dec`, prefill on `pre` and ship every prompt's KV at once, then decode to the end.
+    Returns (token ids per prompt, descriptors, (tx, rx, transport)) -- pass the last to `close_all`."""
+    from kv_transfer.config import ReceiverConfig, SenderConfig
+    from kv_transfer.fake_transport import FakeTransport
+    from kv_transfer.receiver import KVReceiver
+    from kv_transfer.sender import KVSender
+
+    transport = transport or FakeTransport()
+    rx = KVReceiver(dec, ReceiverConfig())
+    address = rx.serve(transport)
+    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=chunk_bytes))
+    descs = []
+    for p in prompts:
+        descs.append(rx.reserve(len(p), params))
+        tx.send(pre.add_request(p, params, prefill_only=True), descs[-1], address)
+    got = decode_all(dec, [d.request_id for d in descs], drive(tx, rx, timeout_s))
+    return got, descs, (tx, rx, transport)

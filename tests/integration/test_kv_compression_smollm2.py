@@ -7,12 +7,9 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from kv_transfer.config import SenderConfig
 from kv_transfer.contract import TransferState, make_transport
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
-from tests.kv_helpers import close_all, decode_all, drive
+from tests.kv_helpers import close_all, ship_all
 from tests.prompts import token_prompts
 
 pytestmark = pytest.mark.slow
@@ -31,15 +28,7 @@ def test_compressed_on_the_prefill_side_and_shipped_equals_compressed_locally(sm
     prompts = token_prompts(local.tokenizer, LENGTHS)
     want = [o.token_ids for o in local.generate(prompts, PARAMS)]
     pre, dec = engine(POLICY), engine(page_size=32)
-    transport = make_transport("grpc")
-    rx = KVReceiver(dec)
-    address = rx.serve(transport)
-    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=256 << 10))
-    descs = []
-    for p in prompts:
-        descs.append(rx.reserve(len(p), PARAMS))
-        tx.send(pre.add_request(p, PARAMS, prefill_only=True), descs[-1], address)
-    got = decode_all(dec, [d.request_id for d in descs], drive(tx, rx, timeout_s=300))
+    got, descs, (tx, rx, transport) = ship_all(pre, dec, prompts, PARAMS, make_transport("grpc"), 256 << 10, 300)
     assert_greedy_equal(want, got)
     c, pol = pre.config, pre.eviction
     raw_bytes = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2  # per token, raw bfloat16 (what serving uses)

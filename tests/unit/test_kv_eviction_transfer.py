@@ -9,14 +9,13 @@ import pytest
 from engine import SamplingParams
 from engine.llm import LLM
 from kv_transfer import codec
-from kv_transfer.config import ReceiverConfig, SenderConfig
+from kv_transfer.config import ReceiverConfig
 from kv_transfer.contract import FailedPrecondition, TransferState
 from kv_transfer.fake_transport import FakeTransport
 from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
-from tests.kv_helpers import close_all, decode_all, drive
+from tests.kv_helpers import close_all, ship_all
 from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -42,16 +41,7 @@ def test_evicted_prefill_shipped_equals_local_eviction(tiny_dir, fmt, policy):
     want = [o.token_ids for o in local.generate(PROMPTS, GREEDY)]
     pre = make(tiny_dir, 4, fmt, policy, max_num_batched_tokens=16)  # chunked: the last chunk decides
     dec = make(tiny_dir, 8, fmt)  # the decode side needs no policy: it adopts what arrives
-    transport = FakeTransport()
-    rx = KVReceiver(dec, ReceiverConfig())
-    address = rx.serve(transport)
-    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=1024))
-    descs = []
-    for p in PROMPTS:
-        desc = rx.reserve(len(p), GREEDY)
-        tx.send(pre.add_request(p, GREEDY, prefill_only=True), desc, address)
-        descs.append(desc)
-    got = decode_all(dec, [d.request_id for d in descs], drive(tx, rx))
+    got, descs, (tx, rx, transport) = ship_all(pre, dec, PROMPTS, GREEDY)
     assert_greedy_equal(want, got)
     c, pol = pre.config, pre.eviction
     cell = dec.kv_spec.token_head_bytes()

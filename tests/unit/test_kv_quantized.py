@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.attention_context import SeqLayout, build_context
 from engine.kv_cache.backend import make_backend
 from engine.kv_cache.page_io import export_kv, import_kv
-from engine.attention_context import SeqLayout, build_context
 from engine.kv_cache.quantized import dequantize, hadamard, quantize
 from engine.kv_cache.spec import KVPageSpec
 from engine.llm import LLM
@@ -24,7 +24,7 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
-from tests.kv_helpers import close_all, decode_all, drive
+from tests.kv_helpers import close_all, ship_all
 from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -92,16 +92,7 @@ def test_quantized_kv_shipped_decodes_like_one_engine_with_that_format(tiny_dir,
     reference = [o.token_ids for o in alone.generate(PROMPTS, GREEDY)]
     assert_engine_empty(alone)
     pre, dec = make(tiny_dir, fmt, 4, max_num_batched_tokens=16), make(tiny_dir, fmt, 8)
-    transport = FakeTransport()
-    rx = KVReceiver(dec, ReceiverConfig())
-    address = rx.serve(transport)
-    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=1024))
-    descs = []
-    for p in PROMPTS:
-        desc = rx.reserve(len(p), GREEDY)
-        tx.send(pre.add_request(p, GREEDY, prefill_only=True), desc, address)
-        descs.append(desc)
-    got = decode_all(dec, [d.request_id for d in descs], drive(tx, rx))
+    got, descs, (tx, rx, transport) = ship_all(pre, dec, PROMPTS, GREEDY)
     assert_greedy_equal(reference, got)  # same cells on both sides: exactly the same tokens
     c = pre.config
     for d, p in zip(descs, PROMPTS):
