@@ -1,9 +1,9 @@
 """Speculative decoding on SmolLM2-135M (float32): greedy tokens identical to plain decoding.
 
 Copy-heavy prompts (a passage, then the instruction to repeat it) so that drafts are often accepted;
-each proposer runs three prompts one at a time and all sixteen together; the reference is the plain
-engine, one prompt at a time, with its logits (near-ties tolerated per `assert_greedy_equal`). Short
-outputs keep the whole file around two minutes on one core.
+each proposer (including the always-right and always-wrong fakes) runs two prompts one at a time and
+all sixteen together; the reference is the plain engine, one prompt at a time, with its logits
+(near-ties tolerated per `assert_greedy_equal`). Short outputs keep the file near two CPU-minutes.
 """
 from __future__ import annotations
 
@@ -38,19 +38,24 @@ def reference(smollm2_dir):
     return prompts, [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
 
 
-@pytest.mark.parametrize("proposer", ["ngram", "recycling", "oracle"])
+@pytest.mark.parametrize("proposer", ["ngram", "recycling", "oracle", "always_wrong"])
 def test_greedy_identical_alone_and_16_concurrent(proposer, reference):
     prompts, ref_tokens, ref_logits = reference
-    opts = {"futures": {tuple(p): t for p, t in zip(prompts, ref_tokens)}} if proposer == "oracle" else {}
+    fakes = ("oracle", "always_wrong")
+    opts = {"futures": {tuple(p): t for p, t in zip(prompts, ref_tokens)}} if proposer in fakes else {}
     llm = LLM(dtype="float32", page_size=16, num_pages=512,
               speculative={"proposer": proposer, "max_draft": 4, "gate": False, "proposer_options": opts})
-    alone = [llm.generate(p, PARAMS)[0].token_ids for p in prompts[:3]]
-    assert_greedy_equal(ref_tokens[:3], alone, ref_logits[:3])
+    alone = [llm.generate(p, PARAMS)[0].token_ids for p in prompts[:2]]
+    assert_greedy_equal(ref_tokens[:2], alone, ref_logits[:2])
     together = [o.token_ids for o in llm.generate(prompts, PARAMS)]
     assert_greedy_equal(ref_tokens, together, ref_logits)
     st = llm.spec.stats
     print(proposer, st.as_dict())
-    assert st.num_verifies > 0 and st.tokens_per_verify > 1.0, st
+    assert st.num_verifies > 0, st
+    if proposer == "always_wrong":
+        assert st.num_accepted == 0, st
+    else:
+        assert st.tokens_per_verify > 1.0, st
     if proposer == "oracle":
         assert st.acceptance_rate > 0.95, st
     assert_engine_empty(llm)
