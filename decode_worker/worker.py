@@ -25,7 +25,8 @@ it); with "fail" it ends with a `DecodeDelta` whose `finish_reason` is "error" a
 
 Timeline (unix seconds, in the first `DecodeDelta.times` of a request): transfer_commit (the receiver
 handed the filled pages to the engine) and decode_admitted (the engine step that produced its first output here
-began). `stats()` counts KV bytes received.
+began); colocated replicas also stamp prefill_start (the step that first computed the prompt) and
+prefill_end (its first token), so queue and prefill time separate there too. `stats()` counts KV bytes received.
 
 Colocated mode uses the same class without a receiver (`serve_kv=False`): `add_request()` runs both
 phases on this engine.
@@ -178,6 +179,11 @@ class DecodeWorker:
             self._handle_failures()
         steps, self._step_start = self.llm.scheduler.stats.num_steps, time.time()
         outs = self.llm.step() if self.llm.has_unfinished() else []
+        if self.receiver is None:  # colocated: this engine prefills too; stamp the step that started each prompt
+            for r in self.llm.scheduler.running:
+                e = self._entries.get(r.request_id)
+                if e is not None and e.times is not None and r.num_computed and "prefill_start" not in e.times:
+                    e.times["prefill_start"] = self._step_start
         if self.llm.scheduler.stats.num_steps == steps:  # nothing to compute: wait for the KV plane, not spin
             if self.receiver is not None:
                 self.receiver.wait_for_work(0.002)
@@ -254,6 +260,9 @@ class DecodeWorker:
         if e is not None and e.times is not None:
             times, e.times = e.times, None
             times["decode_admitted"] = self._step_start
+            if self.receiver is None:  # colocated: the first output ends the prefill
+                times.setdefault("prefill_start", self._step_start)
+                times["prefill_end"] = time.time()
         if out.finished:
             self._entries.pop(out.request_id, None)
         logprobs = None

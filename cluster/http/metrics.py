@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from cluster.serving_api import BackendStats
 
 PHASES = {  # phase -> (start event, end event)
-    "queue": ("queued", ("engine_added", "prefill_start", "decode_admitted")),
+    "queue": ("queued", ("prefill_start", "engine_added", "decode_admitted")),
     "prefill": ("prefill_start", ("prefill_end",)),
     "transfer": ("transfer_start", ("transfer_commit",)),
     "handoff": ("prefill_end", ("transfer_commit",)),

@@ -102,8 +102,13 @@ def test_colocated_router_is_greedy_equal(tiny_dir, reference):
     async def main():
         router = cluster(tiny_dir, mode="colocated")
         try:
-            results = await asyncio.gather(*(collect(router, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            results = await asyncio.gather(*(collect(router, f"r{i}", p, return_timeline=True)
+                                             for i, p in enumerate(PROMPTS)))
             assert_greedy_equal(reference, [toks for toks, _ in results])
+            for _, deltas in results:  # queue and prefill separate on a colocated replica too
+                t = deltas[-1].timeline
+                order = ["queued", "prefill_start", "prefill_end", "first_token", "finish"]  # (engine_added races)
+                assert [t[e] for e in order] == sorted(t[e] for e in order), t
             await assert_cluster_empty(router)
         finally:
             await router.shutdown()
