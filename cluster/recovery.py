@@ -6,8 +6,9 @@ Who calls it: `cluster/router.py` only (`ClusterRouter` takes `RecoveryMixin`'s 
      `BackendUnavailableError`, or the router's watchdog saw no heartbeat (a returned `drain()`) for
      `RouterConfig.heartbeat_timeout_s` on the router's injectable clock (`stale_workers`): a hung worker
      is declared dead within timeout + one admission tick (50 ms), then fenced (`handle.close()`).
-     Caveat: calls to a worker have no timeout yet, so a worker that hangs inside `reserve`/`submit`
-     stalls admission (and this watchdog, which runs on the admission task) until it answers.
+     Placement commands (`reserve`, `submit`, `add_request`) must answer within `call_timeout_s` (`_ask`),
+     else their worker is lost and fenced too: a wedged worker stalls admission (and this watchdog, which
+     runs on the admission task) for at most that long. (That bound is asyncio time, not the clock.)
   2. Triage (`harmed_by`): a flight is harmed when the dead worker still owed it something -- its decode
      side (reservation or running request), or its prefill side before the KV left (first token or the
      transfer still pending). A prefill worker whose transfer was done no longer matters to the flight.
@@ -28,6 +29,7 @@ cancelled + in flight (`Ledger.balanced`); `extra()` feeds `BackendStats.extra` 
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -158,6 +160,33 @@ class RecoveryMixin:
 
     def _everyone(self) -> list[Worker]:
         return [w for ws in self.workers.values() for w in ws]
+
+    async def _ask(self, w: Worker, method: str, *args):
+        """A command to `w` that must answer within `call_timeout_s`; a worker that does not is lost and
+        fenced (what it may still do for the command is undone when the fence closes it), one that cannot
+        (stopped loop, dead actor) is lost."""
+        try:
+            return await asyncio.wait_for(w.handle.call(method, *args), self.cfg.call_timeout_s)
+        except BackendUnavailableError as e:  # its loop or actor is gone: do not pick it again
+            self._lose(w, e)
+            raise
+        except asyncio.TimeoutError:
+            err = BackendUnavailableError(f"worker {w.handle.name}: {method} got no answer within "
+                                          f"{self.cfg.call_timeout_s} s")
+            self._lose(w, err)
+            self._spawn(self._fence(w))
+            raise err from None
+
+    async def _confirm_failure(self, f, wid: str, error: str) -> None:
+        """A decode worker failed `f`'s transfer before its prefill worker reported the push's end: if that
+        worker is dead (it took the push with it), `f` recovers; otherwise the failure stands."""
+        p = f.prefill
+        try:
+            await self._ask(p, "stats")
+        except BackendUnavailableError as e:
+            self._lose(p, e)  # (harmed: its prefill had not ended) -> re-queued under a new wid
+        if f.wid == wid and not f.done:
+            f.queue.put_nowait(BackendUnavailableError(f"request {f.req.request_id}: {error}"))
 
     def _check_heartbeats(self) -> None:
         """Declare silent workers dead and fence them: closing a wedged worker (Ray: killing the actor)

@@ -60,6 +60,7 @@ class RouterConfig:
     drain_timeout_s: float = 0.5  # long-poll length (events return at once)
     heartbeat_timeout_s: float = 30.0  # a worker whose drain has not returned for this long is dead
     max_recoveries: int = 2  # re-placements of one request after worker losses before it fails
+    call_timeout_s: float = 30.0  # a placement command unanswered this long: its worker is lost
 
 
 class ClusterRouter(RecoveryMixin):
@@ -199,8 +200,11 @@ class ClusterRouter(RecoveryMixin):
             return self._on_prefill(f, item)
         assert isinstance(item, DecodeDelta), item
         if item.error is not None:
-            f.done = True
             f.decode_open = False  # the decode worker already ended it
+            if f.prefill is not None and not f.prefill_ended:  # the KV failed: maybe its prefill worker died
+                self._spawn(self._confirm_failure(f, f.wid, item.error))
+                return None
+            f.done = True
             raise BackendUnavailableError(f"request {f.req.request_id}: {item.error}")
         if item.finished:
             f.decode_open = False
@@ -276,7 +280,7 @@ class ClusterRouter(RecoveryMixin):
         for w in sorted(self._alive("decode"), key=lambda w: (-w.free_pages(), len(w.flights))):
             if w.stats is not None and w.free_pages() < need:
                 continue
-            desc = await w.handle.call("reserve", wid, prompt, f.run_params, lease)
+            desc = await self._ask(w, "reserve", wid, prompt, f.run_params, lease)
             if desc is not None:
                 break
         if desc is None:
@@ -294,7 +298,7 @@ class ClusterRouter(RecoveryMixin):
         f.prefill, f.prefill_tokens_counted = p, True
         p.queued_tokens += len(prompt)
         p.flights.add(wid)
-        await p.handle.call("submit", wid, prompt, f.run_params, desc, w.handle.info["address"])
+        await self._ask(p, "submit", wid, prompt, f.run_params, desc, w.handle.info["address"])
         if f.wid != wid:  # a worker loss re-queued it meanwhile: this placement is void
             self._spawn(self._call(p, "cancel", wid))
             return True
@@ -306,7 +310,7 @@ class ClusterRouter(RecoveryMixin):
 
     async def _place_colocated(self, f: Flight) -> bool:
         w = min(self._alive("colocated"), key=lambda w: (len(w.flights), -w.free_pages()))
-        await w.handle.call("add_request", f.wid, f.run_prompt, f.run_params)
+        await self._ask(w, "add_request", f.wid, f.run_prompt, f.run_params)
         if f.done:
             self._spawn(self._call(w, "abort", f.wid))
             return True

@@ -201,12 +201,15 @@ def test_without_recoveries_left_a_lost_worker_fails_only_its_requests_typed(tin
 
 
 class HangingDrain:
-    """Wraps a handle: once `hung`, drain never returns (a partitioned or wedged worker)."""
+    """Wraps a handle: once `hung`, drain never returns (a partitioned or wedged worker); once `calls_hang`,
+    neither do commands other than stats."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.info, self.hung = inner, inner.name, inner.info, False
+        self.inner, self.name, self.info, self.hung, self.calls_hang = inner, inner.name, inner.info, False, False
 
     async def call(self, method, *args):
+        while self.calls_hang and method != "stats":
+            await asyncio.sleep(0.01)
         return await self.inner.call(method, *args)
 
     async def drain(self, timeout_s):
@@ -243,6 +246,24 @@ def test_a_worker_without_heartbeat_is_declared_dead_within_the_bound_and_its_re
             assert not hang.inner.loop.alive
             await quiesce(router, completed=len(gens))
             print(f"heartbeat timeout 5 s: declared dead {detect_s:.2f} s (router clock) after it hung")
+        finally:
+            await router.shutdown()
+    run(main())
+
+
+def test_a_worker_that_does_not_answer_a_placement_command_is_lost_and_others_take_its_requests(tiny_dir,
+                                                                                              reference):
+    async def main():
+        router = cluster(tiny_dir, call_timeout_s=0.5)
+        wedged = router.workers["decode"][0].handle = HangingDrain(router.workers["decode"][0].handle)
+        wedged.calls_hang = True
+        try:
+            results = await asyncio.gather(*(collect(router, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            assert_greedy_equal(reference, [toks for toks, _ in results])
+            assert not router.workers["decode"][0].alive and router.ledger.workers_lost == 1
+            await asyncio.to_thread(wedged.inner.loop._thread.join, 10)  # fenced: closed by the router
+            assert not wedged.inner.loop.alive
+            await quiesce(router, completed=len(PROMPTS))
         finally:
             await router.shutdown()
     run(main())
