@@ -50,11 +50,11 @@ def run(name: str, a) -> dict:
     tx = KVSender(pre, transport, SenderConfig(chunk_bytes=256 << 10))
     params = SamplingParams(max_tokens=a.output, temperature=0.0, ignore_eos=True)
     pending = [corpus_ids(pre.tokenizer, a.prompt, offset=1000 + 97 * i) for i in range(a.requests)]
-    peak, done, sent_bytes, t0 = 0, 0, [], time.perf_counter()
+    peak, done, t0 = 0, 0, time.perf_counter()
     while pending or tx.num_live or rx.num_live or dec.has_unfinished():
         while pending and len(pre.scheduler.waiting) + len(pre.scheduler.running) < 2:
             try:
-                desc = rx.reserve(len(pending[0]), params)
+                desc = rx.reserve(len(pending[0]), params, lease_s=3600)  # a shared machine: no lapses
             except OutOfPagesError:
                 break
             tx.send(pre.add_request(pending.pop(0), params, prefill_only=True), desc, address)
@@ -64,12 +64,14 @@ def run(name: str, a) -> dict:
             tx.poll()
         done += sum(o.finished for o in rx.step())
         peak = max(peak, len(dec.scheduler.running))
-    for rid in list(tx._ended):
-        sent_bytes.append(tx.status(rid).bytes)
+    statuses = [tx.status(rid) for rid in list(tx._ended)]
+    failed = [s.reason for s in statuses if s.state.value != "done"]
+    sent_bytes = [s.bytes for s in statuses if s.state.value == "done"]
     raw = pre.config.num_layers * 2 * pre.config.num_kv_heads * pre.config.head_dim * 2  # bf16 raw per token
     tx.close()
     rx.close()
     transport.close()
+    assert not failed and done == a.requests, (done, failed[:3])
     return {"pages": num_pages, "peak_running": peak, "finished": done,
             "preemptions": dec.scheduler.stats.num_preemptions,
             "bytes_per_prompt_token_vs_raw_bf16": sum(sent_bytes) / (len(sent_bytes) * a.prompt * raw),
