@@ -1,7 +1,8 @@
 """Fault injection on the in-process cluster (tiny random Llama, real workers on `WorkerLoop` threads, the fake
 KV transport; no Ray): a prefill worker stopped mid-prefill, a decode worker stopped mid-stream, a worker
-whose event stream hangs (heartbeat timeout on an injected clock), KV chunks dropped / duplicated / corrupted
-/ delayed past the deadline, a slow decode worker, a client that disconnects mid-stream (the bounded soak: test_faults_soak.py). Each scenario
+whose event stream hangs (heartbeat timeout on an injected clock), one that does not answer a placement
+command (call timeout), KV chunks dropped / duplicated / corrupted / delayed past the deadline, a slow
+decode worker, a client that disconnects mid-stream (the bounded soak: test_faults_soak.py). Each scenario
 checks the ledger (admitted == completed + failed + cancelled, nothing in flight), that completed outputs
 are greedy-equal to the fault-free run, that failures are typed, that requests the fault did not touch
 ran undisturbed, and that no live worker holds a page, reservation or transfer afterwards."""
