@@ -19,6 +19,12 @@ Who calls it: `cluster/router.py` only (`ClusterRouter` takes `RecoveryMixin`'s 
      to a healthy decode worker, whose stream then continues where the client's stopped
      (`Flight.rebase`: event counts are offset by the tokens and characters already seen) -- no token
      lost, none repeated. A flight out of recoveries ends with `BackendUnavailableError`.
+Old incarnations: nothing of a lost placement can land in the new one. The router forgets the old worker id
+(late events are dropped in `_apply`), aborts the old reservation on a live decode worker (late chunks of a
+zombie prefill then hit a finished reservation: FAILED_PRECONDITION, never written), and a restarted decode
+worker issues fresh random reservation ids and nonces (an old descriptor is NOT_FOUND or PERMISSION_DENIED
+there). No epoch field is needed on the wire for that; a restarted actor on the same address is covered by
+the random ids, not by the address.
 Exactness: greedy requests resume token-identical (the recompute sees the same tokens). Sampled requests
 resume with a valid continuation but not the fault-free one: the sampler keys noise by (seed, output index)
 and the resumed request's output index restarts at 0; presence/frequency penalties likewise only see the
