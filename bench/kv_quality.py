@@ -64,7 +64,9 @@ def perplexity(llm: LLM, ids: list[int], prefill: int, chunk: int) -> float:
             out = llm.execute(StepBatch([step], return_logits=score, observe=observe))
             slots += n
             if policy is not None and done == 0:
-                attn = {layer: rec["window"] for (_, layer), rec in out.observations.items()}
+                # snapkv scores by the window's attention, h2o by the mass each slot received (here the
+                # prompt's; decode-time h2o eviction is not simulated while scoring: see the passkey column)
+                attn = {layer: rec.get("window", rec.get("slot_mass")) for (_, layer), rec in out.observations.items()}
                 compact(llm.backend, res.pages, keep_slots(policy, prefill, llm.kv_spec.local_layers, attn))
                 slots = policy.keep_count(prefill)
             out = out.results[0]
