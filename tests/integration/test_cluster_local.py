@@ -14,7 +14,6 @@ import json
 import pytest
 import torch
 
-from cluster.actors import init_ray
 from cluster.router import ClusterRouter
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
@@ -37,16 +36,6 @@ def spec(mode: str, queue: int = 64, **pools):
 def pool(replicas=1, cpus=1.0, pages=128, max_len=1024, **kw):
     return {"replicas": replicas, "resources": {"num_cpus": cpus}, "kv": {"page_size": 16, "num_pages": pages},
             "max_model_len": max_len, **kw}
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    started = init_ray("local", num_cpus=2)
-    yield
-    if started:
-        import ray
-
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 
-from cluster.actors import init_ray
 from cluster.router import ClusterRouter
 from cluster.serving_api import GenerateRequest
 from cluster.spec import parse_spec
@@ -34,16 +33,6 @@ def local_2d():
                                  "decode": {**pool, "replicas": 2}},
                        "kv_transfer": {"failure_policy": "recompute"},
                        "server": {"max_queued_requests": 64, "request_timeout_s": 300.0}})
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    started = init_ray("local", num_cpus=2)
-    yield
-    if started:
-        import ray
-
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
