@@ -181,8 +181,9 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     tok_model = args.tokenizer or (_spec_model(args.spec or args.compare[0]) if not args.endpoint else "smollm2-135m")
     source = PromptSource(load_tokenizer(tok_model))
-    prompt_of = (lambda s: source.ids(s.index, s.input_len)) if args.prompt_format == "ids" else \
-        (lambda s: source.text(s.index, s.input_len))
+    blocks = workload.block_tokens
+    prompt_of = (lambda s: source.prompt(s, blocks)) if args.prompt_format == "ids" else \
+        (lambda s: source.tokenizer.decode(source.prompt(s, blocks)))
     try:
         result = run_bench(cfg, workload, prompt_of, targets, lambda t, run: write_probe(out_dir, t, run))
     except BenchServerError as e:

@@ -21,6 +21,7 @@ a plain OpenAI body plus `Target.extra_body` (e.g. vLLM's `{"ignore_eos": true}`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -186,6 +187,6 @@ async def run_sequential(requests: list[RequestSpec], prompt_of: Callable[[Reque
     """One request at a time, each sent when the previous ended: the unloaded latencies."""
     out = []
     for s in requests:
-        one = RequestSpec(s.index, 0.0, s.input_len, s.output_len)
+        one = dataclasses.replace(s, arrival_s=0.0)
         out.extend(await run_load([one], prompt_of, target))
     return out

@@ -22,6 +22,7 @@ The result keeps every record; report.py writes the JSON, markdown and PNGs from
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,9 +132,9 @@ class BenchResult:
     interrupted: bool = False  # Ctrl-C: the report covers the probes finished before it
 
 
-def unloaded_sample(workload: Workload, n: int) -> list[RequestSpec]:
+def unloaded_sample(workload: Workload, n: int, round_no: int = 0) -> list[RequestSpec]:
     """`n` requests spread evenly over the workload (its length mix, not just its first requests)."""
-    reqs = workload.at_rate(1.0)
+    reqs = workload.at_rate(1.0, round_no=round_no)
     n = min(n, len(reqs))
     return [reqs[round(i * (len(reqs) - 1) / max(1, n - 1))] for i in range(n)] if n > 1 else reqs[:n]
 
@@ -180,8 +181,8 @@ def hopeless(ttft_s: float, tpot_s: float, target: float, n: int):
 
 
 def _probe(cfg: BenchConfig, workload: Workload, prompt_of, target: Target, rate: float | None,
-           label: str, slo: "SLO") -> RateRun:
-    reqs = workload.at_rate(rate, cfg.duration_s)
+           label: str, slo: "SLO", round_no: int = 0) -> RateRun:
+    reqs = workload.at_rate(rate, cfg.duration_s, round_no)
     desc = f"{label} @ {'trace' if rate is None else f'{rate:g}'} req/s"
     stop = None
     if cfg.early_stop:
@@ -199,12 +200,16 @@ def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarge
     result.targets.append(tr)  # now: an interrupted run still reports the probes this target finished
     target = bt.target
     tr.base_url = target.base_url
-    warm = unloaded_sample(workload, cfg.warmup)
+    # Rounds: every send of the workload gets its own prompts (prompts.py), so a server's prefix cache
+    # never answers a probe from an earlier send; numbered the same way on every target of a --compare.
+    rounds = itertools.count()
+    warm = unloaded_sample(workload, cfg.warmup, next(rounds))
     if warm:
         asyncio.run(run_sequential(warm, prompt_of, target))
+    unloaded_round = next(rounds)
     if bt.reference and result.slo is None:
-        tr.unloaded = asyncio.run(run_sequential(unloaded_sample(workload, cfg.unloaded_requests), prompt_of,
-                                                 target))
+        tr.unloaded = asyncio.run(run_sequential(unloaded_sample(workload, cfg.unloaded_requests, unloaded_round),
+                                                 prompt_of, target))
         result.slo = resolve_slo(cfg, tr.unloaded, bt.label)
         _say(f"SLO: TTFT {1000 * result.slo.ttft_s:.0f} ms, TPOT {1000 * result.slo.tpot_s:.1f} ms "
              f"({result.slo.source})")
@@ -212,7 +217,7 @@ def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarge
     assert slo is not None, "the SLO reference target runs first"
 
     def measure(rate: float | None) -> float:
-        run = _probe(cfg, workload, prompt_of, target, rate, bt.label, slo)
+        run = _probe(cfg, workload, prompt_of, target, rate, bt.label, slo, next(rounds))
         run.summary = summarize(run.records, slo.ttft_s, slo.tpot_s)
         tr.runs.append(run)
         if result.on_probe is not None:

@@ -19,6 +19,9 @@ Descriptions (`--workload`):
         seconds of the original hour and its bursts (Azure code: the first 30 rows are two bursts,
         gap CV 4.5). A stride k thins the trace (every k-th request over k x num_requests rows), which
         keeps the rate's shape over a longer window and breaks up sub-second bursts.
+    mooncake:sessions=N,min_turns=2   whole Mooncake conversations instead of a slice (mooncake.py): the
+        first N conversations with >= min_turns turns, all their rows. Mooncake requests carry their
+        `hash_ids` blocks (`RequestSpec.block_ids`), so prompts repeat the prefixes the trace repeats.
 
 Trace scaling (the traces were served on large GPUs; this machine is 2 CPU cores), defaults in
 `TraceScaling`, recorded in the output JSON:
@@ -26,11 +29,11 @@ Trace scaling (the traces were served on large GPUs; this machine is 2 CPU cores
     stride  1 (contiguous); see above
     input   tokens x 0.25, clipped to [4, 1024]   (Azure code: median 1469 -> ~367, p90 clipped at 1024)
     output  tokens x 0.5, clipped to [1, 256]      (Azure conv: median 129 -> ~64; code: 13 -> ~6)
+    blocks  Mooncake's 512-token prefix blocks x input scale (128 tokens at 0.25)
 """
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import random
@@ -38,6 +41,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from cluster.bench import mooncake
+
+MOONCAKE_BLOCK = 512  # tokens per `hash_ids` entry in the Mooncake trace
 TRACES = {"azure-code": "azure_llm_2023_code.csv", "azure-conv": "azure_llm_2023_conv.csv",
           "mooncake": "mooncake_conversation_trace.jsonl"}
 
@@ -52,6 +58,8 @@ class RequestSpec:
     arrival_s: float  # seconds after the start of the run
     input_len: int
     output_len: int
+    block_ids: tuple[int, ...] = ()  # Mooncake: one id per prompt block; equal ids = equal block content
+    round: int = 0  # which probe of a run sent it: prompts differ between rounds (see prompts.py)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,10 @@ class TraceScaling:
     def output(self, n: int) -> int:
         return _clip(round(n * self.output_scale), self.min_output, self.max_output)
 
+    def block(self, n: int = MOONCAKE_BLOCK) -> int:
+        """Tokens of one prefix block (the trace's 512) after scaling, so blocks scale with prompts."""
+        return max(1, round(n * self.input_scale))
+
 
 @dataclass
 class Workload:
@@ -78,13 +90,15 @@ class Workload:
     output_lens: list[int]
     native_rate: float | None = None  # a trace's own mean rate (requests/s); None for synthetic
     info: dict = field(default_factory=dict)  # description and scaling, for the output JSON
+    block_ids: list[tuple[int, ...]] | None = None  # Mooncake: per request, its prefix blocks' ids
+    block_tokens: int | None = None  # tokens per block after scaling
 
     def __len__(self) -> int:
         return len(self.input_lens)
 
-    def at_rate(self, rate: float | None, duration_s: float | None = None) -> list[RequestSpec]:
+    def at_rate(self, rate: float | None, duration_s: float | None = None, round_no: int = 0) -> list[RequestSpec]:
         """Requests with arrivals for `rate` (None: the trace's own timing); only those arriving before
-        `duration_s` when it is given."""
+        `duration_s` when it is given. `round_no` numbers the probe (prompts differ between rounds)."""
         if rate is None:
             if self.native_rate is None:
                 raise WorkloadError(f"{self.name}: a synthetic workload needs a rate")
@@ -94,7 +108,8 @@ class Workload:
         for i, (t, n_in, n_out) in enumerate(zip(self.unit_arrivals_s, self.input_lens, self.output_lens)):
             if duration_s is not None and t / rate > duration_s:
                 break
-            out.append(RequestSpec(i, t / rate, n_in, n_out))
+            blocks = self.block_ids[i] if self.block_ids is not None else ()
+            out.append(RequestSpec(i, t / rate, n_in, n_out, blocks, round_no))
         return out
 
 
@@ -185,30 +200,24 @@ def _azure_rows(path: Path, start: int, n: int, stride: int) -> list[tuple[float
     return rows
 
 
-def _mooncake_rows(path: Path, start: int, n: int, stride: int) -> list[tuple[float, int, int]]:
-    rows = []
-    with path.open() as f:
-        for i, line in enumerate(f):
-            if i < start or (i - start) % stride or not line.strip():
-                continue
-            if len(rows) >= n:
-                break
-            try:
-                d = json.loads(line)
-                rows.append((d["timestamp"] / 1000.0, int(d["input_length"]), int(d["output_length"])))
-            except (ValueError, KeyError) as e:
-                raise WorkloadError(f"{path}:{i + 1}: not a Mooncake trace line ({e})") from None
-    return rows
-
-
 def trace(path: Path, num_requests: int, start: int = 0, scaling: TraceScaling = TraceScaling(),
-          stride: int = 1) -> Workload:
+          stride: int = 1, sessions: tuple[int, int] | None = None) -> Workload:
+    """A trace slice; `sessions=(N, min_turns)` samples whole Mooncake conversations (mooncake.py)."""
     if not path.is_file():
         raise WorkloadError(f"{path}: no such trace file")
     if start < 0 or stride < 1:
         raise WorkloadError(f"need --trace-start >= 0 and --trace-stride >= 1, got {start}, {stride}")
-    reader = _mooncake_rows if path.suffix == ".jsonl" else _azure_rows
-    rows = reader(path, start, num_requests, stride)
+    if sessions is not None and path.suffix != ".jsonl":
+        raise WorkloadError(f"{path}: sessions=N needs a Mooncake trace (.jsonl with hash_ids)")
+    try:
+        if sessions is not None:
+            rows = mooncake.read_sessions(path, start, num_requests, *sessions)
+        elif path.suffix == ".jsonl":
+            rows = mooncake.read_rows(path, start, num_requests, stride)
+        else:
+            rows = _azure_rows(path, start, num_requests, stride)
+    except mooncake.MooncakeError as e:
+        raise WorkloadError(str(e)) from None
     if not rows:
         raise WorkloadError(f"{path}: no requests from index {start}")
     rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep file order
@@ -218,8 +227,17 @@ def trace(path: Path, num_requests: int, start: int = 0, scaling: TraceScaling =
             "time": "gaps scaled by one factor so the slice's mean rate equals the requested rate",
             "raw_input_mean": sum(r[1] for r in rows) / len(rows),
             "raw_output_mean": sum(r[2] for r in rows) / len(rows)}
+    blocks = [r[3] for r in rows] if path.suffix == ".jsonl" else None
+    if blocks is not None:
+        info.update(block_tokens=scaling.block(), block_hit_rate=mooncake.block_hit_rate(blocks),
+                    blocks=f"each {MOONCAKE_BLOCK}-token hash_ids block -> {scaling.block()} tokens "
+                           "(input_scale); equal ids give equal token blocks")
+        if sessions is not None:
+            info.update(sessions=sessions[0], min_turns=sessions[1],
+                        sampling="whole conversations, trace order and gaps (see cluster/bench/mooncake.py)")
     return Workload(path.stem, arrivals, [scaling.input(r[1]) for r in rows],
-                    [scaling.output(r[2]) for r in rows], rate, info)
+                    [scaling.output(r[2]) for r in rows], rate, info, blocks,
+                    scaling.block() if blocks is not None else None)
 
 
 def load_workload(desc: str, num_requests: int, seed: int = 0, scaling: TraceScaling = TraceScaling(),
@@ -230,5 +248,17 @@ def load_workload(desc: str, num_requests: int, seed: int = 0, scaling: TraceSca
     kind, _, opts = desc.partition(":")
     if kind == "random":
         return synthetic(parse_options(opts), num_requests, seed)
-    path = workloads_dir() / TRACES[desc] if desc in TRACES else Path(desc)
-    return trace(path, num_requests, start, scaling, stride)
+    if kind not in TRACES and Path(desc).exists():
+        kind, opts = desc, ""  # a path that happens to hold a colon
+    path = workloads_dir() / TRACES[kind] if kind in TRACES else Path(kind)
+    sessions = None
+    if opts:
+        options = parse_options(opts)
+        unknown = set(options) - {"sessions", "min_turns"}
+        if unknown:
+            raise WorkloadError(f"{kind}: unknown option(s) {sorted(unknown)}; known: ['min_turns', 'sessions']")
+        try:
+            sessions = (int(options.get("sessions", 0)), int(options.get("min_turns", 2)))
+        except ValueError as e:
+            raise WorkloadError(f"{kind}: {e}") from None
+    return trace(path, num_requests, start, scaling, stride, sessions)
