@@ -5,7 +5,11 @@ Order: `init_ray(address)` (a private local Ray bound to 127.0.0.1 with auth mod
 an existing one) -> one placement group per pool (`replicas` bundles of the pool's `resources`; Ray refuses
 a pool that cannot be placed) -> one `WorkerActor` per bundle, each building its worker on its own
 `WorkerLoop` thread (one torch thread unless `num_threads` says otherwise) -> `RayHandle`s (the router's
-async handle interface) -> `ClusterRouter`. `shutdown()` stops every actor's loop (its worker aborts what
+async handle interface) -> `ClusterRouter` (`router_config`: the spec's deadlines and `reliability`).
+Restarts: Ray restarts a dead actor `reliability.actor_max_restarts` times (`actor_options`), but never
+retries a call on the new incarnation (max_task_retries 0): a retried `drain` would hide the death from the
+router, which must see it to recover the requests the old incarnation held. The router does not take a
+restarted actor back (it fences a lost worker), so a restart today only keeps Ray's bookkeeping whole. `shutdown()` stops every actor's loop (its worker aborts what
 it holds), kills the actors, removes the placement groups and, if it started Ray, shuts Ray down.
 
 Deltas flow back by long polling: the router keeps one `drain(timeout_s)` call outstanding per actor; the
@@ -165,8 +169,28 @@ def kv_configs(spec) -> dict:
     if kt.auth_token is not None:
         auth = {"token_env": kt.auth_token.env} if kt.auth_token.env else {"token_file": kt.auth_token.file}
     tls = TLSConfig(kt.tls.cert_file, kt.tls.key_file, kt.tls.ca_file, kt.tls.server_name) if kt.tls else None
-    return {"sender": SenderConfig(tls=tls, **auth), "receiver": ReceiverConfig(host=kt.host, tls=tls, **auth),
-            "failure_policy": kt.failure_policy}
+    return {"sender": SenderConfig(tls=tls, call_timeout_s=kt.push_timeout_s, **auth),
+            "receiver": ReceiverConfig(host=kt.host, tls=tls, **auth), "failure_policy": kt.failure_policy}
+
+
+def actor_options(pool, spec) -> dict[str, Any]:
+    """`WorkerActor.options(...)` for one replica of `pool`: its resources and the spec's restart policy."""
+    return {**pool.resources.actor_options(), **spec.reliability.actor_options()}
+
+
+def router_config(spec, config):
+    """The router's settings from the spec and the resolved model's `ModelConfig` (pure: no Ray)."""
+    from cluster.router import RouterConfig
+
+    pools = spec.pools_in_use()
+    serving = [p for n, p in pools.items() if n != "prefill"]
+    max_len = min(min(p.max_model_len or config.max_position, config.max_position) for p in pools.values())
+    prefill = pools.get("prefill")
+    return RouterConfig(spec.mode, spec.model, config.vocab_size, max_len,
+                        min(p.kv.num_pages * p.kv.page_size for p in serving),
+                        prefill.kv.num_pages * prefill.kv.page_size if prefill is not None else None,
+                        spec.server.max_queued_requests, spec.server.request_timeout_s,
+                        **spec.reliability.router_options())
 
 
 def _bundle(pool) -> dict[str, float]:
@@ -195,7 +219,7 @@ def _start_pool(name: str, pool, spec, kv: dict, num_threads: int, ready_timeout
         engine_kwargs["device"] = "cuda"
     actors = []
     for i in range(pool.replicas):
-        opts = dict(pool.resources.actor_options())
+        opts = actor_options(pool, spec)
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
         actors.append(_actor().options(**opts).remote(name, f"{name}-{i}", engine_kwargs, kv, num_threads))
@@ -207,7 +231,6 @@ def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: 
     """Start (or join) Ray, place every pool, wait until each worker is ready, return the router."""
     import ray
 
-    from cluster.router import RouterConfig
     from cluster.spec import Problem, SpecError, resolve_model_config
     from engine.loader import resolve_model
     from engine.tokenizer import Tokenizer
@@ -234,11 +257,7 @@ def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: 
     handles = {name: [RayHandle(f"{name}-{i}", a, infos[name][i]) for i, a in enumerate(actors)]
                for name, actors, _ in started}
     serving = [p for n, p in pools.items() if n != "prefill"]
-    max_len = min(min(p.max_model_len or config.max_position, config.max_position) for p in pools.values())
-    rcfg = RouterConfig(spec.mode, spec.model, config.vocab_size, max_len,
-                        min(p.kv.num_pages * p.kv.page_size for p in serving),
-                        pools["prefill"].kv.num_pages * pools["prefill"].kv.page_size if "prefill" in pools else None,
-                        spec.server.max_queued_requests, spec.server.request_timeout_s)
+    rcfg = router_config(spec, config)
 
     async def teardown() -> None:
         await asyncio.to_thread(_teardown_sync, started, owns_ray)

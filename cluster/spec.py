@@ -7,8 +7,10 @@ Shape (only `model` is required; the pools the mode needs must be named; default
                   pipeline_parallel, resources {num_cpus, num_gpus, custom}, max_num_seqs,
                   max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage, eviction},
                   speculative {proposer, max_draft, adaptive, gate, draft_model} (decode/colocated only)
-    kv_transfer:  host, auth_token {env | file}, tls {cert_file, key_file, ca_file}, failure_policy
+    kv_transfer:  host, auth_token {env | file}, tls {cert_file, key_file, ca_file}, failure_policy,
+                  push_timeout_s
     server:       host, port, api_key {env | file}, request_timeout_s, max_queued_requests
+    reliability:  heartbeat_timeout_s, call_timeout_s, max_recoveries, actor_max_restarts
     slo:          ttft_ms, tpot_ms
     ray:          address: local | auto | ray://HOST:PORT | HOST:PORT
 
@@ -30,7 +32,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
-from cluster.spec_sections import EvictionSpec, KVPages, SpeculativeSpec, _fail_if, _Section  # noqa: F401
+from cluster.spec_sections import (EvictionSpec, KVPages, ReliabilitySpec, SpeculativeSpec,  # noqa: F401
+                                   _fail_if, _Section)
 from engine.config import ModelConfig
 from kv_transfer.config import LOOPBACK_HOSTS, TOKEN_ENV
 
@@ -168,6 +171,7 @@ class KVTransferSpec(_Section):
     auth_token: SecretSource | None = None
     tls: TLSFiles | None = None
     failure_policy: Literal["fail", "recompute"] = "fail"  # recompute: decode re-runs the prompt itself
+    push_timeout_s: float = Field(120.0, gt=0, le=3600)  # deadline of one KV push (gRPC call, wall clock)
 
     @field_validator("host")
     @classmethod
@@ -231,7 +235,8 @@ class ClusterSpec(_Section):
     server: ServerSpec = Field(default_factory=ServerSpec)
     slo: SloSpec = Field(default_factory=SloSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
-    _blank_is_default = ("pools", "kv_transfer", "server", "slo", "ray")
+    reliability: ReliabilitySpec = Field(default_factory=ReliabilitySpec)
+    _blank_is_default = ("pools", "kv_transfer", "server", "slo", "ray", "reliability")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":
@@ -248,8 +253,17 @@ class ClusterSpec(_Section):
             problems.append(Problem("pools.decode.kv.storage", f"{dec.kv.storage!r} differs from pools.prefill.kv."
                                     f"storage {pre.kv.storage!r}: KV pages travel in their storage format, so "
                                     f"both pools must use the same one"))
-        _fail_if(problems)
+        _fail_if(problems + self._deadline_problems())
         return self
+
+    def _deadline_problems(self) -> list[Problem]:
+        # A worker found dead only after its requests' deadline passed cannot be recovered from: every
+        # request it held has already failed with a timeout.
+        deadline, rel = self.server.request_timeout_s, self.reliability
+        return [Problem(f"reliability.{k}", f"{v:g} s must be below server.request_timeout_s ({deadline:g} s): a "
+                                            f"dead worker must be found while its requests can still recover")
+                for k, v in (("heartbeat_timeout_s", rel.heartbeat_timeout_s), ("call_timeout_s", rel.call_timeout_s))
+                if v >= deadline]
 
     def _mode_problems(self) -> list[Problem]:
         p, out = self.pools, []

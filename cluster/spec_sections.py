@@ -1,6 +1,8 @@
 """Parts of the cluster spec (`cluster/spec.py`) that configure the engine of a pool replica: KV pages (size,
-count, storage format, eviction) and draft-verify decoding; plus the strict base section every spec
-model derives from and `_fail_if`, which turns cross-field problems into a `SpecError`.
+count, storage format, eviction) and draft-verify decoding; the `reliability` section (dead-peer detection,
+request recovery, Ray actor restarts), read by `cluster/actors.py` into `RouterConfig` and actor options;
+plus the strict base section every spec model derives from and `_fail_if`, which turns cross-field
+problems into a `SpecError`.
 """
 from __future__ import annotations
 
@@ -76,3 +78,26 @@ class SpeculativeSpec(_Section):
         opts = {"model": self.draft_model} if self.draft_model else {}
         return {"proposer": self.proposer, "max_draft": self.max_draft, "adaptive": self.adaptive,
                 "gate": self.gate, "proposer_options": opts}
+
+
+class ReliabilitySpec(_Section):
+    """`reliability`: how fast a dead worker is noticed and what happens to the requests it held
+    (cluster/recovery.py). Cross-checked against `server.request_timeout_s` in `ClusterSpec`."""
+    # Dead-peer detection bound: a worker whose event long-poll has not returned for this long is declared
+    # dead (found within this + one 50 ms admission tick). >= 1 s: a healthy long poll returns every 0.5 s.
+    heartbeat_timeout_s: float = Field(30.0, ge=1.0, le=3600.0)
+    # A placement command (reserve, submit, add_request) unanswered this long: its worker is lost and fenced.
+    call_timeout_s: float = Field(30.0, gt=0.0, le=3600.0)
+    max_recoveries: int = Field(2, ge=0, le=16)  # re-placements of one request after worker losses, then 503
+    # Ray restarts a dead worker actor this many times. Calls are never retried on the new incarnation
+    # (max_task_retries stays 0): the router must see the death to recover the requests the old one held.
+    actor_max_restarts: int = Field(0, ge=0, le=100)
+
+    def router_options(self) -> dict[str, Any]:
+        """Keyword arguments of `cluster.router.RouterConfig` this section sets."""
+        return {"heartbeat_timeout_s": self.heartbeat_timeout_s, "call_timeout_s": self.call_timeout_s,
+                "max_recoveries": self.max_recoveries}
+
+    def actor_options(self) -> dict[str, Any]:
+        """Keyword arguments of Ray's `ActorClass.options(...)` this section sets."""
+        return {"max_restarts": self.actor_max_restarts, "max_task_retries": 0}
