@@ -4,10 +4,13 @@ Map (in the order a run uses them):
     cli.py       flags -> workload, targets, BenchConfig; registered by cluster/cli.py (cheap register)
     workload.py  synthetic (seeded lengths, Poisson/gamma arrivals) and trace replay (Azure 2023 CSV,
                  Mooncake JSONL) with time and length scaling; pure
-    prompts.py   prompts of exact token counts cut from the interpreter's own documentation
+    mooncake.py  Mooncake rows with prefix-block ids; whole-conversation sampling (`mooncake:sessions=N`)
+    prompts.py   prompts of exact token counts cut from the interpreter's own documentation; shared
+                 prefix blocks for Mooncake; a new round of prompts per probe
     server.py    `pdserve serve SPEC` as a child process on a free port; `--set` spec variants
     runner.py    per target: warm-up, unloaded run (SLO reference), rate probes, goodput search
     loadgen.py   one probe: asyncio + httpx streaming, one RequestRecord per request
+    server_stats.py  the server's /metrics counters before and after a probe (KV bytes, prefix hits)
     metrics.py   TTFT/TPOT/e2e, attainment, summaries, goodput bisection; pure, no clock
     report.py    bench.json, summary.md, PNGs, the --compare ratio and its SLO-scale sweep
 Only loadgen and server touch the network; nothing here imports ray or torch at import time.

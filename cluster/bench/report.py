@@ -71,7 +71,7 @@ def phase_means(records) -> dict[str, float]:
 
 def _run_json(run: RateRun) -> dict:
     return {"rate": run.rate, "stopped_early": run.stopped_early,
-            "summary": asdict(run.summary) if run.summary else None,
+            "summary": asdict(run.summary) if run.summary else None, "server_delta": run.server,
             "phases_ms": phase_means(run.records), "requests": [record_json(r) for r in run.records]}
 
 
@@ -162,12 +162,30 @@ def markdown(result: BenchResult, compare: dict | None) -> str:
                   "| SLO scale | goodput A | goodput B | ratio |", "|---|---|---|---|"]
         lines += [f"| {x['scale']:g}x | {_f(x['goodput_a'], '.3g')} | {_f(x['goodput_b'], '.3g')} "
                   f"| {_f(x['ratio'], '.2f')} |" for x in compare["slo_scale_sweep"]]
+    lines += server_lines(result)
     lines += ["", "Mean ms after send per event (highest rate each target measured):", ""]
     for t in result.targets:
         if t.runs:
             phases = phase_means(t.runs[-1].records)
             lines.append(f"- {t.label}: " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
     return "\n".join(lines) + "\n"
+
+
+def server_lines(result: BenchResult) -> list[str]:
+    """Per probe, what the server counted (change over the probe): KV bytes moved, backend statistics
+    such as prefix-cache hits, preemptions; empty when no target exposed /metrics."""
+    keys = sorted({k for t in result.targets for r in t.runs for k in r.server
+                   if not k.startswith(("pdserve_requests_total", "pdserve_http_errors"))})
+    if not keys:
+        return []
+    short = [k.replace("pdserve_backend_stat{name=", "").replace("pdserve_", "").rstrip("}") for k in keys]
+    out = ["", "Server counters, change over each probe (from /metrics):", "",
+           "| target | rate | " + " | ".join(short) + " |", "|---|---|" + "---|" * len(keys)]
+    for t in result.targets:
+        for r in t.runs:
+            out.append(f"| {t.label} | {_f(r.rate, '.3g')} | "
+                       + " | ".join(_f(r.server.get(k), ".4g") for k in keys) + " |")
+    return out
 
 
 # ---- figures ----------------------------------------------------------------------------------

@@ -11,13 +11,15 @@ SLO-reference target first, so SLOs are fixed before any loaded run:
                   TPOT of those, so a scale of 1x is what ~90% of requests meet with no load at all
     load          metrics.find_goodput over the rates: each probe replays the workload at that rate
                   (open loop, all `num_requests`, or those arriving within `duration_s`)
+                  pdserve targets: /metrics scraped before and after, the change kept (server_stats.py)
                   early stop (default on): once more requests have certainly missed the LOOSEST SLO of
                   the scale sweep (max(declared, max scale x reference)) than the attainment target
                   allows, the probe is cut short -- at that rate attainment is below target at every
                   SLO scale reported, so goodput readings stay valid; the recorded attainment of such a
                   probe counts the cancelled requests as misses (a lower bound), flagged `stopped_early`
     stop          SIGINT to the child and wait
-The result keeps every record; report.py writes the JSON, markdown and PNGs from it.
+Every send (warm-up, unloaded, each probe) is a new round of prompts (prompts.py), so a server's prefix
+cache never serves one probe from another's prompts. The result keeps every record; report.py writes the JSON, markdown and PNGs from it.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from cluster.bench import server_stats
 from cluster.bench.loadgen import Target, run_load, run_sequential
 from cluster.bench.metrics import (GoodputResult, RatePoint, RequestRecord, Summary, find_goodput, meets,
                                    percentile, request_metrics, summarize)
@@ -97,6 +100,7 @@ class RateRun:
     records: list[RequestRecord]
     summary: Summary | None = None
     stopped_early: bool = False
+    server: dict[str, float] = field(default_factory=dict)  # change of the server's counters (server_stats)
 
 
 @dataclass
@@ -189,8 +193,11 @@ def _probe(cfg: BenchConfig, workload: Workload, prompt_of, target: Target, rate
         top = max(cfg.slo_scales, default=0.0)
         stop = hopeless(max(slo.ttft_s, top * (slo.ref_ttft_s or 0.0)),
                         max(slo.tpot_s, top * (slo.ref_tpot_s or 0.0)), cfg.target_attainment, len(reqs))
+    before = server_stats.scrape(target.base_url, target.api_key) if target.pdserve else {}
     records = asyncio.run(run_load(reqs, prompt_of, target, progress=cfg.progress, desc=desc, stop_when=stop))
-    return RateRun(rate, records, stopped_early=any((r.error or "").startswith("stopped early") for r in records))
+    after = server_stats.scrape(target.base_url, target.api_key) if target.pdserve else {}
+    return RateRun(rate, records, stopped_early=any((r.error or "").startswith("stopped early") for r in records),
+                   server=server_stats.delta(before, after))
 
 
 def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarget, result: BenchResult) -> TargetResult:

@@ -11,7 +11,8 @@ import time
 import pytest
 import uvicorn
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from cluster.bench.loadgen import Target, run_load, run_sequential
@@ -28,17 +29,27 @@ class FakeServer:
         self.bodies: list[dict] = []
         self.open_streams = 0
         self.saw_4 = None  # asyncio.Event, made on the server's loop
+        self.registry = CollectorRegistry()  # /metrics, as pdserve's (cluster/bench/server_stats.py reads it)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "prompt tokens", registry=self.registry)
+        self.stat = Gauge("pdserve_backend_stat", "totals", ["name"], registry=self.registry)
+        self.queued = Gauge("pdserve_requests_queued", "state, not a total", registry=self.registry)
         app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
-                                Route("/v1/models", self.models)])
+                                Route("/v1/models", self.models), Route("/metrics", self.metrics)])
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     async def models(self, request):
         return JSONResponse({"data": [{"id": "fake"}]})
 
+    async def metrics(self, request):
+        return PlainTextResponse(generate_latest(self.registry).decode())
+
     async def completions(self, request):
         body = await request.json()
         self.bodies.append(body)
+        self.prompt_tokens.inc(len(body["prompt"]))
+        self.stat.labels("prefix_hit_tokens").inc(2)
+        self.queued.set(len(self.bodies))
         if self.saw_4 is None:
             self.saw_4 = asyncio.Event()
         kind = body["prompt"][0]
@@ -230,6 +241,11 @@ def test_run_bench_on_an_endpoint_and_after_ctrl_c(fake, tmp_path):
     assert len(tr.unloaded) == 2 and result.slo.ref_ttft_s > 0 and result.slo.ttft_s == 3 * result.slo.ref_ttft_s
     assert probes == [10.0, 20.0] and [r.rate for r in tr.runs] == [10.0, 20.0]
     assert all(r.summary.completed == 3 for r in tr.runs) and tr.goodput.points and not result.interrupted
+    # the server's counters over each probe: 3 prompts of 8 tokens; state gauges are not diffed
+    assert [r.server for r in tr.runs] == [{"pdserve_backend_stat{name=prefix_hit_tokens}": 6.0,
+                                           "pdserve_prompt_tokens_total": 24.0}] * 2
+    from cluster.bench.report import markdown
+    assert "| fake | 10 | 6 | 24 |" in markdown(result, None)
 
     calls = []
 
