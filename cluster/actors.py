@@ -9,8 +9,9 @@ async handle interface) -> `ClusterRouter` (`router_config`: the spec's deadline
 Restarts: Ray restarts a dead actor `reliability.actor_max_restarts` times (`actor_options`), but never
 retries a call on the new incarnation (max_task_retries 0): a retried `drain` would hide the death from the
 router, which must see it to recover the requests the old incarnation held. The router does not take a
-restarted actor back (it fences a lost worker), so a restart today only keeps Ray's bookkeeping whole. `shutdown()` stops every actor's loop (its worker aborts what
-it holds), kills the actors, removes the placement groups and, if it started Ray, shuts Ray down.
+restarted actor back (it fences a lost worker), so a restart today only keeps Ray's bookkeeping whole.
+`shutdown()` stops every actor's loop (its worker aborts what it holds), kills the actors, removes the
+placement groups and, if it started Ray, shuts Ray down.
 
 Deltas flow back by long polling: the router keeps one `drain(timeout_s)` call outstanding per actor; the
 actor (a threaded actor: Ray runs its methods on a small thread pool) answers as soon as its step loop

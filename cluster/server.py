@@ -4,10 +4,11 @@
     with BackgroundServer(backend) as srv:                              # tests: ephemeral port
         Client(srv.base_url).complete(...)
 
-Binds 127.0.0.1 unless told otherwise; a non-loopback host without an API key is refused (the spec's
-`server` section enforces the same rule). `BackgroundServer` binds its socket before the thread starts, so
-`port` is known at once and port 0 picks a free one; `stop()` asks uvicorn to exit, waits for open
-connections to finish, and joins the thread. Neither stops the backend: its owner shuts it down.
+Binds 127.0.0.1 unless told otherwise; a non-loopback host without an API key is refused with
+`InsecureBindError` (field `api_key`) by `_config`, which every path to uvicorn goes through (these two and
+`cluster/launch.py`), before any socket opens; the spec's `server` section enforces the same rule.
+`BackgroundServer` binds its socket before the thread starts, so `port` is known at once and port 0 picks a
+free one; `stop()` asks uvicorn to exit, waits for open connections to finish, and joins the thread. Neither stops the backend: its owner shuts it down.
 """
 from __future__ import annotations
 
@@ -19,18 +20,27 @@ import uvicorn
 
 from cluster.http.app import DEFAULT_MAX_BODY_BYTES, build_app
 from cluster.serving_api import ServingBackend
-from engine.errors import InvalidRequestError
+from engine.errors import PdserveError
 from kv_transfer.config import LOOPBACK_HOSTS  # one list of loopback names for HTTP, KV plane and spec
 
+
+class InsecureBindError(PdserveError, ValueError):
+    """The HTTP frontend was asked to listen beyond loopback without an API key; `field` is "api_key"."""
+
+    def __init__(self, host: str):
+        self.field, self.host = "api_key", host
+        super().__init__(f"api_key: required to listen on {host!r} (beyond loopback); set server.api_key "
+                         f"(e.g. {{env: PDSERVE_API_KEY}}) or bind 127.0.0.1")
 
 
 def _check_bind(host: str, api_key: str | None) -> None:
     if host not in LOOPBACK_HOSTS and not api_key:
-        raise InvalidRequestError("host", f"{host!r} is not loopback: set an API key or bind 127.0.0.1")
+        raise InsecureBindError(host)
 
 
 def _config(backend: ServingBackend, host: str, port: int, api_key: str | None, max_body_bytes: int,
             log_level: str, **app_kw) -> uvicorn.Config:
+    _check_bind(host, api_key)  # every caller, so no path reaches uvicorn with an open wide bind
     app = build_app(backend, api_key=api_key, max_body_bytes=max_body_bytes, **app_kw)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                           timeout_graceful_shutdown=5, lifespan="off")
@@ -39,7 +49,6 @@ def _config(backend: ServingBackend, host: str, port: int, api_key: str | None, 
 def serve_backend(backend: ServingBackend, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info", **app_kw) -> None:
     """Serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
-    _check_bind(host, api_key)
     uvicorn.Server(_config(backend, host, port, api_key, max_body_bytes, log_level, **app_kw)).run()
 
 
@@ -48,7 +57,7 @@ class BackgroundServer:
 
     def __init__(self, backend: ServingBackend, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "warning", **app_kw):
-        _check_bind(host, api_key)
+        _check_bind(host, api_key)  # before the socket below opens
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -112,10 +112,10 @@ class SenderConfig(_Auth):
 
 
 def check_bind(host: str, token: str | None) -> None:
-    """Refuse to listen beyond loopback without an auth token."""
+    """Refuse to listen beyond loopback without an auth token (the error names the missing key)."""
     if host not in LOOPBACK_HOSTS and not token:
-        raise TransferConfigError("host", f"binding {host!r} (beyond loopback) needs an auth token: set "
-                                          f"${TOKEN_ENV}, token_file or auth_token")
+        raise TransferConfigError("auth_token", f"binding {host!r} (beyond loopback) needs an auth token: set "
+                                                f"${TOKEN_ENV}, token_file or auth_token")
 
 
 def check_token(expected: str | None, presented: str | None) -> None:

@@ -1,7 +1,9 @@
 """Hostile inputs, each row a test: YAML specs (python tags, alias bombs, duplicate keys, syntax errors, wrong
-top-level types) end in a `SpecError` naming the place, without running code or expanding the bomb; and a
+top-level types) end in a `SpecError` naming the place, without running code or expanding the bomb; a
 static scan fails if a deserializer that can run code (pickle, cloudpickle, dill, marshal, shelve, joblib,
-`torch.load`, `numpy.load(allow_pickle=True)`) appears on the KV data plane or the HTTP path."""
+`torch.load`, `numpy.load(allow_pickle=True)`) appears on the KV data plane, the HTTP path or the spec
+reader; and another fails if any YAML in the packages is read by a loader that builds Python objects
+(`yaml.load` without a SafeLoader, `unsafe_load`, `full_load`, `Loader`/`FullLoader`/`UnsafeLoader`)."""
 from __future__ import annotations
 
 import ast
@@ -50,7 +52,8 @@ def test_hostile_spec_is_a_spec_error_naming_the_place(name, tmp_path):
 # cluster and is outside this scan.
 SCANNED = ["kv_transfer", "cluster/http", "cluster/router.py", "cluster/flight.py", "cluster/recovery.py",
            "cluster/intake.py", "cluster/serving_api.py", "cluster/server.py", "cluster/client.py",
-           "cluster/worker_loop.py", "prefill_worker", "decode_worker"]
+           "cluster/worker_loop.py", "prefill_worker", "decode_worker", "cluster/spec.py",
+           "cluster/spec_errors.py", "cluster/spec_sections.py", "cluster/launch.py", "cluster/local_backend.py"]
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve", "joblib"}
 BANNED_CALLS = {("torch", "load"), ("pickle", "loads"), ("pickle", "load"), ("numpy", "load"), ("np", "load")}
 
@@ -92,3 +95,43 @@ def test_the_scan_catches_what_it_bans(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import pickle\nfrom cloudpickle import loads\nimport torch\nx = torch.load('f')\n")
     assert len(offences(probe)) == 3, offences(probe)
+
+
+# YAML: only safe loaders anywhere in the packages (specs, profiles, workloads are all untrusted files).
+PACKAGES = ["cluster", "engine", "kv_transfer", "prefill_worker", "decode_worker", "bench", "scripts"]
+SAFE_LOADERS = {"SafeLoader", "CSafeLoader", "BaseLoader", "CBaseLoader", "_StrictLoader"}
+UNSAFE_YAML = {"unsafe_load", "unsafe_load_all", "full_load", "full_load_all", "Loader", "FullLoader",
+               "UnsafeLoader", "CLoader", "CFullLoader", "CUnsafeLoader"}
+
+
+def yaml_offences(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "yaml":
+            if node.attr in UNSAFE_YAML:
+                found.append(f"yaml.{node.attr}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("load", "load_all")
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "yaml"):
+            loader = next((k.value for k in node.keywords if k.arg == "Loader"), node.args[1] if len(node.args) > 1
+                          else None)
+            name = loader.attr if isinstance(loader, ast.Attribute) else getattr(loader, "id", None)
+            if name not in SAFE_LOADERS:
+                found.append(f"yaml.{node.func.attr} with Loader={name}")
+        if isinstance(node, ast.ImportFrom) and node.module == "yaml":
+            found += [f"from yaml import {a.name}" for a in node.names if a.name in UNSAFE_YAML | {"load", "load_all"}]
+    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{f}" for f in found]
+
+
+def test_yaml_is_only_read_by_safe_loaders():
+    files = [p for d in PACKAGES if (ROOT / d).is_dir() for p in sorted((ROOT / d).rglob("*.py"))]
+    assert len(files) > 50, len(files)
+    bad = [o for p in files for o in yaml_offences(p)]
+    assert not bad, f"YAML read by a loader that can build Python objects: {bad}"
+
+
+def test_the_yaml_scan_catches_what_it_bans(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import yaml\nyaml.load(t)\nyaml.load(t, Loader=yaml.FullLoader)\nyaml.unsafe_load(t)\n"
+                     "yaml.load(t, yaml.SafeLoader)\nyaml.safe_load(t)\nfrom yaml import full_load\n")
+    assert len(yaml_offences(probe)) == 5, yaml_offences(probe)

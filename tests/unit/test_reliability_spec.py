@@ -154,7 +154,8 @@ class _Handle:
 def test_router_from_the_spec_declares_a_silent_worker_dead_at_the_spec_bound():
     cfg = dataclasses.replace(actors.router_config(spec(**TUNED), MODEL), drain_timeout_s=0.01)
     now = [0.0]
-    pools = {"prefill": [_Handle("prefill-0", False)], "decode": [_Handle("decode-0", True), _Handle("decode-1", False)]}
+    pools = {"prefill": [_Handle("prefill-0", False)],
+             "decode": [_Handle("decode-0", True), _Handle("decode-1", False)]}
 
     async def main():
         router = ClusterRouter(cfg, pools, tokenizer=None, page_size=16, clock=lambda: now[0])
