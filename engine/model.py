@@ -4,6 +4,10 @@ Called by `engine.runner.ModelRunner` once per step with packed token ids, expli
 `AttentionContext`; K/V go to, and attention comes from, the KV backend (keys stored after RoPE). The
 model holds plain tensors (no nn.Module): q/k/v and gate/up projections are fused into one matmul each,
 which is where most of the CPU time goes. GQA, RMSNorm, SwiGLU, tied embeddings.
+
+Tensor parallelism (`engine.parallel`): a rank builds this with its shard of the weights, a config with
+its local head counts and an `all_reduce` callable; o and down are then row-parallel (partial sums
+all-reduced before the residual add). Without `all_reduce` the path is the single-process one, unchanged.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from engine.linear import Linear
 from engine.rope import RotaryTable, apply_rotary
 
 LayerHook = Callable[[int], None]  # called with the global layer index after that layer ran
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel group
 
 
 @dataclass
@@ -32,8 +37,10 @@ class LayerWeights:
 
 
 class LlamaForward:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu"):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu",
+                 all_reduce: AllReduce | None = None):
         self.cfg = cfg
+        self.all_reduce = all_reduce  # set on tensor-parallel ranks: o and down hold partial sums
         self.dtype = dtype
         self.device = torch.device(device)
 
@@ -90,13 +97,20 @@ class LlamaForward:
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             backend.write(i, ctx.write_slots, k, qkv[:, nq + nkv:].view(t, cfg.num_kv_heads, hd))
             o = backend.attend(i, q, ctx)  # [num_tokens, q_heads, head_dim]
-            x = lw.o.add_to(o.reshape(t, nq), x)
+            x = self._residual(lw.o, o.reshape(t, nq), x)
             h = self._norm(x, lw.post_norm)
             gate, up = lw.gate_up(h).chunk(2, dim=-1)
-            x = lw.down.add_to(F.silu(gate) * up, x)
+            x = self._residual(lw.down, F.silu(gate) * up, x)
             if layer_hook is not None:
                 layer_hook(i)
         return self._norm(x, self.final_norm)
+
+    def _residual(self, linear: Linear, inp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x + linear(inp); under tensor parallelism the rank's partial product is summed over ranks
+        first (the fused add would add the residual once per rank)."""
+        if self.all_reduce is None:
+            return linear.add_to(inp, x)
+        return x + self.all_reduce(linear(inp))  # [num_tokens, hidden]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> float32 logits [n, vocab]."""

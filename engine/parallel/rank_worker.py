@@ -1,0 +1,120 @@
+"""`RankWorker`: one tensor-parallel rank of a replica — its weight shard, its page pool, its forward.
+
+Life cycle: the launcher (`launcher.py`, or a Ray actor in `cluster/`) constructs a `RankWorker` from a
+`RankSpec` inside the rank's own process -> `__init__` joins the process group (gloo on CPU, NCCL on
+CUDA), reads only this rank's slices of the checkpoint and builds a `ModelRunner` over its own KV backend
+-> the driver sends every step's `StepBatch` to all ranks, each calls `execute` (the all-reduces inside
+the forward keep them in lockstep) -> `close()` leaves the group. Process launch, pipes and shutdown are
+the caller's business: this class only needs to run in a process of its own.
+
+Page ids and slot counts in the batch are the driver's (one allocator per replica); every rank's pool
+has the same number of pages, so the same page id addresses the same tokens on every rank, for the rank's
+own KV heads. Rank 0 computes logits and samples (sampling is keyed by request seed, so the choice is the
+same wherever it runs); other ranks get batches with no logits rows and return nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from engine.batch import StepBatch, StepOutput
+from engine.config import ModelConfig
+from engine.kv_cache.backend import make_backend, torch_dtype
+from engine.kv_cache.spec import KVPageSpec
+from engine.loader import load_config
+from engine.model import LlamaForward
+from engine.parallel.shard import local_config, shard_kv_spec, validate_tp, weight_slice
+from engine.runner import ModelRunner
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to start: plain data, so it crosses a pipe or a Ray call unchanged."""
+
+    model_dir: str
+    dtype: str  # compute dtype, one of engine.kv_cache.spec.DTYPES
+    rank: int
+    size: int
+    init_method: str  # "tcp://127.0.0.1:<port>": rendezvous (rank 0 hosts the store)
+    kv_spec: KVPageSpec  # the replica's whole (unsharded) page spec; the rank holds its KV heads of it
+    num_pages: int  # pages in the rank's pool: the driver's allocator hands out ids below this
+    device: str = "cpu"  # "cuda": rank r uses cuda:r and NCCL
+    timeout_s: float = 300.0  # a collective waiting longer than this fails instead of hanging
+
+
+def load_shard(model_dir: str | Path, cfg: ModelConfig, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """This rank's slices of the checkpoint, read slice by slice (never the whole tensor)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(str(Path(model_dir) / "*.safetensors"))):
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                sl = weight_slice(name, cfg, rank, size)
+                if sl is None:
+                    out[name] = st.get_tensor(name)
+                elif sl[0] == 0:
+                    out[name] = st.get_slice(name)[sl[1]:sl[2]]
+                else:
+                    out[name] = st.get_slice(name)[:, sl[1]:sl[2]]
+    return out
+
+
+class RankWorker:
+    def __init__(self, spec: RankSpec):
+        self.spec = spec
+        self.rank, self.size = spec.rank, spec.size
+        full_cfg = load_config(Path(spec.model_dir))
+        validate_tp(full_cfg, spec.size)
+        cuda = spec.device.startswith("cuda")
+        self.device = torch.device(f"cuda:{spec.rank}") if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        self._init_group("nccl" if cuda else "gloo")
+        cfg = local_config(full_cfg, spec.rank, spec.size)
+        weights = load_shard(spec.model_dir, full_cfg, spec.rank, spec.size)
+        self.model = LlamaForward(cfg, weights, torch_dtype(spec.dtype), self.device, all_reduce=self._all_reduce)
+        del weights
+        self.kv_spec = shard_kv_spec(spec.kv_spec, spec.rank, spec.size)
+        self.backend = make_backend(self.kv_spec, spec.num_pages, self.device)
+        self.runner = ModelRunner(self.model, self.backend, self.kv_spec.page_size)
+
+    def _init_group(self, backend: str) -> None:
+        host = urlparse(self.spec.init_method).hostname
+        if backend == "gloo" and host in LOOPBACK_HOSTS and os.path.exists("/sys/class/net/lo"):
+            # gloo binds to the address the machine's hostname resolves to unless told otherwise;
+            # a replica rendezvousing on loopback keeps its traffic (and listening sockets) there too.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, init_method=self.spec.init_method, rank=self.spec.rank,
+                                world_size=self.spec.size, timeout=timedelta(seconds=self.spec.timeout_s))
+
+    @staticmethod
+    def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)  # in place: t is this rank's fresh partial product
+        return t
+
+    def execute(self, batch: StepBatch) -> StepOutput | None:
+        """Run one step on this rank's heads; rank 0 returns the output (logits, samples)."""
+        if self.rank != 0:
+            batch = without_logits(batch)
+        out = self.runner.execute(batch)
+        return out if self.rank == 0 else None
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def without_logits(batch: StepBatch) -> StepBatch:
+    """The batch a rank other than 0 runs: same tokens and pages, no logits rows, nothing to sample."""
+    seqs = [dataclasses.replace(s, logits_at=[], sample=None) for s in batch.seqs]
+    return StepBatch(seqs, return_logits=False, observe=None)

@@ -1,0 +1,108 @@
+"""Tensor-parallel sharding: which heads a rank owns, and its slice of a full weight dict (pure functions).
+
+Called by `rank_worker.RankWorker` (slice after loading) and by anyone validating a degree before launch
+(`LLM`, the cluster spec). Megatron-style split of a Llama block over `size` ranks:
+- column-parallel (rows of the weight sliced): q/k/v projections by heads, gate/up by intermediate rows;
+- row-parallel (columns sliced): o by query heads, down by intermediate columns; their partial outputs are
+  summed by an all-reduce in the forward (`LlamaForward(all_reduce=...)`);
+- embedding, lm_head and norms stay whole on every rank.
+Query heads are split evenly. KV heads are split evenly when `size` divides them; when `size` exceeds them
+and is a multiple, each KV head is replicated on `size / num_kv_heads` consecutive ranks (8 query / 2 KV
+heads at TP=4: ranks 0-1 hold KV head 0, ranks 2-3 KV head 1), which keeps each rank's query heads on the
+KV head their group attends to.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv_cache.spec import KVPageSpec
+from engine.parallel.errors import ParallelConfigError
+
+
+def validate_tp(cfg: ModelConfig, size: int, field: str = "tensor_parallel_size") -> None:
+    """ParallelConfigError naming `field` unless `cfg` can be split over `size` ranks."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ParallelConfigError(field, f"must be a positive integer, got {size!r}")
+    if cfg.num_heads % size:
+        raise ParallelConfigError(field, f"{size} does not divide the model's {cfg.num_heads} query heads "
+                                         f"(num_attention_heads)")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        raise ParallelConfigError(field, f"{size} neither divides the model's {kv} KV heads "
+                                         f"(num_key_value_heads) nor is a multiple of them (replication)")
+    if cfg.intermediate_size % size:
+        raise ParallelConfigError(field, f"{size} does not divide the model's intermediate_size "
+                                         f"{cfg.intermediate_size}")
+
+
+def q_head_range(cfg: ModelConfig, rank: int, size: int) -> range:
+    per = cfg.num_heads // size
+    return range(rank * per, (rank + 1) * per)
+
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> range:
+    """Global KV heads held by `rank`; with replication (size > heads) one head shared by several ranks."""
+    if size <= num_kv_heads:
+        per = num_kv_heads // size
+        return range(rank * per, (rank + 1) * per)
+    head = rank // (size // num_kv_heads)
+    return range(head, head + 1)
+
+
+def kv_replicas(num_kv_heads: int, size: int) -> int:
+    """How many ranks hold each KV head (1 unless the degree exceeds the KV heads)."""
+    return max(1, size // num_kv_heads)
+
+
+def local_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
+    """The config a rank's forward runs with: its own head counts and intermediate width."""
+    validate_tp(cfg, size)
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size,
+                               num_kv_heads=len(kv_head_range(cfg.num_kv_heads, rank, size)),
+                               intermediate_size=cfg.intermediate_size // size)
+
+
+def weight_slice(name: str, cfg: ModelConfig, rank: int, size: int) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of the part of weight `name` that `rank` of `size` holds; None: the whole
+    tensor. Shared by `shard_weights` (tensors in memory) and `load_shard` (safetensors slices, so a rank
+    reads only its part of a large checkpoint)."""
+    hd = cfg.head_dim
+    if ".self_attn.q_proj." in name:  # weight [q_heads * hd, hidden] or bias [q_heads * hd]
+        q = q_head_range(cfg, rank, size)
+        return 0, q.start * hd, q.stop * hd
+    if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+        kv = kv_head_range(cfg.num_kv_heads, rank, size)
+        return 0, kv.start * hd, kv.stop * hd
+    if name.endswith(".self_attn.o_proj.weight"):  # [hidden, q_heads * hd]: columns by query head
+        q = q_head_range(cfg, rank, size)
+        return 1, q.start * hd, q.stop * hd
+    inter = cfg.intermediate_size // size
+    if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:  # [intermediate, hidden]
+        return 0, rank * inter, (rank + 1) * inter
+    if name.endswith(".mlp.down_proj.weight"):  # [hidden, intermediate]
+        return 1, rank * inter, (rank + 1) * inter
+    return None  # embedding, lm_head, norms: whole on every rank
+
+
+def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
+                  size: int) -> dict[str, torch.Tensor]:
+    """The weights `rank` of `size` holds, under the same Hugging Face names (views; the model copies
+    when it converts dtype/device)."""
+    validate_tp(cfg, size)
+    if not 0 <= rank < size:
+        raise ParallelConfigError("tp_rank", f"{rank} outside [0, {size})")
+    out = {}
+    for name, t in weights.items():
+        sl = weight_slice(name, cfg, rank, size)
+        out[name] = t if sl is None else t.narrow(sl[0], sl[1], sl[2] - sl[1])
+    return out
+
+
+def shard_kv_spec(spec: KVPageSpec, rank: int, size: int) -> KVPageSpec:
+    """A rank's page pool: the replica's (unsharded) spec with the rank's KV heads and TP coordinates."""
+    assert spec.tp_size == 1, "shard the replica's whole spec, not a shard"
+    heads = kv_head_range(spec.num_kv_heads, rank, size)
+    return dataclasses.replace(spec, num_kv_heads=len(heads), tp_rank=rank, tp_size=size)
