@@ -44,7 +44,8 @@ class LLM:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic,
                  keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None,
-                 kv_storage: str = "raw", kv_eviction: EvictionPolicy | dict | None = None):
+                 kv_storage: str = "raw", kv_eviction: EvictionPolicy | dict | None = None,
+                 tensor_parallel_size: int = 1):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = resolve_model(model)
@@ -52,16 +53,22 @@ class LLM:
         self.dtype = dtype
         self.fingerprint = fingerprint(self.model_dir, dtype)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.model = LlamaForward(self.config, load_weights(self.model_dir), _torch_dtype(dtype), device)
+        self.tensor_parallel_size = tp = tensor_parallel_size  # > 1: ranks in processes of their own
+        if tp != 1:
+            from engine.parallel.tp_runner import TPRunner, check_supported
+
+            check_supported(self.config, tp, speculative, kv_eviction)
+        self.model = None if tp != 1 else LlamaForward(self.config, load_weights(self.model_dir), _torch_dtype(dtype), device)
         self.max_model_len = min(max_model_len or self.config.max_position, self.config.max_position)
         if num_pages is None:
             num_pages = max(-(-16384 // page_size), -(-self.max_model_len // page_size))
         c = self.config
         self.kv_spec = KVPageSpec(c.num_layers, c.num_kv_heads, c.head_dim, page_size, dtype, kv_storage)
         self.allocator = PageAllocator(num_pages, clock=clock)
-        self.backend = make_backend(self.kv_spec, num_pages, device)
+        self.backend = None if tp != 1 else make_backend(self.kv_spec, num_pages, device)  # TP: one per rank
         self.tables = BlockTables(self.allocator, page_size)
-        self.runner = ModelRunner(self.model, self.backend, page_size)
+        self.runner = (ModelRunner(self.model, self.backend, page_size) if tp == 1 else
+                       TPRunner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, device))
         eos = tuple(c.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                                    self.tables, eos)
@@ -267,6 +274,18 @@ class LLM:
                 if o.finished:
                     final[o.request_id] = o
         return [final[i] for i in ids]
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shut down the rank processes of a tensor-parallel engine; nothing to do for one process."""
+        if hasattr(self.runner, "close"):
+            self.runner.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- introspection -----------------------------------------------------------------------
     def kv_usage(self) -> dict[str, int]:

@@ -135,7 +135,7 @@ class RankProcesses:
                 self.conns.append(conn)
             self.pids = [reply[1] for reply in self._gather(START_TIMEOUT_S)]
         except BaseException:
-            self.close()
+            self.abort()
             raise
 
     @property
@@ -147,11 +147,14 @@ class RankProcesses:
         if self.closed:
             raise RankFailedError(0, "the rank processes are shut down")
         try:
-            for c, payload in zip(self.conns, payloads):
-                _send(c, ("step", payload))
+            for rank, (c, payload) in enumerate(zip(self.conns, payloads)):
+                try:
+                    _send(c, ("step", payload))
+                except OSError:
+                    raise RankFailedError(rank, "connection closed: the rank process died") from None
             return [reply[1] for reply in self._gather(STEP_TIMEOUT_S)]
         except BaseException:
-            self.close()  # ranks left mid-collective cannot continue: take the replica down
+            self.abort()  # ranks left mid-collective cannot continue: take the replica down
             raise
 
     def _gather(self, timeout: float) -> list:
@@ -178,6 +181,14 @@ class RankProcesses:
             raise RankFailedError(rank, "connection closed: the rank process died") from None
 
     def close(self) -> None:
+        """Ask every rank to leave, wait, then terminate what is left (idempotent)."""
+        self._finalizer()
+
+    def abort(self) -> None:
+        """After a failure: the others may wait inside a collective for the lost rank, so no asking."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
         self._finalizer()
 
 

@@ -1,0 +1,130 @@
+"""`LLM(tensor_parallel_size=N)`: rank processes over gloo on loopback, greedy-equal to one process.
+
+Random-weight Llama with 8 query / 4 KV heads at TP=2 and 8 / 2 at TP=4 (KV heads replicated on two
+ranks each), SmolLM2 (9 / 3) at TP=3 (`slow`): several prompts in one continuous batch with chunked
+prefill, float32, `assert_greedy_equal` against TP=1 and logits within 1e-4. Then the boundaries: degrees
+that do not divide and unsupported options fail at construction with typed errors and start nothing; a
+rank that dies fails the next step with `RankFailedError` and takes the replica down. Every test ends with
+no pages in use and every rank process reaped.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine import SamplingParams
+from engine.llm import LLM
+from engine.parallel.errors import ParallelConfigError, RankFailedError, UnsupportedWithParallelError
+from tests.conftest import assert_engine_empty
+from tests.exactness import assert_greedy_equal, assert_logits_close
+from tests.tiny_models import write_tiny
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 23]
+# 16-token budget: the 40- and 23-token prompts are prefilled in chunks beside the others' decodes
+BATCHING = dict(max_num_batched_tokens=16, max_num_seqs=4, page_size=4, num_pages=96)
+
+
+def tiny(tmp_path_factory, heads: int, kv: int):
+    return write_tiny("llama", tmp_path_factory.mktemp("tp") / f"l{heads}{kv}", num_attention_heads=heads,
+                      num_key_value_heads=kv, initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny84(tmp_path_factory):
+    return tiny(tmp_path_factory, 8, 4)
+
+
+@pytest.fixture(scope="module")
+def tiny82(tmp_path_factory):
+    return tiny(tmp_path_factory, 8, 2)
+
+
+def assert_ranks_gone(llm: LLM) -> None:
+    procs = llm.runner.ranks.procs
+    assert all(p.returncode is not None for p in procs), "a rank process is still running"
+    assert not any(os.path.exists(f"/proc/{p.pid}") for p in procs), "a rank process was not reaped"
+
+
+def generate(model_dir, prompts, params, **kw) -> tuple[list[list[int]], list]:
+    """(tokens, logits) per prompt; the engine is closed and checked empty (and rank-free) on return."""
+    llm = LLM(model=str(model_dir), dtype="float32", keep_logits=True, **{**BATCHING, **kw})
+    try:
+        outs = llm.generate(prompts, params)
+        assert_engine_empty(llm)
+    finally:
+        llm.close()
+    if llm.tensor_parallel_size > 1:
+        assert_ranks_gone(llm)
+    return [o.token_ids for o in outs], [o.logits for o in outs]
+
+
+def assert_tp_equal(model_dir, size: int, prompts=PROMPTS, params=GREEDY, **kw) -> None:
+    import torch
+
+    ref, ref_logits = generate(model_dir, prompts, params, **kw)
+    got, got_logits = generate(model_dir, prompts, params, tensor_parallel_size=size, **kw)
+    ref_stacked = [torch.stack(lg) for lg in ref_logits]
+    assert_greedy_equal(ref, got, ref_stacked)
+    for r, g, tokens in zip(ref_stacked, got_logits, got):
+        assert_logits_close(r, torch.stack(g), len(tokens), atol=1e-4)
+
+
+def test_tp2_llama_8q_4kv_equals_tp1(tiny84):
+    assert_tp_equal(tiny84, 2)
+
+
+def test_tp4_llama_8q_2kv_replicated_kv_heads_equals_tp1(tiny82):
+    assert_tp_equal(tiny82, 4)
+
+
+def test_tp2_with_int8_kv_pages_equals_int8_tp1(tiny84):
+    assert_tp_equal(tiny84, 2, prompts=PROMPTS[:2], kv_storage="int8")
+
+
+@pytest.mark.parametrize("size, what", [(3, "query heads"), (0, "positive integer")])
+def test_degree_that_does_not_divide_raises_before_starting_ranks(tiny84, size, what):
+    with pytest.raises(ParallelConfigError, match=what) as e:
+        LLM(model=str(tiny84), dtype="float32", tensor_parallel_size=size)
+    assert e.value.field == "tensor_parallel_size"
+
+
+def test_kv_heads_neither_divided_nor_replicable(tmp_path_factory):
+    d = write_tiny("llama", tmp_path_factory.mktemp("tp") / "l124", hidden_size=96, num_attention_heads=12,
+                   num_key_value_heads=4, intermediate_size=96)
+    with pytest.raises(ParallelConfigError, match="num_key_value_heads"):
+        LLM(model=str(d), dtype="float32", tensor_parallel_size=6)
+
+
+@pytest.mark.parametrize("kw, field", [(dict(speculative={"method": "ngram"}), "speculative"),
+                                       (dict(kv_eviction={"method": "snapkv"}), "kv_eviction")])
+def test_unsupported_combinations_raise_at_construction(tiny84, kw, field):
+    with pytest.raises(UnsupportedWithParallelError, match="tensor_parallel_size") as e:
+        LLM(model=str(tiny84), dtype="float32", tensor_parallel_size=2, **kw)
+    assert e.value.field == field
+
+
+def test_layer_hooks_are_refused_and_a_dead_rank_fails_the_step(tiny84):
+    with LLM(model=str(tiny84), dtype="float32", tensor_parallel_size=2, **BATCHING) as llm:
+        with pytest.raises(UnsupportedWithParallelError, match="layer hooks"):
+            llm.runner.add_layer_hook(lambda layer, batch: None)
+        assert llm.generate([PROMPTS[1]], GREEDY)[0].finished
+        llm.runner.ranks.procs[1].kill()
+        llm.runner.ranks.procs[1].wait()
+        llm.add_request(PROMPTS[0], GREEDY)
+        with pytest.raises(RankFailedError):
+            llm.step()
+        assert llm.runner.ranks.closed
+    assert_ranks_gone(llm)
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_equals_tp1(smollm2_dir):
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):",
+                                       "Once upon a time, in a small village by the sea, there lived")]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert_tp_equal(smollm2_dir, 3, prompts, params, max_num_batched_tokens=8, page_size=8, num_pages=32)
