@@ -7,6 +7,8 @@ Step API for servers: `add_request()` -> repeated `step()` (each returns a `Requ
 request that advanced) -> `abort()` at any time. Entry points for disaggregation: `add_request(...,
 prefill_only=True)` ends HELD with its pages kept until `release_held()`; `reserve()` +
 `add_prefilled_request()` join a request whose KV was written into reserved pages by someone else.
+`enable_prefix_caching=True` shares full pages of repeated prefixes between requests
+(`engine/kv_cache/prefix_cache.py`); `prefix_stats()`, `reset_prefix_cache()`.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache.allocator import PageAllocator, Reservation
 from engine.kv_cache.backend import make_backend
 from engine.kv_cache.block_table import BlockTables, seq_owner
+from engine.kv_cache.prefix_cache import PrefixCache, PrefixSharing, prefix_salt
 from engine.evictor import Evictor
 from engine.kv_cache.eviction_policy import EvictionPolicy
 from engine.kv_cache.spec import KVPageSpec
@@ -45,6 +48,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic,
                  keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None,
                  kv_storage: str = "raw", kv_eviction: EvictionPolicy | dict | None = None,
+                 enable_prefix_caching: bool = False,
                  tensor_parallel_size: int = 1):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -78,6 +82,11 @@ class LLM:
         self.keep_logits = keep_logits  # tests: keep each sampled position's float32 logits on the request
         self.eviction = EvictionPolicy.of(kv_eviction)  # which KV survives (kv_cache/eviction, engine/evictor)
         self.evictor = Evictor(self, self.eviction)
+        self.prefix_cache: PrefixCache | None = None  # full pages shared by a hash chain of their tokens
+        if enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.allocator, page_size,
+                                            prefix_salt(self.fingerprint, self.kv_spec.signature(), page_size))
+            self.scheduler.prefix = PrefixSharing(self.prefix_cache, self.tables, self._prefix_cacheable)
         self.spec = None  # draft-verify decoding (engine/spec_decode), when configured
         spec_cfg = SpeculativeConfig.of(speculative)
         if spec_cfg is not None:
@@ -289,8 +298,34 @@ class LLM:
 
     # ---- introspection -----------------------------------------------------------------------
     def kv_usage(self) -> dict[str, int]:
-        return {"pages_in_use": self.allocator.num_in_use, "reservations": self.allocator.num_reservations,
-                "num_pages": self.allocator.num_pages}
+        """pages_in_use: held by a request or reservation; with prefix caching also cached_pages (held by
+        the cache, some of them also in use) and evictable_pages (cache only: counted free, not in use)."""
+        u = {"pages_in_use": self.allocator.num_in_use, "reservations": self.allocator.num_reservations,
+             "num_pages": self.allocator.num_pages}
+        if self.prefix_cache is not None:
+            u.update(cached_pages=len(self.prefix_cache), evictable_pages=self.allocator.num_evictable)
+        return u
+
+    # ---- prefix caching ----------------------------------------------------------------------
+    def _prefix_cacheable(self, req: Request) -> bool:
+        """Requests whose KV is evicted/compacted neither share nor register pages (slots != tokens)."""
+        return self.evictor.policy_of(req) is None
+
+    def prefix_stats(self) -> dict[str, float]:
+        """Queried/hit tokens, hit rate, prefill tokens saved, cached/evictable/evicted pages; {} if off."""
+        if self.prefix_cache is None:
+            return {}
+        d = self.prefix_cache.stats.as_dict()
+        d.update(cached_pages=len(self.prefix_cache), evictable_pages=self.allocator.num_evictable)
+        return d
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Leading tokens of `token_ids` whose KV this engine's prefix cache holds (0 if off)."""
+        return self.prefix_cache.cached_prefix_tokens(token_ids) if self.prefix_cache is not None else 0
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached page (pages still in use stay with their requests); how many were cached."""
+        return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
     def spec_stats(self) -> dict[str, float]:
         """Speculation metrics (acceptance rate, tokens per verify, share of steps speculated, ...); {} if off."""

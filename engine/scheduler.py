@@ -7,6 +7,12 @@ needs a page and none is free, the newest running request is preempted: its page
 back to the front of the queue, to be recomputed from prompt + outputs (its outputs are kept, so the
 stream neither loses nor repeats a token). `update()` appends sampled tokens and applies token-level
 stops; string stops are the output processor's job (it calls `finish`).
+
+With prefix caching (`prefix`, a `kv_cache.prefix_cache.PrefixSharing`): each `schedule()` first
+registers the running requests' newly full, final pages in the cache; a waiting request is admitted onto
+the cached pages of its longest cached prefix and computes only the rest (admission counts the pages the
+cache could give back as free); a preempted or ending request registers its pages before freeing them,
+so they stay cached (evictable) for whoever comes next.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache.block_table import BlockTables
+from engine.kv_cache.prefix_cache import PrefixSharing
 from engine.request import Request, RequestStatus, SampledToken
 
 
@@ -51,8 +58,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, tables: BlockTables, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, cfg: SchedulerConfig, tables: BlockTables, eos_token_ids: tuple[int, ...] = (),
+                 prefix: PrefixSharing | None = None):
         self.cfg = cfg
+        self.prefix = prefix
         self.tables = tables
         self.eos = set(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -77,6 +86,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
         out = SchedulerOutput([])
+        if self.prefix is not None:
+            for req in self.running:
+                self.prefix.register(req)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -91,19 +103,28 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            remaining = len(req.token_ids) - req.num_computed
+            hit = self.prefix.probe(req) if self.prefix is not None else None
+            skip = len(hit.pages) * self.tables.page_size if hit is not None else 0
+            remaining = len(req.token_ids) - req.num_computed - skip
             n = min(remaining, budget)
             if n < remaining and not self.cfg.enable_chunked_prefill and not req.num_preemptions:
                 break  # (a preempted request's recompute may exceed the budget: it is chunked regardless)
-            if self.tables.extra_pages_needed(req.request_id, n) > self.tables.allocator.num_free:
+            if self._pages_short(req, n, hit):
                 break  # admission: wait for pages
             self.waiting.popleft()
+            if self.prefix is not None:
+                req.num_computed += self.prefix.admit(req, hit)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(self._chunk(req, n))
             budget -= n
         self.stats.num_steps += not out.empty
         return out
+
+    def _pages_short(self, req: Request, n: int, hit) -> bool:
+        if self.prefix is not None:
+            return self.prefix.pages_short(req, n, hit)
+        return self.tables.extra_pages_needed(req.request_id, n) > self.tables.allocator.num_free
 
     def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Free pages for `n` more slots of `req` by preempting the newest; False if `req` was preempted."""
@@ -117,7 +138,7 @@ class Scheduler:
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.tables.free(req.request_id)
+        self._free(req)
         req.num_computed = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -187,9 +208,15 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             self.held.pop(req.request_id, None)
-        self.tables.free(req.request_id)
+        self._free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
+
+    def _free(self, req: Request) -> None:
+        if self.prefix is not None:  # its final full pages outlive it in the cache
+            self.prefix.register(req)
+            self.prefix.forget(req.request_id)
+        self.tables.free(req.request_id)
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Roll back to the first `num_tokens` tokens (rejected drafts): tokens, computed count, slots."""
@@ -199,6 +226,7 @@ class Scheduler:
         if drop and req.output_logprobs:
             del req.output_logprobs[max(0, len(req.output_logprobs) - drop):]
         if req.num_computed > num_tokens:
-            cut = req.num_computed - num_tokens
+            keep = self.prefix.rollback(req, num_tokens) if self.prefix is not None else num_tokens
+            cut = req.num_computed - keep
             self.tables.truncate(req.request_id, self.tables.get(req.request_id).num_slots - cut)
-            req.num_computed = num_tokens
+            req.num_computed = keep  # (below num_tokens: the rest is recomputed, off the shared page)

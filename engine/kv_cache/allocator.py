@@ -6,6 +6,11 @@ arriving over the wire or leaving. A page is free when no owner references it; s
 page several owners. Reservations hold pages under a lease read from an injectable clock, so tests
 expire them without sleeping. Order of use: `reserve()` -> (`renew()`)* -> `commit()` to a sequence, or
 `cancel()`; `expire()` frees lapsed leases.
+
+One owner may be a cache (`attach_cache`, the prefix cache in `prefix_cache.py`): a page only the cache
+holds is not in use but evictable. Such pages queue in least-recently-released order and count as free;
+`allocate()` evicts from the front of that queue (telling the cache, which forgets the page) when the free
+list runs short. A page any other owner still holds is never evicted.
 """
 from __future__ import annotations
 
@@ -45,15 +50,42 @@ class PageAllocator:
         # Why a reservation ended, so a late chunk gets "expired"/"finished" rather than "unknown".
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._remember = remember_finished
+        self._cache_owner: str | None = None
+        self._on_evict: Callable[[int], None] | None = None
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cache-only pages, least recently released first
+
+    def attach_cache(self, owner: str, on_evict: Callable[[int], None]) -> None:
+        """Make `owner` a cache whose sole-owned pages are evictable; `on_evict(page)` runs before one goes."""
+        assert self._cache_owner is None, "one cache per allocator"
+        self._cache_owner, self._on_evict = owner, on_evict
 
     # ---- plain pages -------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can get now: the free list plus cache-only (evictable) pages."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_in_use(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages some owner other than the cache holds (or a reservation)."""
+        return self.num_pages - self.num_free
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def is_evictable(self, page: int) -> bool:
+        return page in self._evictable
+
+    def evict(self, n: int) -> int:
+        """Give up to `n` least recently released cache-only pages back to the free list; how many went."""
+        done = 0
+        while done < n and self._evictable:
+            page = next(iter(self._evictable))
+            self._on_evict(page)
+            self._drop_ref(self._cache_owner, page)  # the last reference: the page is free now
+            done += 1
+        return done
 
     def refcount(self, page: int) -> int:
         return len(self._owners[page])
@@ -64,8 +96,9 @@ class PageAllocator:
     def allocate(self, owner: str, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
-            raise OutOfPagesError(f"need {n} pages, {len(self._free)} free of {self.num_pages}")
+        if n > self.num_free:
+            raise OutOfPagesError(f"need {n} pages, {self.num_free} free of {self.num_pages}")
+        self.evict(n - len(self._free))
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._add_ref(owner, p)
@@ -97,6 +130,7 @@ class PageAllocator:
 
     def _add_ref(self, owner: str, page: int) -> None:
         assert owner not in self._owners[page], f"{owner} already holds page {page}"
+        self._evictable.pop(page, None)  # someone besides the cache holds it again
         self._owners[page].add(owner)
         self._owned.setdefault(owner, set()).add(page)
 
@@ -107,8 +141,12 @@ class PageAllocator:
         held.discard(page)
         if not held:
             del self._owned[owner]
-        if not self._owners[page]:
+        owners = self._owners[page]
+        if not owners:
+            self._evictable.pop(page, None)
             self._free.append(page)
+        elif self._cache_owner in owners and len(owners) == 1:
+            self._evictable[page] = None  # newest at the back: evicted last
 
     # ---- reservations ------------------------------------------------------------------------
     @property

@@ -4,7 +4,8 @@ The scheduler owns one `BlockTables`. A sequence's KV lives in `num_slots` physi
 pages in order (slot i is offset i % page_size of page i // page_size). Physical slots are not logical
 positions: after eviction a sequence keeps fewer slots than it has positions, which is why the runner
 takes positions separately. `truncate` rolls back slots (rejected draft tokens) and frees whole pages
-left unused.
+left unused. `share_prefix` starts a table on full pages someone else holds (prefix cache hits); the
+sequence only ever writes past them, into pages of its own.
 """
 from __future__ import annotations
 
@@ -62,18 +63,27 @@ class BlockTables:
         assert len(pages) == self.pages_for(num_slots), (len(pages), num_slots)
         self._tables[seq_id] = BlockTable(list(pages), num_slots)
 
+    def share_prefix(self, seq_id: str, pages: list[int]) -> BlockTable:
+        """Start `seq_id`'s table on full `pages` already held elsewhere (cached prefix), one reference each."""
+        assert seq_id not in self._tables, f"{seq_id} already has a block table"
+        self.allocator.share(seq_owner(seq_id), pages)
+        t = self._tables[seq_id] = BlockTable(list(pages), len(pages) * self.page_size)
+        return t
+
     def truncate(self, seq_id: str, num_slots: int) -> None:
         t = self._tables[seq_id]
         assert 0 <= num_slots <= t.num_slots, (num_slots, t.num_slots)
         keep = self.pages_for(num_slots)
         dropped, t.pages = t.pages[keep:], t.pages[:keep]
-        self.allocator.release(seq_owner(seq_id), dropped)
+        self.allocator.release(seq_owner(seq_id), dropped[::-1])
         t.num_slots = num_slots
 
     def free(self, seq_id: str) -> None:
         t = self._tables.pop(seq_id, None)
         if t is not None:
-            self.allocator.release(seq_owner(seq_id), t.pages)
+            # Last page first: a cache keeps pages in release order, so a prefix's tail is evicted before
+            # its head (a head page without its tail still serves a shorter prefix; the reverse serves none).
+            self.allocator.release(seq_owner(seq_id), t.pages[::-1])
 
     def slots(self, seq_id: str, start: int, count: int) -> list[int]:
         """Flat slot ids (page * page_size + offset) of slots [start, start + count)."""
