@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from cluster.http.errors import HTTPError, from_exception
 from cluster.http.formatting import ChoiceState, Formatter
 from cluster.http.metrics import FrontendMetrics, TimelineStore
-from cluster.http.openai_schema import ChatRequest, CompletionRequest, parse_request, sampling_params
+from cluster.http.openai_schema import ChatRequest, CompletionRequest, in_body, parse_request, sampling_params
 from cluster.serving_api import GenerateDelta, GenerateRequest, ServingBackend
 from engine.errors import InvalidRequestError, PdserveError, UnknownModelError
 
@@ -81,6 +81,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(buf)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HTTPError(400, f"body is not valid JSON: {e}", param="body") from None
+    except RecursionError:  # `[[[[...` nested past Python's stack: a hostile body, not a server fault
+        raise HTTPError(400, "body is not valid JSON: nested too deeply", param="body") from None
 
 
 def _apply_template(ctx: FrontendContext, messages: list[dict]) -> list[int]:
@@ -127,7 +129,7 @@ class Merged:
             async for delta in self.backend.generate(req):
                 self.queue.put_nowait((index, delta))
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to an HTTP answer
-            self.queue.put_nowait((index, e))
+            self.queue.put_nowait((index, in_body(e) if isinstance(e, InvalidRequestError) else e))
 
     async def next(self) -> tuple[int, GenerateDelta] | None:
         if self.remaining == 0:

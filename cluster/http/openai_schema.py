@@ -5,6 +5,7 @@ Called by `cluster/http/app.py` with the decoded JSON body, before anything reac
     screen_fields(body, kind)  -> 400 naming the first field that is internal, unsupported or unknown
     parse_request(body, kind)  -> CompletionRequest | ChatRequest (strict types; 400 names the field)
     sampling_params(req, i)    -> engine SamplingParams for choice i (seed + i when a seed is given)
+    in_body(error)             -> an engine error's field renamed to where the body has it (`pdserve.top_k`)
 
 Every accepted field is listed on the models below (`extra="forbid"`). OpenAI features pdserve does not
 implement (`tools`, `response_format`, `logit_bias`, ...) are accepted only at their neutral value (absent,
@@ -44,7 +45,8 @@ _INTERNAL_PARTS = ("reservation", "transfer", "nonce", "lease", "page_table", "b
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: Python's json reads NaN / Infinity, which no bound (`gt=0`) catches on its own
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class SpeculativeOptions(_Strict):
@@ -212,5 +214,15 @@ def sampling_params(req: CompletionRequest | ChatRequest, choice: int, default_m
         kv_eviction=o.kv_eviction if not isinstance(o.kv_eviction, KVEvictionOptions)
         else o.kv_eviction.model_dump(exclude_none=True),
     )
-    params.validate(vocab_size=2**31)  # early 400s; the engine re-checks token ids against its vocabulary
+    try:
+        params.validate(vocab_size=2**31)  # early 400s; the engine re-checks token ids against its vocabulary
+    except InvalidRequestError as e:
+        raise in_body(e) from None
     return params
+
+
+def in_body(e: InvalidRequestError) -> InvalidRequestError:
+    """The engine names its own field (`top_k`); the client sent it as `pdserve.top_k`: name that one."""
+    if e.field in PdserveOptions.model_fields and e.field not in _Common.model_fields:
+        return InvalidRequestError(f"pdserve.{e.field}", str(e).removeprefix(f"{e.field}: "))
+    return e
