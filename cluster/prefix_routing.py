@@ -17,9 +17,10 @@ records what the router sent, bounded per worker by that worker's page count in 
 the engine's prefix cache evicts), so it can claim a prefix the worker already evicted. That costs only
 speed: the worker reports what it really holds when the request arrives and computes the rest.
 
-Hashes chain every full page's token ids onto the previous page's digest (blake2b), so equal digests mean
-equal whole prefixes, never just equal pages. Partial last pages are not shared (the engine computes
-them itself), so they are not indexed.
+Digests are the engine's own (`engine.kv_cache.prefix_cache.page_hashes`: every full page's token ids
+chained onto the previous page's digest, from a salt of the model and KV layout), so equal digests mean
+equal whole prefixes, and a worker's report of what its cache holds (`replace`) speaks the same names.
+Partial last pages are not shared (the engine computes them itself), so they are not indexed.
 
 Score (lower wins): load[w] + uncached tokens on w, both in prompt-token units (the prefill pool's load
 is its queued prompt tokens: time to first token grows with the tokens ahead plus the tokens to compute).
@@ -28,24 +29,12 @@ candidate, so callers pass candidates in their own preference order.
 """
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from typing import Hashable, Iterable, Mapping, Sequence
 
+from engine.kv_cache.prefix_cache import page_hashes  # pure Python: the engine's own chain, no torch
+
 Digest = bytes
-
-
-def chain_hashes(token_ids: Sequence[int], page_size: int, salt: bytes = b"") -> list[Digest]:
-    """One digest per full page: digest_i = H(digest_{i-1} || tokens of page i)."""
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    out, prev = [], salt
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        h = hashlib.blake2b(prev, digest_size=16)
-        h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids[start:start + page_size]))
-        prev = h.digest()
-        out.append(prev)
-    return out
 
 
 class PrefixIndex:
@@ -53,14 +42,16 @@ class PrefixIndex:
 
     def __init__(self, page_size: int, capacity_pages: Mapping[Hashable, int] | None = None,
                  default_capacity: int = 1024, salt: bytes = b""):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
-        self.salt = salt  # e.g. the model fingerprint: digests of different models never meet
+        self.salt = salt  # the pool's `prefix_salt(...)`: digests of different models/layouts never meet
         self._capacity = dict(capacity_pages or {})
         self._default = default_capacity
         self._pages: dict[Hashable, OrderedDict[Digest, None]] = {}
 
     def hashes(self, token_ids: Sequence[int]) -> list[Digest]:
-        return chain_hashes(token_ids, self.page_size, self.salt)
+        return page_hashes(token_ids, self.page_size, self.salt)
 
     def matched_pages(self, worker: Hashable, hashes: Sequence[Digest]) -> int:
         held = self._pages.get(worker)
@@ -84,6 +75,10 @@ class PrefixIndex:
         cap = self._capacity.get(worker, self._default)
         while len(held) > cap:
             held.popitem(last=False)
+
+    def replace(self, worker: Hashable, hashes: Iterable[Digest]) -> None:
+        """What the worker says it holds (its prefix cache's `hashes()`), replacing the router's guess."""
+        self._pages[worker] = OrderedDict.fromkeys(hashes)
 
     def forget(self, worker: Hashable) -> None:
         self._pages.pop(worker, None)

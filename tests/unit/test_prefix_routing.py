@@ -5,19 +5,22 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.prefix_routing import PrefixIndex, chain_hashes, pick
+from cluster.prefix_routing import PrefixIndex, pick
 
 
-def test_chain_hashes_cover_full_pages_and_chain_the_prefix():
+def test_index_hashes_are_the_engines_chain():
+    idx, other = PrefixIndex(16, salt=b"a" * 16), PrefixIndex(16, salt=b"b" * 16)
     a = list(range(40))
     b = list(range(16)) + [999] + list(range(17, 40))  # differs in page 1 only
-    ha, hb = chain_hashes(a, 16), chain_hashes(b, 16)
-    assert len(ha) == 2 and len(chain_hashes(a[:15], 16)) == 0  # the partial last page is not hashed
+    ha, hb = idx.hashes(a), idx.hashes(b)
+    assert len(ha) == 2 and idx.hashes(a[:15]) == []  # the partial last page is not hashed
     assert ha[0] == hb[0] and ha[1] != hb[1]
-    # equal page content after a different prefix gives a different digest (whole-prefix identity)
-    c = [7] * 16 + list(range(16, 32))
-    assert chain_hashes(c, 16)[1] != ha[1]
-    assert chain_hashes(a, 16, salt=b"model-x") != ha  # another model never matches
+    assert idx.hashes([7] * 16 + list(range(16, 32)))[1] != ha[1]  # same page after another prefix
+    assert other.hashes(a) != ha  # another model/layout never matches
+    # a worker's report of its cache replaces the router's guess
+    idx.record("w", ha)
+    idx.replace("w", hb[:1])
+    assert idx.matched_tokens("w", ha) == 16 and idx.num_pages("w") == 1
 
 
 def test_index_matches_the_longest_recorded_prefix_and_evicts_lru():
