@@ -281,3 +281,41 @@ def test_engine_page_hashes_equal_the_routers_chain_hashes():
 
     toks = list(range(3, 40))
     assert page_hashes(toks, PS, SALT) == chain_hashes(toks, PS, SALT)
+
+
+def test_scheduler_shares_at_admission_and_rolls_back_off_a_shared_page():
+    from engine.request import SampledToken
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    alloc, cache, tables, share = make(16)
+    s = Scheduler(SchedulerConfig(), tables, (), share)
+
+    def step():
+        out = s.schedule()
+        s.update(out, {c.request.request_id: SampledToken(50 + c.request.num_output)
+                       for c in out.chunks if c.sample}, 0.0)
+        return out
+
+    a = request("a", list(range(10, 16)))  # 6 prompt tokens
+    s.add(a)
+    for _ in range(3):  # prefill, then two decodes: 8 tokens computed, both pages full and final
+        step()
+    s.schedule()  # (registers first; a's decode chunk is then scheduled but never run)
+    assert len(cache) == 2 and cache.lookup(a.token_ids)[0] == tables.get("a").pages[:2]
+    page0, page1 = tables.get("a").pages[:2]
+    a.num_computed = 8  # as if the last chunk did not happen: roll back into page 1, which the cache shares
+    tables.truncate("a", 8)
+    s.truncate(a, 7)
+    assert a.num_computed == 4 and tables.get("a").pages == [page0] and len(a.token_ids) == 7
+    out = s.schedule()  # the kept part of page 1 is recomputed into a page of a's own
+    assert (out.chunks[0].start, out.chunks[0].num_tokens) == (4, 3) and page1 not in tables.get("a").pages
+    assert alloc.refcount(page1) == 1 and alloc.is_evictable(page1)  # still cached, intact
+    s.finish(a, "abort")
+    b = request("b", list(range(10, 16)) + [50, 51, 52])  # a's tokens: both cached pages fit
+    s.add(b)
+    out = s.schedule()
+    assert (out.chunks[0].start, out.chunks[0].num_tokens, out.chunks[0].num_cached) == (8, 1, 8)
+    assert tables.get("b").pages[:2] == [page0, page1]
+    s.finish(b, "abort")
+    cache.reset()
+    assert_allocator_empty(alloc)
