@@ -275,12 +275,22 @@ TestPrefixMachine.settings = settings(max_examples=150, stateful_step_count=40, 
                                       suppress_health_check=[HealthCheck.too_slow])
 
 
-def test_engine_page_hashes_equal_the_routers_chain_hashes():
-    """The seam for prefix-aware routing: a router given the engine's salt names pages as the engine does."""
-    from cluster.prefix_routing import chain_hashes
+def test_a_workers_cache_report_is_what_the_router_index_matches():
+    """The seam for prefix-aware routing: a worker reports `PrefixCache.hashes()`; the router's index,
+    given the pool's salt, names a prompt's pages the same way and matches the tokens the cache holds."""
+    from cluster.prefix_routing import PrefixIndex
 
-    toks = list(range(3, 40))
-    assert page_hashes(toks, PS, SALT) == chain_hashes(toks, PS, SALT)
+    alloc, cache, tables, share = make(16)
+    a = request("a", list(range(3, 40)))
+    compute(tables, a, len(a.token_ids))
+    share.register(a)
+    index = PrefixIndex(page_size=PS, salt=SALT)
+    index.replace("w0", cache.hashes())
+    for toks in (a.token_ids, a.token_ids[:13], list(range(3, 11)) + [99] * 8, [99] * 8):
+        assert index.matched_tokens("w0", index.hashes(toks)) == cache.cached_prefix_tokens(toks)
+    tables.free("a")
+    cache.reset()
+    assert_allocator_empty(alloc)
 
 
 def test_scheduler_shares_at_admission_and_rolls_back_off_a_shared_page():
