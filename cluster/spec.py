@@ -119,13 +119,14 @@ def _capacity_problem(pool: "Pool", max_len: int) -> Problem | None:
 
 class Pool(_Section):
     """One pool of identical replicas (a replica = one engine, later tp x pp workers)."""
-    replicas: int = Field(1, ge=1)
-    tensor_parallel: int = Field(1, ge=1)  # must divide heads and KV heads (checked against the model)
-    pipeline_parallel: int = Field(1, ge=1)  # must divide layers (checked against the model)
+    # Upper bounds name absurd sizes at validation, before Ray places actors or an engine allocates.
+    replicas: int = Field(1, ge=1, le=4096)
+    tensor_parallel: int = Field(1, ge=1, le=1024)  # must divide heads and KV heads (checked against the model)
+    pipeline_parallel: int = Field(1, ge=1, le=1024)  # must divide layers (checked against the model)
     resources: Resources = Field(default_factory=Resources)
-    max_num_seqs: int = Field(32, ge=1)  # sequences in one step's batch
-    max_num_batched_tokens: int = Field(512, ge=1)  # tokens in one step's batch (prefill chunk budget)
-    max_model_len: int | None = Field(None, ge=1)  # prompt + output; None: the model's limit
+    max_num_seqs: int = Field(32, ge=1, le=1 << 16)  # sequences in one step's batch
+    max_num_batched_tokens: int = Field(512, ge=1, le=1 << 22)  # tokens in one step's batch (prefill chunk budget)
+    max_model_len: int | None = Field(None, ge=1, le=1 << 22)  # prompt + output; None: the model's limit
     kv: KVPages = Field(default_factory=KVPages)
     speculative: SpeculativeSpec | None = None  # `speculative:` alone: ngram with defaults
     _blank_is_default = ("resources", "kv", "speculative")

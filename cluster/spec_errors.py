@@ -53,11 +53,18 @@ class SpecError(PdserveError, ValueError):
 
 # ---- YAML ---------------------------------------------------------------------------------------
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
+    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one) and keys that are not
+    scalars (a list as a key would raise TypeError, not a YAML error). Merge keys (`<<: *base`) still work:
+    only keys written out are checked, so a key may override a merged one."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(None, None, "a key must be a plain name, not a list or "
+                                                                    "mapping", key_node.start_mark)
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             if key in seen:
@@ -79,6 +86,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise SpecError([_yaml_problem(e)], source) from None
+    except RecursionError:  # PyYAML composes recursively: `[[[[...` thousands deep exhausts the stack
+        raise SpecError([Problem("", "YAML nested too deeply (thousands of levels); a spec is a few levels "
+                                     "of mappings")], source) from None
     if data is None:
         raise SpecError([Problem("", "the file is empty; a spec needs at least `model:` and `pools:`")], source)
     if not isinstance(data, dict):

@@ -14,8 +14,9 @@ from cluster.spec_errors import Problem, SpecError
 
 
 class _Section(BaseModel):
-    # strict: YAML already types its scalars, so "8000" (a string) for a port is a mistake worth naming
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # strict: YAML already types its scalars, so "8000" (a string) for a port is a mistake worth naming;
+    # allow_inf_nan off: YAML's .inf / .nan pass `gt=0` bounds (an infinite deadline is never a real choice)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
     _blank_is_default: ClassVar[tuple[str, ...]] = ()  # keys where `key:` with nothing under it means {}
 
     @model_validator(mode="before")
@@ -33,7 +34,9 @@ def _fail_if(problems: list[Problem]) -> None:
 
 class KVPages(_Section):
     page_size: int = Field(16, ge=1, le=1024)  # tokens per KV page
-    num_pages: int = Field(1024, ge=1)  # pages per replica: 16k tokens, ~380 MB for SmolLM2 in bf16
+    # pages per replica: 16k tokens, ~380 MB for SmolLM2 in bf16. The cap stops an absurd count before the
+    # pool is allocated (2^24 pages of 16 tokens of SmolLM2 is ~6 TB).
+    num_pages: int = Field(1024, ge=1, le=1 << 24)
     storage: Literal["raw", "int8", "fp8"] = "raw"  # page format, also the KV wire format (quantized: ~0.52x)
     eviction: "EvictionSpec | None" = None  # thin prompt KV at the end of prefill (prefill/colocated pools)
 
