@@ -325,7 +325,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached page (pages still in use stay with their requests); how many were cached."""
-        return self.prefix_cache.reset() if self.prefix_cache is not None else 0
+        return self.scheduler.prefix.reset() if self.prefix_cache is not None else 0
 
     def spec_stats(self) -> dict[str, float]:
         """Speculation metrics (acceptance rate, tokens per verify, share of steps speculated, ...); {} if off."""

@@ -13,7 +13,8 @@ Owned by `engine.LLM` when `enable_prefix_caching` is on; the `Scheduler` drives
   3. when no sequence holds the page any more it stays cached but evictable; the allocator counts it as
      free and evicts such pages, least recently released first, when an allocation needs them
      (`PrefixCache._on_evict` forgets the hash). A page a sequence or reservation holds is never evicted;
-  4. `reset()` drops every cache reference (pages in use stay with their sequences).
+  4. `reset()` drops every cache reference (pages in use stay with their sequences and are registered
+     again at the next step).
 The chain starts from a salt of the model fingerprint and the KV page layout (signature with the storage
 format, and the page size), so caches of different models or formats never mix. The last, partially
 filled page of a sequence is never registered, so no one writes into a shared page (copy on write by
@@ -233,3 +234,8 @@ class PrefixSharing:
 
     def forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)
+
+    def reset(self) -> int:
+        """Empty the cache; running requests register their full pages again at the next step."""
+        self._hashes.clear()
+        return self.cache.reset()

@@ -199,6 +199,20 @@ def test_prefill_only_and_add_prefilled_still_work(tiny_dir, reference):
     assert_only_cache_left(llm)
 
 
+def test_reset_while_running_keeps_pages_in_use_and_registers_them_again(tiny_dir, reference):
+    llm = make(tiny_dir, True)
+    llm.generate(PROMPTS[0], GREEDY)
+    ids = [llm.add_request(p, GREEDY) for p in PROMPTS[1:4]]
+    outs = {o.request_id: o for o in llm.step()}
+    assert llm.reset_prefix_cache() > 0 and llm.kv_usage()["cached_pages"] == 0
+    check_pages_safe(llm)
+    for o in llm.generate_until_idle():
+        outs[o.request_id] = o
+    assert_greedy_equal(reference[1:4], [outs[i].token_ids for i in ids])
+    assert llm.cached_prefix_tokens(PROMPTS[1]) == 12  # registered again after the reset
+    assert_only_cache_left(llm)
+
+
 def test_off_by_default_changes_nothing(tiny_dir):
     llm = make(tiny_dir, False)
     assert llm.prefix_stats() == {} and "cached_pages" not in llm.kv_usage()
