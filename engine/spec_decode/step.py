@@ -114,7 +114,9 @@ class SpecDecoder:
             k = tr.draft_len(cap, self.cfg.min_accept) if self.cfg.adaptive else cap
             if k > 0:
                 name = o.proposer if o is not None and o.proposer else self.cfg.proposer
-                groups[name].append(DraftState(req.request_id, req.token_ids, req.num_prompt, k))
+                sampling = None if req.params.greedy else SampleRequest(
+                    req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids)
+                groups[name].append(DraftState(req.request_id, req.token_ids, req.num_prompt, k, sampling))
         base = sum(c.num_tokens for c in sched.chunks)
         if self.cfg.gate and groups and not self._pays(base, [s for ss in groups.values() for s in ss]):
             self.stats.num_gated += 1  # not even the planned lengths pay: do not spend proposer time

@@ -7,7 +7,8 @@ per-request state until `release(request_id)`. This registry is torch-free; impl
 
     ngram        prompt lookup over prompt + output (CopySpec-style), per-request n-gram index
     recycling    Token Recycling: adjacency matrix of the target's top candidates per token (< 2 MB)
-    draft_model  a small causal LM with the target's vocabulary, greedy drafts, its own paged KV
+    draft_model  a small causal LM with the target's vocabulary, its own paged KV; greedy drafts, or
+                 drafts sampled with the request's own keyed noise (coupled) when it samples
     oracle       test fake: the reference continuation (always right)
     always_wrong test fake: the reference continuation shifted by one id (always wrong)
 """
@@ -34,6 +35,10 @@ class DraftState:
     token_ids: list[int]  # prompt + committed outputs (do not modify)
     num_prompt: int
     max_draft: int  # propose at most this many tokens
+    # How the target samples this request (params, seed, output ids; `output_index` = the next output's):
+    # a proposer that samples its drafts with the same keyed noise proposes what the target will draw
+    # whenever the two distributions agree (draft_model). None: greedy, or not given.
+    sampling: Any = None  # engine.sampler.SampleRequest for the first draft position
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`draft_model`: a small causal LM with the target's vocabulary proposes greedy drafts.
+"""`draft_model`: a small causal LM with the target's vocabulary proposes drafts.
 
 The draft model runs in this process on its own `engine.LLM` (its own weights, page pool and block
 tables; its scheduler is unused: this proposer schedules for itself). Per request it keeps KV for a prefix
@@ -6,16 +6,26 @@ of the request's tokens: `(n, tail)` = the first n committed tokens plus the dra
 Each `propose_batch`:
   1. catch up: keep the cached tail while it matches what the target committed, roll back the rest
      (`BlockTables.truncate`), feed the missing tokens (>= 1) in one ragged forward -> first draft;
-  2. k - 1 batched one-token forwards -> the other drafts (greedy: argmax; q is one-hot).
+  2. k - 1 batched one-token forwards -> the other drafts.
+Greedy requests get argmax drafts. Sampling requests get drafts *sampled with their own keyed noise*:
+draft j is the keyed sampler (engine/sampler.py, exponential race) applied to the draft model's logits with
+the request's params, seed and output index num_output + j -- the same noise the target's verify row j
+uses. Verification stays exact equality with the target's keyed sample (verify.py), so the output is
+exactly plain decoding's; the coupling makes the two samples agree whenever the two distributions do
+(Gumbel-max coupling: P[equal] >= (1 - TV) / (1 + TV)), where argmax drafts would be accepted only with
+the target's probability of the argmax.
 Drafting stops for a request when its pool has no free page (never an error). Testing with the target's
 own weights gives an always-right oracle (up to float near-ties).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.batch import SeqStep, StepBatch
 from engine.errors import InvalidRequestError
+from engine.sampler import SampleRequest, sample_one
 from engine.spec_decode.proposers import DraftState, Proposer, ProposerContext
 
 
@@ -39,6 +49,7 @@ class DraftModelProposer(Proposer):
 
     def propose_batch(self, states: list[DraftState]) -> list[list[int]]:
         drafts: dict[str, list[int]] = {s.request_id: [] for s in states}
+        by_id = {s.request_id: s for s in states}
         seqs, want = [], {}
         for s in states:
             if s.max_draft <= 0:
@@ -54,7 +65,7 @@ class DraftModelProposer(Proposer):
             nxt = []
             for seq, r in zip(seqs, out.results):
                 rid = seq.request_id
-                tok = int(torch.argmax(r.logits[-1]))
+                tok = _draft_token(r.logits[-1], by_id[rid].sampling, drafts[rid])
                 drafts[rid].append(tok)
                 if len(drafts[rid]) < want[rid] and self._grow(rid, 1):
                     nxt.append(self._seq(rid, [tok], seq.position_start + len(seq.token_ids)))
@@ -93,3 +104,13 @@ class DraftModelProposer(Proposer):
 
     def kv_usage(self) -> dict[str, int]:
         return self.llm.kv_usage()
+
+
+def _draft_token(logits: torch.Tensor, sampling: SampleRequest | None, drafted: list[int]) -> int:
+    """logits: [vocab] of the draft model at the next draft position (see the module map)."""
+    if sampling is None:
+        return int(torch.argmax(logits))
+    params = sampling.params if sampling.params.logprobs is None else dataclasses.replace(sampling.params, logprobs=None)
+    req = SampleRequest(params, sampling.seed, sampling.output_index + len(drafted), sampling.prompt_token_ids,
+                        list(sampling.output_token_ids) + drafted)
+    return sample_one(logits.float(), req).token_id
