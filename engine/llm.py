@@ -150,9 +150,15 @@ class LLM:
         return req.request_id
 
     # ---- disaggregation entry points ---------------------------------------------------------
-    def reserve(self, num_tokens: int, lease_s: float = 30.0) -> Reservation:
-        """Hold pages for `num_tokens` of KV arriving from elsewhere (OutOfPagesError if none)."""
-        return self.allocator.reserve(self.tables.pages_for(num_tokens), lease_s)
+    def reserve(self, num_tokens: int, lease_s: float = 30.0, token_ids: list[int] | None = None) -> Reservation:
+        """Hold pages for `num_tokens` of KV arriving from elsewhere (OutOfPagesError if none).
+        `token_ids` (the prompt; prefix caching on): the pages of its cached prefix are shared into the
+        reservation instead, so only tokens from `num_shared * page_size` on need shipping; the KV must
+        then not be evicted/compacted (no `num_slots`), and nothing may write into the shared pages."""
+        pages = []
+        if token_ids is not None and self.prefix_cache is not None:
+            pages = self.prefix_cache.lookup(token_ids, num_tokens // self.kv_spec.page_size)[0]
+        return self.allocator.reserve(self.tables.pages_for(num_tokens) - len(pages), lease_s, pages)
 
     def add_prefilled_request(self, prompt_token_ids: list[int], first_token_id: int, reservation_id: str,
                               params: SamplingParams | None = None, request_id: str | None = None,
@@ -164,6 +170,8 @@ class LLM:
         tok = self._tokens([first_token_id])[0]
         if num_slots is not None and not 0 < num_slots <= req.num_prompt:
             raise InvalidRequestError("num_slots", f"{num_slots} for a {req.num_prompt}-token prompt")
+        if num_slots is not None and self.allocator.get_reservation(reservation_id).num_shared:
+            raise InvalidRequestError("num_slots", "evicted KV cannot join a reservation on cached prefix pages")
         pages = self.allocator.commit(reservation_id, seq_owner(req.request_id))
         self.tables.adopt(req.request_id, pages, req.num_prompt)
         if num_slots is not None:

@@ -31,6 +31,7 @@ class Reservation:
     nonce: str
     pages: list[int]
     expires_at: float
+    num_shared: int = 0  # leading pages shared from elsewhere (cached prefix): their KV is there already
 
     @property
     def owner(self) -> str:
@@ -153,10 +154,16 @@ class PageAllocator:
     def num_reservations(self) -> int:
         return len(self._reservations)
 
-    def reserve(self, n: int, lease_s: float) -> Reservation:
+    def reserve(self, n: int, lease_s: float, shared: list[int] = ()) -> Reservation:
+        """Hold `n` new pages, after `shared` held pages (a cached prefix) the reservation references too."""
         rid = secrets.token_hex(8)
-        res = Reservation(rid, secrets.token_hex(16), [], self.clock() + lease_s)
-        res.pages = self.allocate(res.owner, n)
+        res = Reservation(rid, secrets.token_hex(16), [], self.clock() + lease_s, len(shared))
+        self.share(res.owner, list(shared))  # first: shared pages stop being evictable, so free counts true
+        try:
+            res.pages = list(shared) + self.allocate(res.owner, n)
+        except OutOfPagesError:
+            self.release(res.owner, list(shared))
+            raise
         self._reservations[rid] = res
         return res
 

@@ -135,6 +135,28 @@ def test_admission_counts_hit_pages_as_no_longer_free():
     assert_allocator_empty(alloc)
 
 
+def test_reservation_on_cached_pages_commits_cancels_and_fails_atomically():
+    alloc, cache, tables, share = make(6)
+    a = request("a", list(range(10, 18)))
+    compute(tables, a, 8)
+    share.register(a)
+    tables.free("a")
+    hit = cache.lookup(list(range(10, 20)))[0]
+    with pytest.raises(OutOfPagesError):
+        alloc.reserve(5, 30.0, hit)  # 2 shared + 5 new > 6: nothing held afterwards
+    assert alloc.num_reservations == 0 and all(alloc.is_evictable(p) for p in hit)
+    res = alloc.reserve(1, 30.0, hit)
+    assert res.num_shared == 2 and res.pages[:2] == hit and alloc.num_in_use == 3
+    assert alloc.commit(res.reservation_id, seq_owner("b")) == res.pages
+    assert all(alloc.refcount(p) == 2 for p in hit)  # the sequence and the cache
+    alloc.release_owner(seq_owner("b"))
+    res = alloc.reserve(0, 30.0, hit)
+    alloc.cancel(res.reservation_id)
+    assert alloc.num_in_use == 0 and alloc.num_evictable == 2
+    cache.reset()
+    assert_allocator_empty(alloc)
+
+
 def test_duplicate_pages_keep_the_first_copy_and_rollback_off_a_shared_page():
     alloc, cache, tables, share = make(12)
     a, b = request("a", list(range(10, 19))), request("b", list(range(10, 19)))

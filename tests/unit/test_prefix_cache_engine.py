@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import InvalidRequestError, SamplingParams
 from engine.kv_cache.block_table import seq_owner
 from engine.kv_cache.prefix_cache import CACHE_OWNER
 from engine.llm import LLM
@@ -211,6 +211,38 @@ def test_reset_while_running_keeps_pages_in_use_and_registers_them_again(tiny_di
     assert_greedy_equal(reference[1:4], [outs[i].token_ids for i in ids])
     assert llm.cached_prefix_tokens(PROMPTS[1]) == 12  # registered again after the reset
     assert_only_cache_left(llm)
+
+
+def test_reserve_shares_the_cached_prefix_so_only_the_suffix_is_shipped(tiny_dir, reference):
+    """The decode-side seam for the disaggregated path: KV for tokens past the cached prefix only."""
+    prefill, dec = make(tiny_dir, False), make(tiny_dir, True)
+    dec.generate(BASE, GREEDY)  # the decode engine has the system prompt cached
+    prompt = PROMPTS[7]  # BASE + TAIL[4]: 7 cached pages (28 tokens), 8 tokens to ship
+    rid = prefill.add_request(prompt, GREEDY, prefill_only=True)
+    first = [o for o in prefill.generate_until_idle() if o.request_id == rid][0]
+    pages, n = prefill.held_pages(rid)
+    res = dec.reserve(n, token_ids=prompt)
+    start = res.num_shared * PS
+    assert start == 28 and len(res.pages) == dec.tables.pages_for(n)
+    shared = torch.tensor([res.pages[i // PS] * PS + i % PS for i in range(start)])
+    before = [dec.backend.read(layer, shared) for layer in range(dec.config.num_layers)]
+    for layer in range(dec.config.num_layers):  # ship only tokens [start, n)
+        src = torch.tensor([pages[i // PS] * PS + i % PS for i in range(start, n)])
+        dst = torch.tensor([res.pages[i // PS] * PS + i % PS for i in range(start, n)])
+        dec.backend.write(layer, dst, *prefill.backend.read(layer, src))
+    prefill.release_held(rid)
+    with pytest.raises(InvalidRequestError):
+        dec.add_prefilled_request(prompt, first.token_ids[0], res.reservation_id, GREEDY, num_slots=20)
+    did = dec.add_prefilled_request(prompt, first.token_ids[0], res.reservation_id, GREEDY)
+    out = [o for o in dec.generate_until_idle() if o.request_id == did][-1]
+    assert_greedy_equal([reference[7]], [out.token_ids])
+    for layer, (k, v) in enumerate(before):  # nothing wrote into the shared pages
+        k2, v2 = dec.backend.read(layer, shared)
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    cancelled = dec.reserve(n, token_ids=prompt)  # a cancelled reservation hands its shared pages back
+    dec.allocator.cancel(cancelled.reservation_id)
+    assert_engine_empty(prefill)
+    assert_only_cache_left(dec)
 
 
 def test_off_by_default_changes_nothing(tiny_dir):
