@@ -49,7 +49,7 @@ class LLM:
                  keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None,
                  kv_storage: str = "raw", kv_eviction: EvictionPolicy | dict | None = None,
                  enable_prefix_caching: bool = False,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_dir = resolve_model(model)
@@ -58,21 +58,23 @@ class LLM:
         self.fingerprint = fingerprint(self.model_dir, dtype)
         self.tokenizer = Tokenizer(self.model_dir)
         self.tensor_parallel_size = tp = tensor_parallel_size  # > 1: ranks in processes of their own
-        if tp != 1:
-            from engine.parallel.tp_runner import TPRunner, check_supported
+        self.pipeline_parallel_size = pp = pipeline_parallel_size  # > 1: layer stages, one process each
+        parallel = (tp, pp) != (1, 1)
+        if parallel:
+            from engine.parallel.tp_runner import check_supported, make_parallel_runner
 
-            check_supported(self.config, tp, speculative, kv_eviction)
-        self.model = None if tp != 1 else LlamaForward(self.config, load_weights(self.model_dir), _torch_dtype(dtype), device)
+            check_supported(self.config, tp, speculative, kv_eviction, pp)
+        self.model = None if parallel else LlamaForward(self.config, load_weights(self.model_dir), _torch_dtype(dtype), device)
         self.max_model_len = min(max_model_len or self.config.max_position, self.config.max_position)
         if num_pages is None:
             num_pages = max(-(-16384 // page_size), -(-self.max_model_len // page_size))
         c = self.config
         self.kv_spec = KVPageSpec(c.num_layers, c.num_kv_heads, c.head_dim, page_size, dtype, kv_storage)
         self.allocator = PageAllocator(num_pages, clock=clock)
-        self.backend = None if tp != 1 else make_backend(self.kv_spec, num_pages, device)  # TP: one per rank
+        self.backend = None if parallel else make_backend(self.kv_spec, num_pages, device)  # parallel: one per rank
         self.tables = BlockTables(self.allocator, page_size)
-        self.runner = (ModelRunner(self.model, self.backend, page_size) if tp == 1 else
-                       TPRunner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, device))
+        self.runner = (ModelRunner(self.model, self.backend, page_size) if not parallel else
+                       make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device))
         eos = tuple(c.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                                    self.tables, eos)
@@ -294,7 +296,7 @@ class LLM:
 
     # ---- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Shut down the rank processes of a tensor-parallel engine; nothing to do for one process."""
+        """Shut down the rank processes of a parallel engine; nothing to do for one process."""
         if hasattr(self.runner, "close"):
             self.runner.close()
 

@@ -7,7 +7,9 @@ which is where most of the CPU time goes. GQA, RMSNorm, SwiGLU, tied embeddings.
 
 Tensor parallelism (`engine.parallel`): a rank builds this with its shard of the weights, a config with
 its local head counts and an `all_reduce` callable; o and down are then row-parallel (partial sums
-all-reduced before the residual add). Without `all_reduce` the path is the single-process one, unchanged.
+all-reduced before the residual add). Pipeline parallelism: a stage builds it with `layers` (its slice of
+the global layer ids); only the first stage embeds, only the last norms and holds the LM head. Without
+either, the path is the single-process one, unchanged.
 """
 from __future__ import annotations
 
@@ -38,41 +40,51 @@ class LayerWeights:
 
 class LlamaForward:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu",
-                 all_reduce: AllReduce | None = None):
+                 all_reduce: AllReduce | None = None, layers: range | None = None):
         self.cfg = cfg
         self.all_reduce = all_reduce  # set on tensor-parallel ranks: o and down hold partial sums
+        self.layer_ids = range(cfg.num_layers) if layers is None else layers  # a pipeline stage: a slice
+        self.is_first = self.layer_ids.start == 0  # embeds token ids (later stages receive hidden states)
+        self.is_last = self.layer_ids.stop == cfg.num_layers  # final norm and LM head
         self.dtype = dtype
         self.device = torch.device(device)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
-        self.embed = w("model.embed_tokens.weight")  # [vocab, hidden]
         tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"))
-        self.final_norm = w("model.norm.weight")
-        self.layers: list[LayerWeights] = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            bias = None
-            if cfg.qkv_bias:
-                bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"])
-            self.layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
-                qkv=Linear(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]), bias),
-                o=Linear(w(a + "o_proj.weight")),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                down=Linear(w(p + "mlp.down_proj.weight")),
-            ))
+        self.embed = None  # [vocab, hidden]
+        if self.is_first or (self.is_last and tied):
+            self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.final_norm = None
+        if self.is_last:
+            self.lm_head = Linear(self.embed if tied else w("lm_head.weight"))
+            self.final_norm = w("model.norm.weight")
+        self.layers: list[LayerWeights] = [self._layer(w, i) for i in self.layer_ids]
         self.rotary = RotaryTable(cfg.head_dim, cfg.rope, cfg.max_position, dtype, device)
         self.scale = cfg.head_dim ** -0.5
+
+    def _layer(self, w: Callable[[str], torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        bias = None
+        if self.cfg.qkv_bias:
+            bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"])
+        return LayerWeights(
+            input_norm=w(p + "input_layernorm.weight"),
+            qkv=Linear(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]), bias),
+            o=Linear(w(a + "o_proj.weight")),
+            post_norm=w(p + "post_attention_layernorm.weight"),
+            gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+            down=Linear(w(p + "mlp.down_proj.weight")),
+        )
 
     def weight_bytes(self) -> int:
         """Bytes a decode step must read: every layer, the final norm and the LM head (embedding rows are
         gathered, not read whole, unless the head is tied to them)."""
-        total = self.lm_head.nbytes() + self.final_norm.numel() * self.final_norm.element_size()
+        total = 0
+        if self.is_last:
+            total += self.lm_head.nbytes() + self.final_norm.numel() * self.final_norm.element_size()
         for lw in self.layers:
             for part in vars(lw).values():
                 total += part.nbytes() if isinstance(part, Linear) else part.numel() * part.element_size()
@@ -82,15 +94,17 @@ class LlamaForward:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)  # [num_tokens, hidden]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                backend, layer_hook: LayerHook | None = None) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+                backend, layer_hook: LayerHook | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]. A pipeline
+        stage after the first gets the previous stage's `hidden` [num_tokens, hidden] instead of
+        embedding the ids; a stage before the last returns its hidden states un-normed."""
         cfg = self.cfg
         t = input_ids.shape[0]
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         cos, sin = self.rotary.lookup(positions)
-        x = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        x = F.embedding(input_ids, self.embed) if hidden is None else hidden  # [num_tokens, hidden]
         nh = cfg.num_heads + cfg.num_kv_heads
-        for i, lw in enumerate(self.layers):
+        for i, lw in zip(self.layer_ids, self.layers):
             h = self._norm(x, lw.input_norm)
             qkv = lw.qkv(h)  # [num_tokens, (q_heads + 2 kv_heads) * head_dim]
             qk = apply_rotary(qkv[:, :nq + nkv].view(t, nh, hd), cos, sin)  # RoPE on q and k heads at once
@@ -103,7 +117,7 @@ class LlamaForward:
             x = self._residual(lw.down, F.silu(gate) * up, x)
             if layer_hook is not None:
                 layer_hook(i)
-        return self._norm(x, self.final_norm)
+        return self._norm(x, self.final_norm) if self.is_last else x
 
     def _residual(self, linear: Linear, inp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x + linear(inp); under tensor parallelism the rank's partial product is summed over ranks

@@ -3,7 +3,8 @@
 Stateless about requests: page tables and slot counts come in the batch (the scheduler owns them). One
 forward over the packed ragged batch, logits only at the rows asked for, then sampling. Hooks registered
 with `add_layer_hook` run after each layer (layer-wise KV publishing); attention observation is opt-in per
-request through `StepBatch.observe`.
+request through `StepBatch.observe`. A pipeline stage (engine/parallel) calls the two halves itself:
+`run_layers` (its layers, given the previous stage's hidden states) and, on the last stage, `finish`.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from engine.attention_context import SeqLayout, build_context
+from engine.attention_context import AttentionContext, SeqLayout, build_context
 from engine.batch import SeqResult, StepBatch, StepOutput
 from engine.model import LlamaForward
 from engine.sampler import sample_batch
@@ -35,6 +36,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput:
+        return self.finish(batch, *self.run_layers(batch))
+
+    @torch.inference_mode()
+    def run_layers(self, batch: StepBatch, hidden: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, list[int], AttentionContext]:
+        """The model's layers over the packed batch: (hidden [num_tokens, hidden], packed rows that want
+        logits, context). A pipeline stage after the first passes the previous stage's `hidden`."""
         assert batch.seqs, "empty step batch"
         ids: list[int] = []
         positions: list[int] = []
@@ -54,7 +62,14 @@ class ModelRunner:
                     h(layer, batch)
         dev = self.device
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=dev),
-                                    torch.tensor(positions, dtype=torch.long, device=dev), ctx, self.backend, hook)
+                                    torch.tensor(positions, dtype=torch.long, device=dev), ctx, self.backend, hook,
+                                    hidden)
+        return hidden, rows, ctx
+
+    @torch.inference_mode()
+    def finish(self, batch: StepBatch, hidden: torch.Tensor, rows: list[int], ctx: AttentionContext) -> StepOutput:
+        """Logits at the asked-for rows of the final hidden states, then sampling."""
+        dev = self.device
         logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
         return StepOutput(self._results(batch, logits), ctx.observations)
 

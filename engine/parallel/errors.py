@@ -19,11 +19,11 @@ class ParallelConfigError(PdserveError, ValueError):
 
 
 class UnsupportedWithParallelError(PdserveError, ValueError):
-    """A feature combined with tensor_parallel_size > 1 that the ranks cannot run yet."""
+    """A feature combined with tensor or pipeline parallelism that the ranks cannot run yet."""
 
     def __init__(self, field: str, message: str):
         self.field = field
-        super().__init__(f"{field}: {message} (not supported with tensor_parallel_size > 1)")
+        super().__init__(f"{field}: {message} (not supported with tensor or pipeline parallelism)")
 
 
 class RankFailedError(PdserveError, RuntimeError):

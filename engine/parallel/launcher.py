@@ -1,7 +1,8 @@
-"""Engine-level launcher: N rank processes on this machine, each running one `RankWorker`, behind pipes.
+"""Engine-level launcher: N rank processes on this machine, each running one `RankWorker` (tensor
+parallel) or `StageWorker` (pipeline parallel), behind pipes.
 
 Used by `TPRunner` (standalone `LLM(tensor_parallel_size=N)` and tests); the cluster wraps the same
-`RankWorker` in Ray actors instead. Order: pick a free loopback port -> start N `python -m
+workers in Ray actors instead. Order: pick a free loopback port -> start N `python -m
 engine.parallel.launcher <fd>` processes, each holding one end of a socketpair (a fresh interpreter, so a
 caller's script needs no `if __name__ == "__main__"` guard, unlike multiprocessing's spawn) -> send each its
 `RankSpec`; `_rank_main` sets one torch thread, builds the worker and answers "ready" or the traceback ->
@@ -30,6 +31,7 @@ import torch
 from engine.batch import SeqResult, StepOutput
 from engine.parallel.errors import RankFailedError
 from engine.parallel.rank_worker import RankSpec, RankWorker
+from engine.parallel.stage_worker import StageSpec, StageWorker
 
 START_TIMEOUT_S = 600.0  # import torch + read a shard, N processes sharing a few cores
 STEP_TIMEOUT_S = 600.0
@@ -60,15 +62,21 @@ def _send(conn: Connection, msg: tuple) -> None:
     conn.send_bytes(pickle.dumps(msg))
 
 
+def build_worker(spec: RankSpec | StageSpec) -> RankWorker | StageWorker:
+    """A tensor-parallel rank or a pipeline stage, by the spec's type."""
+    if isinstance(spec, StageSpec):
+        return StageWorker(spec)
+    assert isinstance(spec, RankSpec), type(spec)
+    return RankWorker(spec)
+
+
 def _rank_main(conn: Connection) -> None:
     """Body of a rank process: read the spec, build the worker, serve ("step", batch) until ("close",)
     or EOF (the driver is gone)."""
     torch.set_num_threads(1)  # ranks share the machine's cores: one thread each (DESIGN.md)
     worker = None
     try:
-        spec = pickle.loads(conn.recv_bytes())
-        assert isinstance(spec, RankSpec), type(spec)
-        worker = RankWorker(spec)
+        worker = build_worker(pickle.loads(conn.recv_bytes()))
         _send(conn, ("ready", os.getpid()))
         while True:
             try:
@@ -122,9 +130,9 @@ def _start(spec: RankSpec) -> tuple[subprocess.Popen, Connection]:
 
 
 class RankProcesses:
-    """N local processes, rank r runs `RankWorker(specs[r])`."""
+    """N local processes, rank r runs `build_worker(specs[r])`."""
 
-    def __init__(self, specs: list[RankSpec]):
+    def __init__(self, specs: list[RankSpec | StageSpec]):
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)

@@ -69,6 +69,21 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, rank: int, size: int) ->
     return out
 
 
+def init_group(init_method: str, rank: int, size: int, cuda: bool, timeout_s: float) -> None:
+    """Join the replica's process group: NCCL on CUDA, gloo on CPU (kept on loopback when the
+    rendezvous is: gloo otherwise binds to the address the machine's hostname resolves to)."""
+    host = urlparse(init_method).hostname
+    if not cuda and host in LOOPBACK_HOSTS and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def close_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class RankWorker:
     def __init__(self, spec: RankSpec):
         self.spec = spec
@@ -79,7 +94,7 @@ class RankWorker:
         self.device = torch.device(f"cuda:{spec.rank}") if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
-        self._init_group("nccl" if cuda else "gloo")
+        init_group(spec.init_method, spec.rank, spec.size, cuda, spec.timeout_s)
         cfg = local_config(full_cfg, spec.rank, spec.size)
         weights = load_shard(spec.model_dir, full_cfg, spec.rank, spec.size)
         self.model = LlamaForward(cfg, weights, torch_dtype(spec.dtype), self.device, all_reduce=self._all_reduce)
@@ -87,15 +102,6 @@ class RankWorker:
         self.kv_spec = shard_kv_spec(spec.kv_spec, spec.rank, spec.size)
         self.backend = make_backend(self.kv_spec, spec.num_pages, self.device)
         self.runner = ModelRunner(self.model, self.backend, self.kv_spec.page_size)
-
-    def _init_group(self, backend: str) -> None:
-        host = urlparse(self.spec.init_method).hostname
-        if backend == "gloo" and host in LOOPBACK_HOSTS and os.path.exists("/sys/class/net/lo"):
-            # gloo binds to the address the machine's hostname resolves to unless told otherwise;
-            # a replica rendezvousing on loopback keeps its traffic (and listening sockets) there too.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=self.spec.init_method, rank=self.spec.rank,
-                                world_size=self.spec.size, timeout=timedelta(seconds=self.spec.timeout_s))
 
     @staticmethod
     def _all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -110,8 +116,7 @@ class RankWorker:
         return out if self.rank == 0 else None
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_group()
 
 
 def without_logits(batch: StepBatch) -> StepBatch:

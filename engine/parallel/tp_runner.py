@@ -1,10 +1,13 @@
-"""`TPRunner`: the driver-side runner of a tensor-parallel replica, with `ModelRunner`'s surface.
+"""Driver-side runners of a parallel replica, with `ModelRunner`'s surface: `TPRunner` (tensor
+parallel) and `PPRunner` (pipeline parallel).
 
-`LLM(tensor_parallel_size=N)` builds one in place of `ModelRunner`; the scheduler, the page allocator and
-the block tables stay in the driver, unchanged. Per step: `execute(batch)` sends the `StepBatch` (plain
-data) to the N ranks of `RankProcesses` — rank 0 the whole batch, the others a copy without logits rows or
-sampling — and returns rank 0's `StepOutput`. `close()` (also run by `LLM.close()` and at interpreter
-exit) shuts the ranks down. `check_supported` names the `LLM` options that cannot run across ranks yet.
+`LLM(tensor_parallel_size=N)` / `LLM(pipeline_parallel_size=N)` builds one (`make_parallel_runner`) in
+place of `ModelRunner`; the scheduler, the page allocator and the block tables stay in the driver,
+unchanged. Per step: `execute(batch)` sends the `StepBatch` (plain data) to the N processes of
+`RankProcesses` — the output rank (TP: rank 0; PP: the last stage) the whole batch, the others a copy
+without logits rows or sampling — and returns the output rank's `StepOutput`. `close()` (also run by
+`LLM.close()` and at interpreter exit) shuts the processes down. `check_supported` validates the degrees
+and names the `LLM` options that cannot run across processes yet, before anything is loaded or started.
 """
 from __future__ import annotations
 
@@ -19,12 +22,17 @@ from engine.parallel.errors import UnsupportedWithParallelError
 from engine.parallel.launcher import RankProcesses, free_port, output_from_wire
 from engine.parallel.rank_worker import RankSpec, without_logits
 from engine.parallel.shard import kv_head_range, shard_kv_spec, validate_tp
+from engine.parallel.stage_worker import StageSpec
+from engine.parallel.stages import stage_kv_spec, stage_layers, validate_pp
 
 
-def check_supported(cfg: ModelConfig, size: int, speculative=None, kv_eviction=None) -> None:
-    """ParallelConfigError if `size` does not split `cfg`; UnsupportedWithParallelError for options whose
-    state lives beside one model and one page pool. Runs before any weight is read or process started."""
-    validate_tp(cfg, size)
+def check_supported(cfg: ModelConfig, tp: int, speculative=None, kv_eviction=None, pp: int = 1) -> None:
+    """ParallelConfigError if a degree does not split `cfg`; UnsupportedWithParallelError for options
+    whose state lives beside one model and one page pool. Runs before any weight is read."""
+    validate_tp(cfg, tp)
+    validate_pp(cfg, pp)
+    if tp > 1 and pp > 1:
+        raise UnsupportedWithParallelError("pipeline_parallel_size", "stages of several tensor-parallel ranks")
     if speculative is not None:
         raise UnsupportedWithParallelError("speculative", "draft-verify decoding runs proposers and drafts "
                                                           "against a single-process model")
@@ -33,25 +41,23 @@ def check_supported(cfg: ModelConfig, size: int, speculative=None, kv_eviction=N
                                                           "in one local page pool")
 
 
-class TPRunner:
-    def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec, num_pages: int,
-                 size: int, device: str = "cpu"):
-        validate_tp(cfg, size)
-        self.cfg = cfg
+def make_parallel_runner(model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec,
+                         num_pages: int, tp: int, pp: int, device: str = "cpu"):
+    check_supported(cfg, tp, pp=pp)
+    if pp > 1:
+        return PPRunner(model_dir, cfg, dtype, kv_spec, num_pages, pp, device)
+    return TPRunner(model_dir, cfg, dtype, kv_spec, num_pages, tp, device)
+
+
+class _ParallelRunner:
+    output_rank = 0
+
+    def __init__(self, kv_spec: KVPageSpec, size: int, specs: list):
         self.size = size
         self.page_size = kv_spec.page_size
         self.device = torch.device("cpu")  # where outputs arrive, whatever the ranks compute on
-        self.kv_spec = kv_spec  # the replica's whole layout; rank r holds rank_kv_spec(r)
-        init = f"tcp://127.0.0.1:{free_port()}"
-        specs = [RankSpec(str(model_dir), dtype, r, size, init, kv_spec, num_pages, device) for r in range(size)]
+        self.kv_spec = kv_spec  # the replica's whole layout; see rank_kv_spec for each process's part
         self.ranks = RankProcesses(specs)
-
-    def rank_kv_spec(self, rank: int) -> KVPageSpec:
-        return shard_kv_spec(self.kv_spec, rank, self.size)
-
-    def rank_kv_heads(self, rank: int) -> range:
-        """Global KV heads rank `rank` holds (the seam for KV resharding on transfer)."""
-        return kv_head_range(self.kv_spec.num_kv_heads, rank, self.size)
 
     @property
     def pids(self) -> list[int]:
@@ -62,16 +68,51 @@ class TPRunner:
                                                           "KV publishing needs per-rank senders")
 
     def remove_layer_hook(self, hook) -> None:
-        raise ValueError("no layer hooks are registered on a tensor-parallel runner")
+        raise ValueError("no layer hooks are registered on a parallel runner")
 
     def execute(self, batch: StepBatch) -> StepOutput:
         assert batch.seqs, "empty step batch"
         if batch.observe:
             raise UnsupportedWithParallelError("StepBatch.observe", "attention observation")
         rest = without_logits(batch)
-        replies = self.ranks.call([batch] + [rest] * (self.size - 1))
-        assert all(r is None for r in replies[1:]), "only rank 0 answers with an output"
-        return output_from_wire(replies[0])
+        replies = self.ranks.call([batch if r == self.output_rank else rest for r in range(self.size)])
+        assert sum(r is not None for r in replies) == 1, "exactly the output rank answers with an output"
+        return output_from_wire(replies[self.output_rank])
 
     def close(self) -> None:
         self.ranks.close()
+
+
+class TPRunner(_ParallelRunner):
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec, num_pages: int,
+                 size: int, device: str = "cpu"):
+        validate_tp(cfg, size)
+        init = f"tcp://127.0.0.1:{free_port()}"
+        specs = [RankSpec(str(model_dir), dtype, r, size, init, kv_spec, num_pages, device) for r in range(size)]
+        super().__init__(kv_spec, size, specs)
+
+    def rank_kv_spec(self, rank: int) -> KVPageSpec:
+        return shard_kv_spec(self.kv_spec, rank, self.size)
+
+    def rank_kv_heads(self, rank: int) -> range:
+        """Global KV heads rank `rank` holds (the seam for KV resharding on transfer)."""
+        return kv_head_range(self.kv_spec.num_kv_heads, rank, self.size)
+
+
+class PPRunner(_ParallelRunner):
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec, num_pages: int,
+                 size: int, device: str = "cpu", micro_batches: int = 0):
+        validate_pp(cfg, size)
+        self.output_rank = size - 1  # the last stage holds the LM head
+        self.num_layers = cfg.num_layers
+        init = f"tcp://127.0.0.1:{free_port()}"
+        specs = [StageSpec(str(model_dir), dtype, s, size, init, kv_spec, num_pages, device,
+                           micro_batches=micro_batches) for s in range(size)]
+        super().__init__(kv_spec, size, specs)
+
+    def stage_layers(self, stage: int) -> range:
+        """Global layer ids stage `stage` holds (the seam for shipping a stage's KV on transfer)."""
+        return stage_layers(self.num_layers, stage, self.size)
+
+    def rank_kv_spec(self, stage: int) -> KVPageSpec:
+        return stage_kv_spec(self.kv_spec, self.stage_layers(stage))

@@ -9,21 +9,15 @@ no pages in use and every rank process reaped.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from engine import SamplingParams
 from engine.llm import LLM
 from engine.parallel.errors import ParallelConfigError, RankFailedError, UnsupportedWithParallelError
-from tests.conftest import assert_engine_empty
-from tests.exactness import assert_greedy_equal, assert_logits_close
+from tests.parallel_helpers import BATCHING, PROMPTS, assert_parallel_equal, assert_ranks_gone
 from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 23]
-# 16-token budget: the 40- and 23-token prompts are prefilled in chunks beside the others' decodes
-BATCHING = dict(max_num_batched_tokens=16, max_num_seqs=4, page_size=4, num_pages=96)
 
 
 def tiny(tmp_path_factory, heads: int, kv: int):
@@ -41,34 +35,8 @@ def tiny82(tmp_path_factory):
     return tiny(tmp_path_factory, 8, 2)
 
 
-def assert_ranks_gone(llm: LLM) -> None:
-    procs = llm.runner.ranks.procs
-    assert all(p.returncode is not None for p in procs), "a rank process is still running"
-    assert not any(os.path.exists(f"/proc/{p.pid}") for p in procs), "a rank process was not reaped"
-
-
-def generate(model_dir, prompts, params, **kw) -> tuple[list[list[int]], list]:
-    """(tokens, logits) per prompt; the engine is closed and checked empty (and rank-free) on return."""
-    llm = LLM(model=str(model_dir), dtype="float32", keep_logits=True, **{**BATCHING, **kw})
-    try:
-        outs = llm.generate(prompts, params)
-        assert_engine_empty(llm)
-    finally:
-        llm.close()
-    if llm.tensor_parallel_size > 1:
-        assert_ranks_gone(llm)
-    return [o.token_ids for o in outs], [o.logits for o in outs]
-
-
 def assert_tp_equal(model_dir, size: int, prompts=PROMPTS, params=GREEDY, **kw) -> None:
-    import torch
-
-    ref, ref_logits = generate(model_dir, prompts, params, **kw)
-    got, got_logits = generate(model_dir, prompts, params, tensor_parallel_size=size, **kw)
-    ref_stacked = [torch.stack(lg) for lg in ref_logits]
-    assert_greedy_equal(ref, got, ref_stacked)
-    for r, g, tokens in zip(ref_stacked, got_logits, got):
-        assert_logits_close(r, torch.stack(g), len(tokens), atol=1e-4)
+    assert_parallel_equal(model_dir, prompts, params, tensor_parallel_size=size, **kw)
 
 
 def test_tp2_llama_8q_4kv_equals_tp1(tiny84):
@@ -100,7 +68,7 @@ def test_kv_heads_neither_divided_nor_replicable(tmp_path_factory):
 @pytest.mark.parametrize("kw, field", [(dict(speculative={"method": "ngram"}), "speculative"),
                                        (dict(kv_eviction={"method": "snapkv"}), "kv_eviction")])
 def test_unsupported_combinations_raise_at_construction(tiny84, kw, field):
-    with pytest.raises(UnsupportedWithParallelError, match="tensor_parallel_size") as e:
+    with pytest.raises(UnsupportedWithParallelError, match="pipeline parallelism") as e:
         LLM(model=str(tiny84), dtype="float32", tensor_parallel_size=2, **kw)
     assert e.value.field == field
 
