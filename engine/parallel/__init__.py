@@ -1,13 +1,17 @@
-"""Tensor-parallel execution of one engine replica (issue 9).
+"""Tensor- and pipeline-parallel execution of one engine replica (issue 9).
 
-Module map, in the order a step meets them:
-- `shard.py`: pure functions: validate a degree against the heads, which heads a rank holds (with KV-head
-  replication), the slice of each weight a rank holds, a rank's KV page spec.
-- `tp_runner.py`: `TPRunner`, the driver's runner (same `execute(batch) -> StepOutput` as `ModelRunner`);
-  `LLM(tensor_parallel_size=N)` uses it; `check_supported` names the options that cannot run across ranks.
-- `launcher.py`: `RankProcesses`, N local rank processes behind pipes (spawn, free loopback port, shutdown).
-- `rank_worker.py`: `RankWorker`, one rank (process group, weight shard, own page pool, `ModelRunner`);
-  free of process-launch concerns so `cluster/` can host it in a Ray actor.
+The replica's driver (`engine.LLM`) keeps the scheduler, the page allocator and the block tables and
+sends each step as a plain `StepBatch` to N processes, each with its own page pool under the same page
+ids. Module map, in the order a step meets them:
+- `tp_runner.py`: `TPRunner` / `PPRunner`, the driver's runners (same `execute(batch) -> StepOutput` as
+  `ModelRunner`), `make_parallel_runner`, and `check_supported` (degrees and options, before launch).
+- `launcher.py`: `RankProcesses`, N local processes behind socketpairs (free loopback port, shutdown).
+- `rank_worker.py`: `RankWorker`, one tensor-parallel rank (process group, weight shard, KV heads).
+- `stage_worker.py`: `StageWorker`, one pipeline stage (its layers, hidden states to the next stage,
+  micro-batches in flight).
+- `shard.py` / `stages.py`: pure functions: which heads / layers a rank holds (KV-head replication when
+  TP exceeds the KV heads), which weights it reads, its `KVPageSpec`, validation with typed errors.
 - `errors.py`: `ParallelConfigError`, `UnsupportedWithParallelError`, `RankFailedError`.
-The forward itself is `engine.model.LlamaForward` given a shard, local head counts and an `all_reduce`.
+Workers are free of process-launch concerns, so `cluster/` can host them in Ray actors. The forward is
+`engine.model.LlamaForward` given a shard (local head counts, an `all_reduce`) or a layer slice.
 """

@@ -1,7 +1,7 @@
-"""Typed errors of the parallel engine (tensor parallelism), raised at its boundaries.
+"""Typed errors of the parallel engine (tensor and pipeline parallelism), raised at its boundaries.
 
-`ParallelConfigError`: a degree the model cannot be split by (raised by `shard.validate_tp` before any
-process starts; the cluster's spec validation calls the same function). `UnsupportedWithParallelError`:
+`ParallelConfigError`: a degree the model cannot be split by (raised by `shard.validate_tp` and
+`stages.validate_pp` before any process starts; a cluster spec validator can call the same functions). `UnsupportedWithParallelError`:
 `LLM` was asked for a feature that does not yet run across ranks. `RankFailedError`: a rank process died or
 raised while the driver waited for it; every rank of the replica is shut down before it is raised.
 """
