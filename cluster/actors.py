@@ -9,7 +9,8 @@ async handle interface) -> `ClusterRouter` (`router_config`: the spec's deadline
 Restarts: Ray restarts a dead actor `reliability.actor_max_restarts` times (`actor_options`), but never
 retries a call on the new incarnation (max_task_retries 0): a retried `drain` would hide the death from the
 router, which must see it to recover the requests the old incarnation held. The router does not take a
-restarted actor back (it fences a lost worker), so a restart today only keeps Ray's bookkeeping whole.
+restarted actor back as a new worker (`RayHandle.reincarnation`: the restarted actor's `ready()`, whose
+info carries a fresh random `incarnation`); the lost record stays dead (cluster/recovery.py, "Rejoin").
 `shutdown()` stops every actor's loop (its worker aborts what it holds), kills the actors, removes the
 placement groups and, if it started Ray, shuts Ray down.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import uuid
 from typing import Any
 
 from cluster.serving_api import BackendUnavailableError
@@ -60,7 +62,9 @@ class WorkerActor:
         torch.set_num_threads(num_threads)  # one process per worker, one thread each (2-core machines)
         engine_kwargs = dict(engine_kwargs, num_threads=num_threads)
         methods = PREFILL_METHODS if kind == "prefill" else DECODE_METHODS
-        self.loop = WorkerLoop(lambda: _build(kind, engine_kwargs, kv), methods, name, _info)
+        incarnation = uuid.uuid4().hex  # new on every (re)start: the router tells a restarted actor apart
+        self.loop = WorkerLoop(lambda: _build(kind, engine_kwargs, kv), methods, name,
+                               lambda worker: {**_info(worker), "incarnation": incarnation})
 
     def ready(self, timeout_s: float) -> dict:
         return self.loop.wait_ready(timeout_s)
@@ -139,6 +143,11 @@ class RayHandle:
 
     async def drain(self, timeout_s: float):
         return await self._ray(self.actor.drain.remote(timeout_s))
+
+    async def reincarnation(self, timeout_s: float = 600.0) -> "RayHandle":
+        """After this actor was lost: Ray holds the call until its restart (if any) has built the worker;
+        a handle carrying the answering incarnation's info. BackendUnavailableError if it is dead for good."""
+        return RayHandle(self.name, self.actor, await self._ray(self.actor.ready.remote(timeout_s)))
 
     async def close(self) -> None:
         try:

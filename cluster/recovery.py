@@ -19,6 +19,10 @@ Who calls it: `cluster/router.py` only (`ClusterRouter` takes `RecoveryMixin`'s 
      to a healthy decode worker, whose stream then continues where the client's stopped
      (`Flight.rebase`: event counts are offset by the tokens and characters already seen) -- no token
      lost, none repeated. A flight out of recoveries ends with `BackendUnavailableError`.
+  4. Rejoin (`RouterConfig.rejoin_restarted`, on when the spec lets Ray restart actors): a lost worker whose
+     handle has `reincarnation()` (Ray: waits for the restarted actor's `ready()`) comes back as a NEW
+     `Worker` record once a new incarnation (a random id the actor draws at start) answers; the old record
+     stays dead. The same incarnation (a hung worker that was fenced) or none (dead for good) never returns.
 Old incarnations: nothing of a lost placement can land in the new one. The router forgets the old worker id
 (late events are dropped in `_apply`), aborts the old reservation on a live decode worker (late chunks of a
 zombie prefill then hit a finished reservation: FAILED_PRECONDITION, never written), and a restarted decode
@@ -56,6 +60,8 @@ class WorkerHandle(Protocol):
 
     async def close(self) -> None: ...
 
+    # optional: `async def reincarnation(self) -> WorkerHandle` -- the handle of a restarted incarnation
+
 
 @dataclass
 class Worker:
@@ -81,6 +87,7 @@ class Ledger:
     cancelled: int = 0  # abort() or the caller stopped iterating (client disconnect)
     recovered: int = 0  # re-placements after a worker loss (a request may count more than once)
     workers_lost: int = 0
+    workers_rejoined: int = 0  # restarted incarnations taken back
 
     def end(self, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome
@@ -90,9 +97,9 @@ class Ledger:
         return self.admitted == self.completed + self.failed + self.cancelled + in_flight
 
     def extra(self, in_flight: int) -> dict[str, float]:
-        out = {f"requests_{k}": float(v) for k, v in dataclasses.asdict(self).items() if k != "workers_lost"}
+        out = {(k if k.startswith("workers_") else f"requests_{k}"): float(v)
+               for k, v in dataclasses.asdict(self).items()}
         out["requests_in_flight"] = float(in_flight)
-        out["workers_lost"] = float(self.workers_lost)
         return out
 
 
@@ -218,7 +225,27 @@ class RecoveryMixin:
             f = self._flights.get(wid)
             if f is not None and harmed_by(f, w):
                 self._recover(f, err)
+        if self.cfg.rejoin_restarted and hasattr(w.handle, "reincarnation") and not self._closed:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._rejoin(w)))  # (cancelled at shutdown)
         if self._wake is not None:
+            self._wake.set()
+
+    async def _rejoin(self, w: Worker) -> None:
+        """Take back `w`'s restarted actor as a new worker record, if a new incarnation answers. Nothing
+        addressed to the old record (its flights, reservations, late events) reaches the new one: the old
+        record stays dead, and a restarted decode worker draws fresh reservation ids and nonces."""
+        try:
+            handle = await w.handle.reincarnation()
+        except BackendUnavailableError:
+            return  # dead for good: out of restarts, or killed without one
+        old = w.handle.info.get("incarnation")
+        if self._closed or handle.info.get("incarnation") in (None, old):
+            return  # the same process (fenced while hung) never comes back
+        fresh = Worker(handle, w.pool)
+        self.workers[w.pool].append(fresh)
+        self.ledger.workers_rejoined += 1
+        if self._wake is not None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._poll(fresh)))
             self._wake.set()
 
     def _recover(self, f, err: BackendUnavailableError) -> None:

@@ -61,6 +61,7 @@ class RouterConfig:
     heartbeat_timeout_s: float = 30.0  # a worker whose drain has not returned for this long is dead
     max_recoveries: int = 2  # re-placements of one request after worker losses before it fails
     call_timeout_s: float = 30.0  # a placement command unanswered this long: its worker is lost
+    rejoin_restarted: bool = False  # take a lost worker's restarted incarnation back (Ray restarts actors)
 
 
 class ClusterRouter(RecoveryMixin):
@@ -129,7 +130,7 @@ class ClusterRouter(RecoveryMixin):
 
     async def stats(self) -> BackendStats:
         self._ensure_started()
-        everyone = [w for ws in self.workers.values() for w in ws if w.stats is not None]
+        everyone = [w for ws in self.workers.values() for w in ws if w.stats is not None and w.alive]
         queued = sum(f.queued for f in self._flights.values())
         extra = {f"{w.handle.name}.{k}": float(v) for w in everyone for k, v in dataclasses.asdict(w.stats).items()
                  if isinstance(v, (int, float))}

@@ -99,7 +99,7 @@ class ReliabilitySpec(_Section):
     def router_options(self) -> dict[str, Any]:
         """Keyword arguments of `cluster.router.RouterConfig` this section sets."""
         return {"heartbeat_timeout_s": self.heartbeat_timeout_s, "call_timeout_s": self.call_timeout_s,
-                "max_recoveries": self.max_recoveries}
+                "max_recoveries": self.max_recoveries, "rejoin_restarted": self.actor_max_restarts > 0}
 
     def actor_options(self) -> dict[str, Any]:
         """Keyword arguments of Ray's `ActorClass.options(...)` this section sets."""

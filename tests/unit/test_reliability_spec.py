@@ -93,10 +93,12 @@ TUNED = {"reliability": {"heartbeat_timeout_s": 4.0, "call_timeout_s": 1.5, "max
 def test_router_config_carries_deadlines_and_recovery_limits():
     cfg = actors.router_config(spec(**TUNED), MODEL)
     assert (cfg.heartbeat_timeout_s, cfg.call_timeout_s, cfg.max_recoveries) == (4.0, 1.5, 5)
+    assert cfg.rejoin_restarted  # actor_max_restarts 2: the router takes restarted actors back
     assert (cfg.request_timeout_s, cfg.max_queued_requests, cfg.vocab_size, cfg.mode) == (9.0, 7, 100,
                                                                                           "disaggregated")
     default = actors.router_config(spec(), MODEL)
     assert (default.heartbeat_timeout_s, default.call_timeout_s, default.max_recoveries) == (30.0, 30.0, 2)
+    assert not default.rejoin_restarted
 
 
 def test_kv_sender_push_deadline_comes_from_the_spec():
