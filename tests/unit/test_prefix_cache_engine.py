@@ -3,7 +3,7 @@
 Prompts share a 30-token prefix at various lengths (none, under a page, exactly a page boundary, one
 token past it, the whole prompt cached at a boundary, an identical prompt) and arrive staggered into one
 continuous batch; small pools force eviction of cached pages and preemption; speculative decoding with
-every draft accepted / rejected (rollback); int8 storage; KV-eviction requests stay out of the cache;
+every draft accepted / rejected (rollback); int8 and fp8 storage; KV-eviction requests stay out of the cache;
 prefill-only + add_prefilled. After every step each live request's pages are held by it and neither
 free nor evictable; every test ends with only cache-held pages left, then `reset_prefix_cache()` and the
 allocator is empty.
@@ -158,9 +158,10 @@ def test_speculative_verify_and_rollback_register_only_accepted_pages(tiny_dir, 
     assert_only_cache_left(llm)
 
 
-def test_int8_storage_cache_is_greedy_equal_to_int8_without(tiny_dir):
-    ref = [o.token_ids for o in make(tiny_dir, False, kv_storage="int8").generate(PROMPTS, GREEDY)]
-    llm = make(tiny_dir, True, kv_storage="int8")
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+def test_quantized_storage_cache_is_greedy_equal_to_the_same_storage_without(tiny_dir, storage):
+    ref = [o.token_ids for o in make(tiny_dir, False, kv_storage=storage).generate(PROMPTS, GREEDY)]
+    llm = make(tiny_dir, True, kv_storage=storage)
     assert_greedy_equal(ref, run_staggered(llm, PROMPTS))
     assert llm.prefix_stats()["hit_tokens"] > 0
     assert_only_cache_left(llm)
