@@ -172,8 +172,11 @@ class LLM:
         tok = self._tokens([first_token_id])[0]
         if num_slots is not None and not 0 < num_slots <= req.num_prompt:
             raise InvalidRequestError("num_slots", f"{num_slots} for a {req.num_prompt}-token prompt")
-        if num_slots is not None and self.allocator.get_reservation(reservation_id).num_shared:
+        shared = self.allocator.get_reservation(reservation_id).num_shared
+        if num_slots is not None and shared:
             raise InvalidRequestError("num_slots", "evicted KV cannot join a reservation on cached prefix pages")
+        if shared and self.prefix_cache is not None:
+            self.prefix_cache.stats.shared_received_pages += shared  # pages no one had to ship
         pages = self.allocator.commit(reservation_id, seq_owner(req.request_id))
         self.tables.adopt(req.request_id, pages, req.num_prompt)
         if num_slots is not None:
@@ -326,7 +329,8 @@ class LLM:
         if self.prefix_cache is None:
             return {}
         d = self.prefix_cache.stats.as_dict()
-        d.update(cached_pages=len(self.prefix_cache), evictable_pages=self.allocator.num_evictable)
+        d.update(cached_pages=len(self.prefix_cache), evictable_pages=self.allocator.num_evictable,
+                 kv_bytes_not_received=d["shared_received_pages"] * self.kv_spec.bytes_per_page())
         return d
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:

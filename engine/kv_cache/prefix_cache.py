@@ -70,6 +70,7 @@ class PrefixStats:
     inserted_pages: int = 0
     evicted_pages: int = 0  # given back under page pressure
     reset_pages: int = 0  # dropped by reset()
+    shared_received_pages: int = 0  # disaggregated: cached pages a prefilled request joined on, not shipped
 
     def as_dict(self) -> dict[str, float]:
         d = dict(vars(self))

@@ -237,6 +237,8 @@ def test_reserve_shares_the_cached_prefix_so_only_the_suffix_is_shipped(tiny_dir
     did = dec.add_prefilled_request(prompt, first.token_ids[0], res.reservation_id, GREEDY)
     out = [o for o in dec.generate_until_idle() if o.request_id == did][-1]
     assert_greedy_equal([reference[7]], [out.token_ids])
+    st = dec.prefix_stats()
+    assert st["shared_received_pages"] == 7 and st["kv_bytes_not_received"] == 7 * dec.kv_spec.bytes_per_page()
     for layer, (k, v) in enumerate(before):  # nothing wrote into the shared pages
         k2, v2 = dec.backend.read(layer, shared)
         assert torch.equal(k, k2) and torch.equal(v, v2)
