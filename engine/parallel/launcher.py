@@ -36,6 +36,7 @@ from engine.parallel.stage_worker import StageSpec, StageWorker
 START_TIMEOUT_S = 600.0  # import torch + read a shard, N processes sharing a few cores
 STEP_TIMEOUT_S = 600.0
 CLOSE_TIMEOUT_S = 10.0
+KV_METHODS = ("export_kv", "import_kv")  # worker methods the driver may call besides a step
 
 
 def free_port() -> int:
@@ -85,7 +86,11 @@ def _rank_main(conn: Connection) -> None:
                 break
             if msg[0] == "close":
                 break
-            _send(conn, ("out", output_to_wire(worker.execute(msg[1]))))
+            if msg[0] == "step":
+                _send(conn, ("out", output_to_wire(worker.execute(msg[1]))))
+            else:  # ("call", method, args): KV pages in and out of this rank's pool
+                assert msg[1] in KV_METHODS, msg[1]
+                _send(conn, ("out", getattr(worker, msg[1])(*msg[2])))
     except Exception:  # noqa: BLE001 - any failure goes back to the driver with its traceback
         try:
             _send(conn, ("error", traceback.format_exc()))
@@ -165,11 +170,30 @@ class RankProcesses:
             self.abort()  # ranks left mid-collective cannot continue: take the replica down
             raise
 
-    def _gather(self, timeout: float) -> list:
-        """One reply per rank; a dead rank's socket reads EOF, which `_recv` turns into RankFailedError."""
+    def call_some(self, method: str, args: dict[int, tuple]) -> dict[int, object]:
+        """Call `method` (one of KV_METHODS) on the ranks named in `args`; their return values."""
+        assert method in KV_METHODS, method
+        if self.closed:
+            raise RankFailedError(0, "the rank processes are shut down")
+        try:
+            for rank, a in args.items():
+                try:
+                    _send(self.conns[rank], ("call", method, a))
+                except OSError:
+                    raise RankFailedError(rank, "connection closed: the rank process died") from None
+            replies = self._gather(STEP_TIMEOUT_S, list(args))
+            return {rank: reply[1] for rank, reply in zip(args, replies)}
+        except BaseException:
+            self.abort()
+            raise
+
+    def _gather(self, timeout: float, ranks: list[int] | None = None) -> list:
+        """One reply per rank (all, or `ranks`, in that order); a dead rank's socket reads EOF, which
+        `_recv` turns into RankFailedError."""
+        ranks = list(range(len(self.conns))) if ranks is None else ranks
         replies: dict[int, tuple] = {}
-        while len(replies) < len(self.conns):
-            pending = {c: r for r, c in enumerate(self.conns) if r not in replies}
+        while len(replies) < len(ranks):
+            pending = {self.conns[r]: r for r in ranks if r not in replies}
             ready = wait(list(pending), timeout)
             if not ready:
                 raise RankFailedError(min(pending.values()), f"no reply within {timeout:.0f} s")
@@ -179,7 +203,7 @@ class RankProcesses:
                 if reply[0] == "error":
                     raise RankFailedError(rank, reply[1])
                 replies[rank] = reply
-        return [replies[r] for r in range(len(self.conns))]
+        return [replies[r] for r in ranks]
 
     @staticmethod
     def _recv(conn: Connection, rank: int) -> tuple:

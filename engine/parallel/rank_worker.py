@@ -29,6 +29,7 @@ from safetensors import safe_open
 from engine.batch import StepBatch, StepOutput
 from engine.config import ModelConfig
 from engine.kv_cache.backend import make_backend, torch_dtype
+from engine.kv_cache.page_io import export_kv, import_kv
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import load_config
 from engine.model import LlamaForward
@@ -84,7 +85,23 @@ def close_group() -> None:
         dist.destroy_process_group()
 
 
-class RankWorker:
+class KVPoolIO:
+    """KV bytes in and out of this process's own page pool (`self.backend`), by layer and token range,
+    for moving a request's KV between replicas of different layouts (`kv_io.py` on the driver)."""
+
+    backend = None
+
+    def export_kv(self, layers: list[int], pages: list[int], start: int, stop: int) -> list[tuple[bytes, bytes]]:
+        """Per layer, stored K and V bytes of slots [start, stop): [n, local kv_heads, cell] each."""
+        return [tuple(bytes(b) for b in export_kv(self.backend, layer, pages, start, stop)) for layer in layers]
+
+    def import_kv(self, layer: int, pages: list[int], start: int, stop: int, payload: bytes,
+                  head_start: int, head_end: int) -> None:
+        """K-then-V bytes of local heads [head_start, head_end) into slots [start, stop)."""
+        import_kv(self.backend, layer, pages, start, stop, payload, head_start, head_end)
+
+
+class RankWorker(KVPoolIO):
     def __init__(self, spec: RankSpec):
         self.spec = spec
         self.rank, self.size = spec.rank, spec.size

@@ -25,7 +25,7 @@ from engine.kv_cache.backend import make_backend, torch_dtype
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import load_config
 from engine.model import LlamaForward
-from engine.parallel.rank_worker import close_group, init_group
+from engine.parallel.rank_worker import KVPoolIO, close_group, init_group
 from engine.parallel.stages import micro_batches, stage_kv_spec, stage_layers, stage_wants, validate_pp
 from engine.runner import ModelRunner
 
@@ -63,7 +63,7 @@ def load_stage(model_dir: str | Path, cfg: ModelConfig, layers: range) -> dict[s
     return out
 
 
-class StageWorker:
+class StageWorker(KVPoolIO):
     def __init__(self, spec: StageSpec):
         self.spec = spec
         cfg = load_config(Path(spec.model_dir))

@@ -95,8 +95,13 @@ class TPRunner(_ParallelRunner):
         return shard_kv_spec(self.kv_spec, rank, self.size)
 
     def rank_kv_heads(self, rank: int) -> range:
-        """Global KV heads rank `rank` holds (the seam for KV resharding on transfer)."""
+        """Global KV heads rank `rank` holds."""
         return kv_head_range(self.kv_spec.num_kv_heads, rank, self.size)
+
+    def holders(self) -> list[tuple[int, range, range]]:
+        """(rank, global KV heads, global layers) of every rank's pool (`kv_io.py` routes by these)."""
+        layers = range(self.kv_spec.num_layers)
+        return [(r, self.rank_kv_heads(r), layers) for r in range(self.size)]
 
 
 class PPRunner(_ParallelRunner):
@@ -111,8 +116,13 @@ class PPRunner(_ParallelRunner):
         super().__init__(kv_spec, size, specs)
 
     def stage_layers(self, stage: int) -> range:
-        """Global layer ids stage `stage` holds (the seam for shipping a stage's KV on transfer)."""
+        """Global layer ids stage `stage` holds."""
         return stage_layers(self.num_layers, stage, self.size)
+
+    def holders(self) -> list[tuple[int, range, range]]:
+        """(stage, global KV heads, global layers) of every stage's pool (`kv_io.py` routes by these)."""
+        heads = range(self.kv_spec.num_kv_heads)
+        return [(s, heads, self.stage_layers(s)) for s in range(self.size)]
 
     def rank_kv_spec(self, stage: int) -> KVPageSpec:
         return stage_kv_spec(self.kv_spec, self.stage_layers(stage))
