@@ -11,6 +11,8 @@ ids. Module map, in the order a step meets them:
   micro-batches in flight).
 - `shard.py` / `stages.py`: pure functions: which heads / layers a rank holds (KV-head replication when
   TP exceeds the KV heads), which weights it reads, its `KVPageSpec`, validation with typed errors.
+- `kv_io.py`: a request's KV out of / into a replica of any layout by (layer, KV-head range, tokens),
+  routed to the ranks or stages that hold them (KV resharding between prefill and decode layouts).
 - `errors.py`: `ParallelConfigError`, `UnsupportedWithParallelError`, `RankFailedError`.
 Workers are free of process-launch concerns, so `cluster/` can host them in Ray actors. The forward is
 `engine.model.LlamaForward` given a shard (local head counts, an `all_reduce`) or a layer slice.
