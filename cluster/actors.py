@@ -145,9 +145,20 @@ class RayHandle:
         return await self._ray(self.actor.drain.remote(timeout_s))
 
     async def reincarnation(self, timeout_s: float = 600.0) -> "RayHandle":
-        """After this actor was lost: Ray holds the call until its restart (if any) has built the worker;
-        a handle carrying the answering incarnation's info. BackendUnavailableError if it is dead for good."""
-        return RayHandle(self.name, self.actor, await self._ray(self.actor.ready.remote(timeout_s)))
+        """After this actor was lost: a handle carrying the info of the incarnation that answers `ready()`.
+        This one call is retried through the restart (measured on Ray 2.60: a plain call to a restarting
+        actor raises ActorUnavailableError, one with task retries waits for the new incarnation); an actor
+        out of restarts raises ActorDiedError at once -> BackendUnavailableError (dead for good)."""
+        import ray
+
+        ready = self.actor.ready.options(max_task_retries=-1)
+        while True:
+            try:
+                return RayHandle(self.name, self.actor, await ready.remote(timeout_s))
+            except ray.exceptions.ActorUnavailableError:
+                await asyncio.sleep(0.5)
+            except ray.exceptions.RayError as e:
+                raise BackendUnavailableError(f"worker {self.name} is gone: {type(e).__name__}") from None
 
     async def close(self) -> None:
         try:
