@@ -4,10 +4,13 @@ Random-weight Llama with 8 query / 4 KV heads at TP=2 and 8 / 2 at TP=4 (KV head
 ranks each), SmolLM2 (9 / 3) at TP=3 (`slow`): several prompts in one continuous batch with chunked
 prefill, float32, `assert_greedy_equal` against TP=1 and logits within 1e-4. Then the boundaries: degrees
 that do not divide and unsupported options fail at construction with typed errors and start nothing; a
-rank that dies fails the next step with `RankFailedError` and takes the replica down. Every test ends with
-no pages in use and every rank process reaped.
+rank that dies fails the next step with `RankFailedError` and takes the replica down; ranks stop when
+the engine is garbage-collected unclosed, and exit on their own when the driver process dies. Every test
+ends with no pages in use and every rank process reaped.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -96,3 +99,39 @@ def test_smollm2_tp3_equals_tp1(smollm2_dir):
                                        "Once upon a time, in a small village by the sea, there lived")]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert_tp_equal(smollm2_dir, 3, prompts, params, max_num_batched_tokens=8, page_size=8, num_pages=32)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whoever reaps orphans here)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ranks_stop_when_the_engine_is_collected(tiny84):
+    import gc
+
+    llm = LLM(model=str(tiny84), dtype="float32", tensor_parallel_size=2, **BATCHING)
+    procs = llm.runner.ranks.procs
+    del llm
+    gc.collect()  # the launcher's weakref finaliser shuts the ranks down
+    assert all(p.returncode is not None for p in procs)
+
+
+def test_ranks_exit_on_their_own_when_the_driver_dies(tiny84, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    script = (f"import os\nfrom engine.llm import LLM\nllm = LLM(model={str(tiny84)!r}, dtype='float32', "
+              f"tensor_parallel_size=2)\nprint(*llm.runner.pids, flush=True)\nos._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2, out.stderr
+    deadline = time.monotonic() + 60
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(p) for p in pids), "a rank outlived its driver"
