@@ -17,6 +17,8 @@ import pytest
 from engine import SamplingParams
 from engine.llm import LLM
 from engine.parallel.errors import ParallelConfigError, RankFailedError, UnsupportedWithParallelError
+from tests.conftest import assert_engine_empty
+from tests.exactness import assert_greedy_equal
 from tests.parallel_helpers import BATCHING, PROMPTS, assert_parallel_equal, assert_ranks_gone
 from tests.tiny_models import write_tiny
 
@@ -135,3 +137,22 @@ def test_ranks_exit_on_their_own_when_the_driver_dies(tiny84, tmp_path):
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_running(p) for p in pids), "a rank outlived its driver"
+
+
+def test_prefix_caching_with_tp_skips_cached_pages_and_stays_equal(tiny84):
+    """The prefix cache lives with the driver's page tables: a TP engine reuses the ranks' pages too."""
+    shared = list(range(10, 50))
+    first, later = [shared + [3]], [shared + [4, 5], shared[:21] + [9]]
+
+    def run(**kw):
+        with LLM(model=str(tiny84), dtype="float32", enable_prefix_caching=True, **BATCHING, **kw) as llm:
+            outs = llm.generate(first, GREEDY) + llm.generate(later, GREEDY)
+            hit = llm.prefix_stats()["hit_tokens"]
+            assert_engine_empty(llm)
+        return [o.token_ids for o in outs], hit, llm
+
+    ref, ref_hit, _ = run()
+    got, hit, llm = run(tensor_parallel_size=2)
+    assert hit == ref_hit > 0
+    assert_greedy_equal(ref, got)
+    assert_ranks_gone(llm)
