@@ -50,7 +50,7 @@ class RankSpec:
     init_method: str  # "tcp://127.0.0.1:<port>": rendezvous (rank 0 hosts the store)
     kv_spec: KVPageSpec  # the replica's whole (unsharded) page spec; the rank holds its KV heads of it
     num_pages: int  # pages in the rank's pool: the driver's allocator hands out ids below this
-    device: str = "cpu"  # "cuda": rank r uses cuda:r and NCCL
+    device: str = "cpu"  # "cuda": rank r uses cuda:r and NCCL ("cuda:N": that device)
     timeout_s: float = 300.0  # a collective waiting longer than this fails instead of hanging
 
 
@@ -68,6 +68,12 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, rank: int, size: int) ->
                 else:
                     out[name] = st.get_slice(name)[:, sl[1]:sl[2]]
     return out
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """"cuda": rank r on cuda:r (local launcher, every GPU visible); "cuda:N" as given (a Ray actor sees
+    only its own GPU, as cuda:0); anything else as given (CPU)."""
+    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
 
 
 def init_group(init_method: str, rank: int, size: int, cuda: bool, timeout_s: float) -> None:
@@ -107,8 +113,8 @@ class RankWorker(KVPoolIO):
         self.rank, self.size = spec.rank, spec.size
         full_cfg = load_config(Path(spec.model_dir))
         validate_tp(full_cfg, spec.size)
-        cuda = spec.device.startswith("cuda")
-        self.device = torch.device(f"cuda:{spec.rank}") if cuda else torch.device("cpu")
+        self.device = rank_device(spec.device, spec.rank)
+        cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
         init_group(spec.init_method, spec.rank, spec.size, cuda, spec.timeout_s)

@@ -25,7 +25,7 @@ from engine.kv_cache.backend import make_backend, torch_dtype
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import load_config
 from engine.model import LlamaForward
-from engine.parallel.rank_worker import KVPoolIO, close_group, init_group
+from engine.parallel.rank_worker import KVPoolIO, close_group, init_group, rank_device
 from engine.parallel.stages import micro_batches, stage_kv_spec, stage_layers, stage_wants, validate_pp
 from engine.runner import ModelRunner
 
@@ -41,7 +41,7 @@ class StageSpec:
     init_method: str  # "tcp://127.0.0.1:<port>"
     kv_spec: KVPageSpec  # the replica's whole page spec; the stage holds its layers of it
     num_pages: int
-    device: str = "cpu"  # "cuda": stage s uses cuda:s and NCCL
+    device: str = "cpu"  # "cuda": stage s uses cuda:s and NCCL ("cuda:N": that device)
     timeout_s: float = 300.0
     micro_batches: int = 0  # micro-batches per step; 0: one per stage
 
@@ -71,8 +71,8 @@ class StageWorker(KVPoolIO):
         self.stage, self.num_stages = spec.stage, spec.num_stages
         self.layers = stage_layers(cfg.num_layers, spec.stage, spec.num_stages)
         self.first, self.last = spec.stage == 0, spec.stage == spec.num_stages - 1
-        cuda = spec.device.startswith("cuda")
-        self.device = torch.device(f"cuda:{spec.stage}") if cuda else torch.device("cpu")
+        self.device = rank_device(spec.device, spec.stage)
+        cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
         init_group(spec.init_method, spec.stage, spec.num_stages, cuda, spec.timeout_s)

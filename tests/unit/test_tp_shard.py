@@ -156,3 +156,14 @@ def test_local_config_is_a_plain_replace():
     assert local_config(c, 0, 1) == c
     assert dataclasses.replace(c, num_heads=3, num_kv_heads=1, intermediate_size=c.intermediate_size // 3) \
         == local_config(c, 2, 3)
+
+
+def test_rank_device_and_head_slices():
+    from engine.parallel.kv_io import _heads_slice
+    from engine.parallel.rank_worker import rank_device
+
+    assert rank_device("cuda", 2) == torch.device("cuda:2") and rank_device("cuda:0", 2) == torch.device("cuda:0")
+    assert rank_device("cpu", 3) == torch.device("cpu")
+    cells = torch.arange(3 * 4 * 2, dtype=torch.uint8).view(3, 4, 2)  # [tokens, heads 4..7, cell bytes]
+    got = _heads_slice(cells.numpy().tobytes(), 3, range(4, 8), 5, 7, 2)
+    assert got == cells[:, 1:3].contiguous().numpy().tobytes()
