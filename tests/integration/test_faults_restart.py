@@ -2,8 +2,9 @@
 restarted on the same address"), on a real local Ray with a tiny random Llama (no SmolLM2): the spec's
 `reliability.actor_max_restarts: 1` reaches the actor options; `ray.kill(..., no_restart=False)` kills the
 decode actor, Ray restarts it, the router loses the old incarnation and takes the new one back as a new
-worker record; a request then runs on it greedy-equal to one `engine.LLM`, and the cluster ends empty.
-Marker `faults` (run by `make test`)."""
+worker record; requests then run on it greedy-equal to one `engine.LLM` while a client disconnects
+mid-stream (its request is cancelled and freed on both actors); the ledger balances and the cluster ends
+empty. Marker `faults` (run by `make test`)."""
 from __future__ import annotations
 
 import asyncio
@@ -64,8 +65,14 @@ def test_a_killed_decode_actor_is_restarted_and_rejoins(ray_session, tiny_dir):
             assert not old_rec.alive and new.alive and router.ledger.workers_lost == 1
             assert new.handle.info["incarnation"] != old_rec.handle.info["incarnation"]
             assert_greedy_equal([ref], [await _tokens(router, "after")])
+            leaving = router.generate(GenerateRequest("leaves", PROMPT, PARAMS, model=router.model_name))
+            assert (await leaving.__anext__()).new_token_ids  # streaming has begun...
+            others = [asyncio.ensure_future(_tokens(router, f"with-{i}")) for i in range(2)]
+            await leaving.aclose()  # ...and the client goes away
+            assert_greedy_equal([ref, ref], list(await asyncio.gather(*others)))
             await assert_cluster_empty(router, timeout_s=30)
-            assert router.ledger.balanced(0) and router.ledger.completed == 2
+            led = router.ledger
+            assert led.balanced(0) and (led.completed, led.cancelled, led.failed) == (4, 1, 0), led
             same = new.handle.info["address"] == old_rec.handle.info["address"]
             print(f"decode actor restarted and rejoined {took:.1f} s after the kill "
                   f"(KV address {'unchanged' if same else 'changed'})")
