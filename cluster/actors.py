@@ -100,7 +100,8 @@ def _info(worker) -> dict:
     address = getattr(worker, "address", None)
     if address and address.startswith(("0.0.0.0:", "[::]:")):  # listening on every interface: say which
         address = f"{ray.util.get_node_ip_address()}:{address.rsplit(':', 1)[1]}"
-    return {"address": address, "node_id": ray.get_runtime_context().get_node_id()}
+    return {"address": address, "node_id": ray.get_runtime_context().get_node_id(),
+            "prefix": getattr(worker, "prefix_info", None)}  # prefix caching: the router's page naming
 
 
 def _plain(attrs: dict) -> dict:
@@ -248,8 +249,10 @@ def _start_pool(name: str, pool, spec, kv: dict, num_threads: int, ready_timeout
 
 
 def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: int = 1,
-                  ready_timeout_s: float = 600.0, transport: str = "grpc"):
-    """Start (or join) Ray, place every pool, wait until each worker is ready, return the router."""
+                  ready_timeout_s: float = 600.0, transport: Any = "grpc"):
+    """Start (or join) Ray, place every pool, wait until each worker is ready, return the router.
+    `transport`: a name in `kv_transfer.contract.TRANSPORTS`, or (fault tests) a transport object that
+    pickles to plain data, such as `kv_transfer.fault_transport.FaultyTransport`."""
     import ray
 
     from cluster.spec import Problem, SpecError, resolve_model_config

@@ -1,10 +1,17 @@
-"""An actor restarted by Ray rejoins the router (issue 8: "Ray actors restart per the spec", "an actor
-restarted on the same address"), on a real local Ray with a tiny random Llama (no SmolLM2): the spec's
+"""Faults on a real local Ray with a tiny random Llama (no SmolLM2; marker `faults`, run by `make test`).
+
+KV chunk faults (issue 8: drop, corrupt, duplicate and delay past the push deadline a KV chunk): the
+prefill actor's pushes go through `kv_transfer.fault_transport.FaultyTransport` (a seeded plan) over real
+gRPC; under `failure_policy: recompute` every request still completes greedy-equal to one `engine.LLM`,
+failed transfers are counted on the decode actor, the ledger balances and the cluster ends empty.
+
+An actor restarted by Ray rejoins the router ("Ray actors restart per the spec", "an actor restarted on
+the same address"): the spec's
 `reliability.actor_max_restarts: 1` reaches the actor options; `ray.kill(..., no_restart=False)` kills the
 decode actor, Ray restarts it, the router loses the old incarnation and takes the new one back as a new
 worker record; requests then run on it greedy-equal to one `engine.LLM` while a client disconnects
 mid-stream (its request is cancelled and freed on both actors); the ledger balances and the cluster ends
-empty. Marker `faults` (run by `make test`)."""
+empty."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +23,7 @@ from cluster.router import ClusterRouter
 from cluster.serving_api import GenerateRequest
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
+from kv_transfer.fault_transport import FAULTS, FaultyTransport
 from tests.cluster_helpers import assert_cluster_empty
 from tests.exactness import assert_greedy_equal
 from tests.tiny_models import write_tiny
@@ -30,12 +38,43 @@ def tiny_dir(tmp_path_factory):
     return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
-def spec_for(model_dir):
+def spec_for(model_dir, **sections):
     pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128}
     return parse_spec({"model": str(model_dir), "dtype": "float32", "mode": "disaggregated",
                        "pools": {"prefill": pool, "decode": pool},
                        "server": {"request_timeout_s": 120.0},
-                       "reliability": {"actor_max_restarts": 1, "heartbeat_timeout_s": 60.0}})
+                       "reliability": {"actor_max_restarts": 1, "heartbeat_timeout_s": 60.0}, **sections})
+
+
+def test_kv_chunk_faults_over_grpc_are_recomputed_and_outputs_unchanged(ray_session, tiny_dir):
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(12 + 3 * i)] for i in range(12)]
+    alone = LLM(model=str(tiny_dir), dtype="float32", num_pages=64)
+    ref = [alone.generate([p], PARAMS)[0].token_ids for p in prompts]
+    plan = {"seed": 8, "drop": 0.05, "corrupt": 0.05, "duplicate": 0.05, "delay": 0.05, "delay_s": 1.5}
+    replica = FaultyTransport(plan)  # the draws the prefill actor's copy makes: one per chunk (2 layers each)
+    picks = [replica._pick() for _ in range(2 * len(prompts))]
+    assert all(replica.injected[k] for k in FAULTS), replica.injected  # the seed exercises every fault
+    spec = spec_for(tiny_dir, kv_transfer={"failure_policy": "recompute", "push_timeout_s": 1.0})
+    router = ClusterRouter.from_spec(spec, transport=FaultyTransport(plan))
+
+    async def one(i):
+        req = GenerateRequest(f"f{i}", prompts[i], PARAMS, model=router.model_name)
+        return [t for d in [d async for d in router.generate(req)] for t in d.new_token_ids]
+
+    async def main():
+        try:
+            got = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            assert_greedy_equal(ref, list(got))
+            stats = await assert_cluster_empty(router, timeout_s=30)
+            failed = stats["decode-0"].num_transfer_failures
+            assert 0 < failed <= sum(k in ("drop", "corrupt", "delay") for k in picks), (failed, picks)
+            led = router.ledger
+            assert led.balanced(0) and (led.completed, led.failed) == (len(prompts), 0), led
+            print(f"chunk faults over gRPC ({dict(replica.injected)} injected): {failed} of {len(prompts)} "
+                  f"transfers failed and were recomputed")
+        finally:
+            await router.shutdown()
+    asyncio.run(main())
 
 
 async def _tokens(router, rid: str) -> list[int]:
