@@ -5,6 +5,10 @@ prefill actor's pushes go through `kv_transfer.fault_transport.FaultyTransport` 
 gRPC; under `failure_policy: recompute` every request still completes greedy-equal to one `engine.LLM`,
 failed transfers are counted on the decode actor, the ledger balances and the cluster ends empty.
 
+A prefill actor killed before its KV has left (its pushes stalled by the same transport's `delay` fault):
+the requests it owed are re-prefilled on the other prefill actor and finish greedy-equal, with no token
+lost or repeated in their streams.
+
 An actor restarted by Ray rejoins the router ("Ray actors restart per the spec", "an actor restarted on
 the same address"): the spec's
 `reliability.actor_max_restarts: 1` reaches the actor options; `ray.kill(..., no_restart=False)` kills the
@@ -81,6 +85,45 @@ async def _tokens(router, rid: str) -> list[int]:
     out = [d async for d in router.generate(GenerateRequest(rid, PROMPT, PARAMS, model=router.model_name))]
     assert out[-1].finished and out[-1].finish_reason == "length"
     return [t for d in out for t in d.new_token_ids]
+
+
+def test_a_prefill_actor_killed_before_its_kv_left_is_re_prefilled_elsewhere(ray_session, tiny_dir):
+    import ray
+
+    prompts = [[(5 * i + j) % 250 + 3 for j in range(10 + 4 * i)] for i in range(4)]
+    alone = LLM(model=str(tiny_dir), dtype="float32", num_pages=64)
+    ref = [alone.generate([p], PARAMS)[0].token_ids for p in prompts]
+    pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128}
+    spec = parse_spec({"model": str(tiny_dir), "dtype": "float32", "mode": "disaggregated",
+                       "pools": {"prefill": {**pool, "replicas": 2}, "decode": pool},
+                       "server": {"request_timeout_s": 120.0}, "kv_transfer": {"push_timeout_s": 60.0}})
+    stall = FaultyTransport({"delay": 1.0, "delay_s": 0.5})  # every chunk waits: the KV leaves slowly
+    router = ClusterRouter.from_spec(spec, transport=stall)
+
+    async def main():
+        try:
+            gens = [router.generate(GenerateRequest(f"p{i}", p, PARAMS, model=router.model_name))
+                    for i, p in enumerate(prompts)]
+            outs = [[await g.__anext__()] for g in gens]  # every prompt is prefilled: first tokens are out
+            victim = max(router.workers["prefill"], key=lambda w: len(w.flights))
+            owed = len(victim.flights)
+            assert owed > 0
+            ray.kill(victim.handle.actor, no_restart=True)  # its pushes are still stalled mid-way
+
+            async def rest(g, out):
+                out += [d async for d in g]
+            await asyncio.gather(*(rest(g, o) for g, o in zip(gens, outs)))
+            toks = [[t for d in out for t in d.new_token_ids] for out in outs]
+            assert all(out[-1].finished and sum(d.finished for d in out) == 1 for out in outs)
+            assert_greedy_equal(ref, toks)
+            await assert_cluster_empty(router, timeout_s=30)
+            led = router.ledger
+            assert led.balanced(0) and led.completed == len(prompts) and led.workers_lost == 1, led
+            assert 0 < led.recovered, led
+            print(f"prefill actor killed with {owed} transfers in flight: {led.recovered} re-prefilled elsewhere")
+        finally:
+            await router.shutdown()
+    asyncio.run(main())
 
 
 def test_a_killed_decode_actor_is_restarted_and_rejoins(ray_session, tiny_dir):
