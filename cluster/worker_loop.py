@@ -197,8 +197,14 @@ class LocalHandle:
         await asyncio.to_thread(self.loop.stop)
 
 
+def worker_info(worker) -> dict:
+    """What `wait_ready()` tells the router: the KV receiver address (decode) and, with prefix caching on,
+    the engine's page naming (`prefix`: salt, page size, pages) for the router's prefix index."""
+    return {"address": getattr(worker, "address", None), "prefix": getattr(worker, "prefix_info", None)}
+
+
 def start_local(kind: str, name: str, factory: Callable[[], Any], timeout_s: float | None = 300.0) -> LocalHandle:
     """Build a worker of `kind` ("prefill", "decode", "colocated") on its own thread in this process."""
     methods = PREFILL_METHODS if kind == "prefill" else DECODE_METHODS
-    loop = WorkerLoop(factory, methods, name, lambda w: {"address": getattr(w, "address", None)})
+    loop = WorkerLoop(factory, methods, name, worker_info)
     return LocalHandle(name, loop, loop.wait_ready(timeout_s))

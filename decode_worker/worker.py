@@ -28,6 +28,11 @@ handed the filled pages to the engine) and decode_admitted (the engine step that
 began); colocated replicas also stamp prefill_start (the step that first computed the prompt) and
 prefill_end (its first token), so queue and prefill time separate there too. `stats()` counts KV bytes received.
 
+Prefix caching (`engine_kwargs["enable_prefix_caching"]`): `reserve` hands the prompt to the receiver, which
+shares the engine's cached prefix pages into the reservation; the descriptor's `kv_start` tells the prefill
+side to ship only the KV after them. `prefix_info` (salt, page size, pages) lets the router name this
+worker's pages with the engine's own hash chain; `stats()` reports `prefix_*` and `kv_bytes_not_received`.
+
 Colocated mode uses the same class without a receiver (`serve_kv=False`): `add_request()` runs both
 phases on this engine.
 
@@ -91,6 +96,14 @@ class DecodeStats:
     spec_acceptance_rate: float = 0.0
     spec_tokens_per_verify: float = 0.0  # tokens one request's verify produced, on average
     spec_verify_cost_ratio: float = 1.0  # last estimate: step time with drafts / without
+    # prefix caching (0 when off): cached prefix pages shared into reservations instead of being shipped,
+    # and this engine's own lookups (recomputes after preemption or a failed transfer; colocated prompts)
+    prefix_shared_received_pages: int = 0
+    kv_bytes_not_received: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_hit_rate: float = 0.0
+    prefix_cached_pages: int = 0
 
 
 @dataclass
@@ -119,6 +132,7 @@ class DecodeWorker:
         self._step_start = 0.0  # unix time the current engine step began (timeline)
         self.receiver = self.transport = None
         self.address: str | None = None
+        self.prefix_info = self.llm.prefix_cache.info() if self.llm.prefix_cache is not None else None
         if serve_kv:
             from kv_transfer.receiver import KVReceiver
 
@@ -135,10 +149,12 @@ class DecodeWorker:
         s, n = self.llm.scheduler, len(prompt_ids)
         self.llm.check_request(n, params)  # InvalidRequestError now, not when the KV arrives
         busy = len(s.running) + len(s.waiting) + self.receiver.num_live
-        if s.waiting or busy >= s.cfg.max_num_seqs or self.llm.tables.pages_for(n) > self.llm.allocator.num_free:
+        caching = self.llm.prefix_cache is not None  # then cached prefix pages count as held, not needed
+        if s.waiting or busy >= s.cfg.max_num_seqs or (
+                not caching and self.llm.tables.pages_for(n) > self.llm.allocator.num_free):
             return None
-        try:
-            desc = self.receiver.reserve(n, params, request_id, lease_s)
+        try:  # with the prefix cache on, the allocator shares the cached prefix and says if the rest fits
+            desc = self.receiver.reserve(n, params, request_id, lease_s, list(prompt_ids) if caching else None)
         except OutOfPagesError:
             return None
         self._entries[request_id] = _Entry(list(prompt_ids), params, desc.reservation_id, {})
@@ -206,6 +222,12 @@ class DecodeWorker:
             out.spec_drafted, out.spec_accepted = int(sp["num_drafted"]), int(sp["num_accepted"])
             out.spec_acceptance_rate, out.spec_tokens_per_verify = sp["acceptance_rate"], sp["tokens_per_verify"]
             out.spec_verify_cost_ratio = sp["verify_cost_ratio"]
+        px = self.llm.prefix_stats()
+        if px:
+            out.prefix_shared_received_pages, out.kv_bytes_not_received = (int(px["shared_received_pages"]),
+                                                                           int(px["kv_bytes_not_received"]))
+            out.prefix_queried_tokens, out.prefix_hit_tokens = int(px["queried_tokens"]), int(px["hit_tokens"])
+            out.prefix_hit_rate, out.prefix_cached_pages = px["hit_rate"], int(px["cached_pages"])
         return out
 
     def close(self) -> None:

@@ -93,7 +93,7 @@ def open_frame(desc: TransferDescriptor, layout: TransferLayout, prompt_token_id
         model_fingerprint=desc.model_fingerprint, layout_signature=desc.layout_signature,
         prompt_token_ids=prompt_token_ids, dtype=layout.dtype, storage_format=layout.storage_format,
         num_layers=layout.num_layers, num_kv_heads=num_kv_heads, head_dim=layout.head_dim,
-        tp_rank=layout.tp_rank, tp_size=layout.tp_size))
+        tp_rank=layout.tp_rank, tp_size=layout.tp_size, kv_start=desc.kv_start))
 
 
 def plan_token_ranges(start: int, stop: int, layout: TransferLayout, target_bytes: int) -> list[tuple[int, int]]:
@@ -246,19 +246,25 @@ def check_layout(msg: pb.Open, layout: TransferLayout, num_kv_heads: int) -> Non
             raise FailedPrecondition(f"layout mismatch: sender {name}={got!r}, receiver {name}={want!r}")
 
 
-def check_binding(msg: pb.Open, fingerprint: str, signature: str, num_tokens: int) -> None:
-    """Model and layout identity, and the prompt against the reservation's token count."""
+def check_binding(msg: pb.Open, fingerprint: str, signature: str, num_tokens: int, kv_start: int = 0) -> None:
+    """Model and layout identity, the prompt against the reservation's token count, and the first token
+    the sender ships against the reservation's `kv_start` (the KV before it is on the receiver already)."""
     if not hmac.compare_digest(msg.model_fingerprint.encode(), fingerprint.encode()):
         raise FailedPrecondition(f"model fingerprint {msg.model_fingerprint!r} != receiver's {fingerprint!r}")
     if not hmac.compare_digest(msg.layout_signature.encode(), signature.encode()):
         raise FailedPrecondition(f"layout signature {msg.layout_signature!r} != receiver's {signature!r}")
     if len(msg.prompt_token_ids) != num_tokens:
         raise InvalidFrame(f"{len(msg.prompt_token_ids)} prompt token ids; the reservation is for {num_tokens}")
+    if msg.kv_start != kv_start:
+        raise FailedPrecondition(f"sender ships KV from token {msg.kv_start}; the reservation holds tokens "
+                                 f"[0, {kv_start}) already and takes KV from token {kv_start} on")
 
 
-def check_chunk(msg: pb.Chunk, layout: TransferLayout, num_tokens: int, max_chunk_bytes: int) -> ChunkHeader:
+def check_chunk(msg: pb.Chunk, layout: TransferLayout, num_tokens: int, max_chunk_bytes: int,
+                kv_start: int = 0) -> ChunkHeader:
     """Every count, range and declared size of a chunk against the reservation, before the payload is
-    touched (each read of `msg.payload` copies it) or anything is allocated."""
+    touched (each read of `msg.payload` copies it) or anything is allocated. Tokens below `kv_start` are
+    refused: the receiver holds them in shared cached pages, which nothing may write."""
     if msg.byte_length > max_chunk_bytes:
         raise ResourceExhausted(f"chunk of {msg.byte_length} bytes exceeds the {max_chunk_bytes}-byte cap")
     if msg.dtype not in ALLOWED_DTYPES or msg.dtype != layout.dtype:
@@ -270,7 +276,7 @@ def check_chunk(msg: pb.Chunk, layout: TransferLayout, num_tokens: int, max_chun
                            f"{layout.tp_rank}/{layout.tp_size} (resharding is not implemented)")
     _check_range("layer", msg.layer, msg.layer + 1, layout.layer_start, layout.layer_end)
     _check_range("heads", msg.head_start, msg.head_end, layout.head_start, layout.head_end)
-    _check_range("tokens", msg.token_start, msg.token_end, 0, num_tokens)
+    _check_range("tokens", msg.token_start, msg.token_end, kv_start, num_tokens)
     want = layout.payload_bytes(msg.token_end - msg.token_start, msg.head_end - msg.head_start)
     if msg.byte_length != want:
         raise InvalidFrame(f"chunk says {msg.byte_length} bytes; its ranges hold {want}")

@@ -2,7 +2,9 @@
 
 Life of a transfer (DESIGN.md "Life of a request", steps 3-6):
   1. The decode side's `KVSink.reserve()` holds pages under a lease and returns a `TransferDescriptor`
-     (request id, reservation id, nonce, model fingerprint, layout signature, token count).
+     (request id, reservation id, nonce, model fingerprint, layout signature, token count, and `kv_start`:
+     with prefix caching the decode side already holds the KV of tokens [0, kv_start), so only the rest
+     is shipped and the sink refuses chunks below it).
   2. The descriptor travels (router, Ray) to the prefill side, whose `KVSource.send()` streams the KV of
      that request, one layer at a time as the prefill computes it, over a `Transport` to the sink.
   3. The sink validates every frame against the reservation, writes chunks into the reserved pages and,
@@ -136,6 +138,9 @@ class TransferDescriptor:
     model_fingerprint: str
     layout_signature: str
     num_tokens: int  # prompt tokens whose KV the reservation holds
+    # first token whose KV must be shipped: [0, kv_start) sit in cached prefix pages the decode side shared
+    # into the reservation (prefix caching); a multiple of its page size, <= num_tokens
+    kv_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,7 @@ class KVSink(Protocol):
     `handle_push` runs on transport threads."""
 
     def reserve(self, num_tokens: int, params=None, request_id: str | None = None,
-                lease_s: float = 30.0) -> TransferDescriptor: ...
+                lease_s: float = 30.0, token_ids: list[int] | None = None) -> TransferDescriptor: ...
 
     def handle_push(self, frames: Iterable[bytes], token: str | None) -> PushResult: ...
 

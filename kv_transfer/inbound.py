@@ -46,8 +46,9 @@ class Inbound:
 
     @property
     def total_cells(self) -> int:
-        """Cells to receive: every prompt token, or the `num_slots` the finish frame announced."""
-        tokens = self.desc.num_tokens if self.num_slots is None else self.num_slots
+        """Cells to receive: every prompt token from `desc.kv_start` on (the ones before it are in shared
+        cached pages already), or the `num_slots` the finish frame announced."""
+        tokens = self.desc.num_tokens - self.desc.kv_start if self.num_slots is None else self.num_slots
         return self.layout.num_local_layers * tokens * self.layout.num_heads
 
     def covers_prefix(self, num_slots: int) -> bool:
@@ -86,9 +87,10 @@ class Inbound:
         heads = self.layout.num_heads
         for i, cells in enumerate(self._cells):
             got = cells.count(1)
-            if got != len(cells):
+            if got != (self.desc.num_tokens - self.desc.kv_start) * heads:
                 return (f"layer {self.layout.layer_start + i} has {got // heads if heads else 0} of "
-                        f"{self.desc.num_tokens} tokens ({self.total_cells - self.covered} cells missing in all)")
+                        f"{self.desc.num_tokens - self.desc.kv_start} tokens from token {self.desc.kv_start} "
+                        f"({self.total_cells - self.covered} cells missing in all)")
         return "nothing"
 
     def end(self, state: TransferState, reason: str | None = None, code: ErrorCode | None = None) -> bool:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkv_transfer/kv_transfer.proto\x12\x16pdserve.kv_transfer.v1\"\x95\x02\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x18\n\x10layout_signature\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x16\n\x0estorage_format\x18\x08 \x01(\t\x12\x12\n\nnum_layers\x18\t \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\r\x12\x10\n\x08head_dim\x18\x0b \x01(\r\x12\x0f\n\x07tp_rank\x18\x0c \x01(\r\x12\x0f\n\x07tp_size\x18\r \x01(\r\"\xe5\x01\n\x05\x43hunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nhead_start\x18\x02 \x01(\r\x12\x10\n\x08head_end\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x16\n\x0estorage_format\x18\t \x01(\t\x12\x13\n\x0b\x62yte_length\x18\n \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\x06\x12\x0f\n\x07payload\x18\x0c \x01(\x0c\"G\n\x06\x46inish\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\"\x9f\x01\n\x05\x46rame\x12,\n\x04open\x18\x01 \x01(\x0b\x32\x1c.pdserve.kv_transfer.v1.OpenH\x00\x12.\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1d.pdserve.kv_transfer.v1.ChunkH\x00\x12\x30\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x1e.pdserve.kv_transfer.v1.FinishH\x00\x42\x06\n\x04kind\"o\n\tPushReply\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0f\x63hunks_accepted\x18\x03 \x01(\r\x12\x12\n\nduplicates\x18\x04 \x01(\r\x12\x16\n\x0e\x62ytes_accepted\x18\x05 \x01(\x04\x32X\n\nKVTransfer\x12J\n\x04Push\x12\x1d.pdserve.kv_transfer.v1.Frame\x1a!.pdserve.kv_transfer.v1.PushReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkv_transfer/kv_transfer.proto\x12\x16pdserve.kv_transfer.v1\"\xa7\x02\n\x04Open\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x18\n\x10layout_signature\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x16\n\x0estorage_format\x18\x08 \x01(\t\x12\x12\n\nnum_layers\x18\t \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\r\x12\x10\n\x08head_dim\x18\x0b \x01(\r\x12\x0f\n\x07tp_rank\x18\x0c \x01(\r\x12\x0f\n\x07tp_size\x18\r \x01(\r\x12\x10\n\x08kv_start\x18\x0e \x01(\r\"\xe5\x01\n\x05\x43hunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nhead_start\x18\x02 \x01(\r\x12\x10\n\x08head_end\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x16\n\x0estorage_format\x18\t \x01(\t\x12\x13\n\x0b\x62yte_length\x18\n \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x0b \x01(\x06\x12\x0f\n\x07payload\x18\x0c \x01(\x0c\"G\n\x06\x46inish\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x11\n\tnum_slots\x18\x03 \x01(\r\"\x9f\x01\n\x05\x46rame\x12,\n\x04open\x18\x01 \x01(\x0b\x32\x1c.pdserve.kv_transfer.v1.OpenH\x00\x12.\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1d.pdserve.kv_transfer.v1.ChunkH\x00\x12\x30\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x1e.pdserve.kv_transfer.v1.FinishH\x00\x42\x06\n\x04kind\"o\n\tPushReply\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0f\x63hunks_accepted\x18\x03 \x01(\r\x12\x12\n\nduplicates\x18\x04 \x01(\r\x12\x16\n\x0e\x62ytes_accepted\x18\x05 \x01(\x04\x32X\n\nKVTransfer\x12J\n\x04Push\x12\x1d.pdserve.kv_transfer.v1.Frame\x1a!.pdserve.kv_transfer.v1.PushReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_transfer.kv_transfer_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OPEN']._serialized_start=58
-  _globals['_OPEN']._serialized_end=335
-  _globals['_CHUNK']._serialized_start=338
-  _globals['_CHUNK']._serialized_end=567
-  _globals['_FINISH']._serialized_start=569
-  _globals['_FINISH']._serialized_end=640
-  _globals['_FRAME']._serialized_start=643
-  _globals['_FRAME']._serialized_end=802
-  _globals['_PUSHREPLY']._serialized_start=804
-  _globals['_PUSHREPLY']._serialized_end=915
-  _globals['_KVTRANSFER']._serialized_start=917
-  _globals['_KVTRANSFER']._serialized_end=1005
+  _globals['_OPEN']._serialized_end=353
+  _globals['_CHUNK']._serialized_start=356
+  _globals['_CHUNK']._serialized_end=585
+  _globals['_FINISH']._serialized_start=587
+  _globals['_FINISH']._serialized_end=658
+  _globals['_FRAME']._serialized_start=661
+  _globals['_FRAME']._serialized_end=820
+  _globals['_PUSHREPLY']._serialized_start=822
+  _globals['_PUSHREPLY']._serialized_end=933
+  _globals['_KVTRANSFER']._serialized_start=935
+  _globals['_KVTRANSFER']._serialized_end=1023
 # @@protoc_insertion_point(module_scope)

@@ -19,7 +19,10 @@ is needed and the decode step loop pays nothing per chunk. `pump()`, on the engi
 leases, fails transfers whose reservation ended, frees (cancel + unpin) failed transfers once no write
 of theirs is in flight -- so a late chunk can only ever land in pages still pinned for it -- and commits
 ready transfers through `LLM.add_prefilled_request`. An `RLock` guards the transfer records; it is never
-held while bytes are copied.
+held while bytes are copied. Prefix caching: `reserve(..., token_ids=prompt)` shares the engine's cached
+prefix pages into the reservation; the descriptor's `kv_start` (= shared pages x page size) is where the
+KV to receive begins: chunks below it are refused (InvalidFrame; nothing writes a shared page), the open
+frame must announce the same start, and completeness counts cells from it.
 """
 from __future__ import annotations
 
@@ -76,15 +79,20 @@ class KVReceiver:
         return self.server.address
 
     def reserve(self, num_tokens: int, params=None, request_id: str | None = None,
-                lease_s: float = 30.0) -> TransferDescriptor:
-        """Hold pages for `num_tokens` of incoming KV (OutOfPagesError if none) and describe the transfer."""
+                lease_s: float = 30.0, token_ids: list[int] | None = None) -> TransferDescriptor:
+        """Hold pages for `num_tokens` of incoming KV (OutOfPagesError if none) and describe the transfer.
+        `token_ids` (the prompt; the engine's prefix cache on): its cached prefix pages are shared into the
+        reservation, and the descriptor's `kv_start` says where the KV still to ship begins."""
         if num_tokens < 1:
             raise InvalidFrame(f"cannot reserve for {num_tokens} tokens")
-        res = self.llm.reserve(num_tokens, lease_s)
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise InvalidFrame(f"{len(token_ids)} prompt token ids for a {num_tokens}-token reservation")
+        res = self.llm.reserve(num_tokens, lease_s, token_ids=token_ids)
         self.llm.allocator.share(_pin(res.reservation_id), res.pages)  # ours until the engine thread unpins
+        start = min(res.num_shared * self.llm.kv_spec.page_size, num_tokens)
         desc = TransferDescriptor(request_id or f"kv-{res.reservation_id}", res.reservation_id, res.nonce,
-                                  self.llm.fingerprint, self.llm.kv_spec.signature(), num_tokens)
-        cap = int(self.layout.transfer_bytes(num_tokens) * self.config.stream_bytes_factor)
+                                  self.llm.fingerprint, self.llm.kv_spec.signature(), num_tokens, start)
+        cap = int(self.layout.transfer_bytes(num_tokens - start) * self.config.stream_bytes_factor)
         ib = Inbound(desc, self.layout, list(res.pages), params, res.expires_at,
                      cap + self.config.max_chunk_bytes)
         with self._lock:
@@ -159,7 +167,7 @@ class KVReceiver:
         try:
             codec.check_layout(first.open, self.layout, self.llm.kv_spec.num_kv_heads)
             codec.check_binding(first.open, self.llm.fingerprint, self.llm.kv_spec.signature(),
-                                ib.desc.num_tokens)
+                                ib.desc.num_tokens, ib.desc.kv_start)
             with self._lock:
                 self._check_live(ib)
                 ib.prompt = list(first.open.prompt_token_ids)
@@ -204,7 +212,8 @@ class KVReceiver:
             return ib
 
     def _accept_chunk(self, ib: Inbound, msg, payload) -> None:
-        header = codec.check_chunk(msg, self.layout, ib.desc.num_tokens, self.config.max_chunk_bytes)
+        header = codec.check_chunk(msg, self.layout, ib.desc.num_tokens, self.config.max_chunk_bytes,
+                                   ib.desc.kv_start)
         self._pace(header.byte_length)
         with self._lock:
             self._check_live(ib)
@@ -233,6 +242,9 @@ class KVReceiver:
     def _accept_finish(self, ib: Inbound, msg) -> PushResult:
         with self._lock:
             self._check_live(ib)
+            if msg.num_slots and ib.desc.kv_start:
+                raise FailedPrecondition("evicted KV (finish num_slots) cannot fill a reservation on shared "
+                                         f"cached prefix pages (kv_start {ib.desc.kv_start})")
             if 0 < msg.num_slots < ib.desc.num_tokens:  # the prefill evicted KV: only the kept tokens came
                 if not ib.covers_prefix(msg.num_slots):
                     raise FailedPrecondition(f"finish announces {msg.num_slots} kept tokens; the chunks received "

@@ -12,6 +12,10 @@ hook copies the stored K/V of the tokens that step just computed for a sending r
 request's own slots) into that transfer's queue -- a memcpy on the engine thread -- so layer i is on the
 wire while layers i+1.. and later prefill chunks compute. A request already HELD when `send()` is called
 is read by the push side instead, layer by layer: its pages cannot change until we release them.
+Prefix caching: a descriptor with `kv_start` > 0 (the decode side shared that many tokens of cached prefix
+into the reservation) is shipped from there on only. The prefill engine's own cache may have let it skip
+computing a prefix; tokens in [kv_start, its first computed token) are then read by slot from the cached
+pages the request holds (they cannot change while it holds them) at the first layer hook.
 A push thread per transfer runs `transport.push()` over `Outbound.frames()`, which cuts what is queued
 into ~`chunk_bytes` chunks (XXH3-64 checksum each; frames are wire bytes) off the engine thread. When
 the prefill ends HELD, `poll()` queues the `Finish` frame (first token); once the push has ended, done
@@ -48,7 +52,8 @@ class Outbound:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.cancelled = threading.Event()  # set on abort: the transport gives up on the call
-        self.published = [0] * layout.num_local_layers  # tokens queued per local layer (engine thread)
+        # tokens queued per local layer (engine thread); [0, kv_start) are on the decode side already
+        self.published = [desc.kv_start] * layout.num_local_layers
         self.input_closed = False  # finish or abort queued (engine thread)
         self.state, self.reason, self.code = TransferState.PENDING, None, None
         self.bytes = self.chunks = 0
@@ -61,11 +66,12 @@ class Outbound:
         self._q.put(("kv", layer, start, stop, k, v))
         self.published[layer - self.layout.layer_start] = stop
 
-    def publish_held(self, backend, pages: list[int], num_tokens: int) -> None:
-        """Queue every layer of a HELD request, read by the push thread layer by layer (pipelined with
-        sending). Safe off the engine thread: nothing writes or frees a HELD request's pages until the
-        engine thread releases them, which `KVSender` does only after the push thread has exited."""
-        self._q.put(("held", backend, pages, num_tokens))
+    def publish_held(self, backend, pages: list[int], num_tokens: int, start: int = 0) -> None:
+        """Queue tokens [start, num_tokens) of every layer of a HELD request, read by the push thread layer
+        by layer (pipelined with sending). Safe off the engine thread: nothing writes or frees a HELD
+        request's pages until the engine thread releases them, which `KVSender` does only after the push
+        thread has exited (shared cached pages among them are read-only to everyone)."""
+        self._q.put(("held", backend, pages, start, num_tokens))
         self.published = [num_tokens] * self.layout.num_local_layers
 
     def finish(self, first_token_id: int, num_slots: int = 0) -> None:
@@ -96,11 +102,11 @@ class Outbound:
             if item[0] == "kv":
                 yield from self._chunks(*item[1:])
                 continue
-            _, backend, pages, n = item
+            _, backend, pages, a, n = item
             for layer in range(self.layout.layer_start, self.layout.layer_end):
                 if self.cancelled.is_set():
                     return
-                yield from self._chunks(layer, 0, n, *export_kv(backend, layer, pages, 0, n, copy=False))
+                yield from self._chunks(layer, a, n, *export_kv(backend, layer, pages, a, n, copy=False))
 
     def _chunks(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview):
         row = self.layout.payload_bytes(1, self.layout.num_heads) // 2  # bytes of one token's K (or V)
@@ -158,6 +164,11 @@ class KVSender:
                                      f" this engine has {self.llm.fingerprint}/{self.llm.kv_spec.signature()}")
         if desc.num_tokens != req.num_prompt:
             raise InvalidFrame(f"reservation holds {desc.num_tokens} tokens; the prompt has {req.num_prompt}")
+        if not 0 <= desc.kv_start <= desc.num_tokens:
+            raise InvalidFrame(f"kv_start {desc.kv_start} outside the {desc.num_tokens}-token prompt")
+        if desc.kv_start and self.llm.will_evict(request_id):
+            raise FailedPrecondition("this prefill evicts KV, which cannot fill a reservation on shared cached "
+                                     f"prefix pages (kv_start {desc.kv_start})")
         if not self._hooked:
             self.llm.runner.add_layer_hook(self._on_layer)
             self._hooked = True
@@ -240,21 +251,24 @@ class KVSender:
             ob = self._out.get(s.request_id)
             if ob is None or ob.input_closed or ob.deferred:
                 continue
-            start = max(s.num_cached, ob.published[layer - self.layout.layer_start])
+            # From what was queued, not from this chunk's start: tokens before the chunk are in the
+            # request's pages (earlier chunks, or cached prefix pages its own cache shared in), and the
+            # decode side may lack some of them -- the gap [kv_start, cached prefix) is read by slot here.
+            start = ob.published[layer - self.layout.layer_start]
             stop = s.num_cached + len(s.token_ids)
             if stop > start:
                 ob.publish(layer, start, stop, *export_kv(self.llm.backend, layer, s.pages, start, stop))
 
     def _publish_cached(self, ob: Outbound, held: bool) -> None:
         table = self.llm.tables.get(ob.request_id)
-        n = min(table.num_slots, ob.desc.num_tokens)
-        if not n:
+        n, a = min(table.num_slots, ob.desc.num_tokens), ob.desc.kv_start
+        if n <= a:
             return
         if held:  # pages frozen until we release them: let the push thread read them, layer by layer
-            ob.publish_held(self.llm.backend, list(table.pages), n)
+            ob.publish_held(self.llm.backend, list(table.pages), n, a)
             return
         for layer in self.llm.kv_spec.local_layers:  # still running (chunked prefill): copy now
-            ob.publish(layer, 0, n, *export_kv(self.llm.backend, layer, table.pages, 0, n))
+            ob.publish(layer, a, n, *export_kv(self.llm.backend, layer, table.pages, a, n))
 
     def _push(self, ob: Outbound) -> None:
         """Push thread: run the transport; every outcome ends the transfer (once)."""

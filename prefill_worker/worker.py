@@ -14,6 +14,10 @@ method runs on that thread. Life of a request here (DESIGN.md "Life of a request
 
 The engine batches waiting prompts by its token budget (`max_num_batched_tokens`) and admits them by free
 pages. `stats()` reports the queued prefill tokens the router balances on, and the KV bytes shipped.
+Prefix caching (`engine_kwargs["enable_prefix_caching"]`): a prompt starts after the longest prefix this
+engine has cached (prefill tokens saved), and only the KV from the descriptor's `kv_start` on is shipped
+(the decode side holds the rest); `stats()` counts `prefix_*`, `prefill_tokens_saved` and the bytes not
+sent; `prefix_info` lets the router name this engine's pages (`PrefixCache.info()`).
 
 Timeline (unix seconds, in `PrefillEvent.times`; the router folds them into the request's timeline):
 prefill_start (the step that first computed the prompt began; layer-wise publishing starts inside it, so it
@@ -66,6 +70,14 @@ class PrefillStats:
     transfers_done: int = 0
     transfers_failed: int = 0
     kv_evicted_tokens: int = 0  # prompt tokens whose KV eviction dropped (never sent)
+    # prefix caching (0 when off)
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in this engine's prefix cache
+    prefix_hit_tokens: int = 0  # of those, found cached
+    prefix_hit_rate: float = 0.0
+    prefill_tokens_saved: int = 0  # = hit tokens: prompt tokens not computed
+    prefix_cached_pages: int = 0
+    kv_tokens_not_sent: int = 0  # prompt tokens of done transfers the decode side held already (kv_start)
+    kv_bytes_not_sent: int = 0  # their KV bytes (what shipping them would have cost)
 
 
 class PrefillWorker:
@@ -81,7 +93,9 @@ class PrefillWorker:
         self._events: list[PrefillEvent] = []
         self._finished_early: set[str] = set()  # ended at their first token: their transfer abort is expected
         self._started: dict[str, float] = {}  # request id -> prefill_start (= transfer_start), until it ends
-        self._totals = {"bytes": 0, "seconds": 0.0, "done": 0, "failed": 0}
+        self._totals = {"bytes": 0, "seconds": 0.0, "done": 0, "failed": 0, "not_sent": 0, "not_sent_bytes": 0}
+        self._kv_start: dict[str, int] = {}  # request id -> its descriptor's kv_start, until the transfer ends
+        self.prefix_info = self.llm.prefix_cache.info() if self.llm.prefix_cache is not None else None
         self.closed = False
 
     # ---- commands (the loop thread) ----------------------------------------------------------
@@ -94,6 +108,7 @@ class PrefillWorker:
         except PdserveError:
             self.llm.abort(rid)
             raise
+        self._kv_start[rid] = descriptor.kv_start
 
     def cancel(self, request_id: str) -> None:
         """Stop the prefill and its transfer, free its pages (no-op for an unknown or ended request)."""
@@ -130,10 +145,17 @@ class PrefillWorker:
         queued = sum(len(r.token_ids) - r.num_computed for r in [*s.waiting, *s.running])
         u = self.llm.kv_usage()
         t = self._totals
-        return PrefillStats(queued, len(s.waiting), len(s.running), len(s.held), self.sender.num_live,
-                            u["pages_in_use"], u["num_pages"], u["reservations"], s.stats.num_preemptions,
-                            s.stats.num_steps, t["bytes"], t["seconds"], t["done"], t["failed"],
-                            self.llm.num_evicted_tokens)
+        out = PrefillStats(queued, len(s.waiting), len(s.running), len(s.held), self.sender.num_live,
+                           u["pages_in_use"], u["num_pages"], u["reservations"], s.stats.num_preemptions,
+                           s.stats.num_steps, t["bytes"], t["seconds"], t["done"], t["failed"],
+                           self.llm.num_evicted_tokens, kv_tokens_not_sent=t["not_sent"],
+                           kv_bytes_not_sent=t["not_sent_bytes"])
+        px = self.llm.prefix_stats()
+        if px:
+            out.prefix_queried_tokens, out.prefix_hit_tokens = int(px["queried_tokens"]), int(px["hit_tokens"])
+            out.prefix_hit_rate, out.prefill_tokens_saved = px["hit_rate"], int(px["prefill_tokens_saved"])
+            out.prefix_cached_pages = int(px["cached_pages"])
+        return out
 
     def close(self) -> None:
         """Abort every transfer and prefill, stop the push threads and the transport."""
@@ -169,6 +191,10 @@ class PrefillWorker:
         now, start = time.time(), self._started.pop(request_id, None)
         t = self._totals
         t["bytes"] += status.bytes
+        kv_start = self._kv_start.pop(request_id, 0)
+        if status.state == TransferState.DONE and kv_start:
+            t["not_sent"] += kv_start
+            t["not_sent_bytes"] += self.sender.layout.transfer_bytes(kv_start)
         t["seconds"] += now - start if start is not None else 0.0
         t["done" if status.state == TransferState.DONE else "failed"] += 1
         if request_id in self._finished_early:

@@ -119,6 +119,11 @@ class PrefixCache:
     def hashes(self) -> list[bytes]:
         return list(self._page_of)
 
+    def info(self) -> dict:
+        """What a router's prefix index needs to name this pool's pages with the same chain (plain data:
+        it crosses to the router): the salt (hex), the page size, and the page count (index capacity)."""
+        return {"prefix_salt": self.salt.hex(), "page_size": self.page_size, "num_pages": self.allocator.num_pages}
+
     def page_of(self, h: bytes) -> int | None:
         return self._page_of.get(h)
 
@@ -171,9 +176,9 @@ class PrefixSharing:
 
     def probe(self, req: Request) -> PrefixHit | None:
         """The cached prefix a waiting request could start from; None if it does not take part."""
-        if (req.num_computed or req.request_id in self.tables or req.prefill_only
-                or not self.cacheable(req)):
-            # prefill-only requests compute their whole prompt: the KV sender ships what each step computes
+        if req.num_computed or req.request_id in self.tables or not self.cacheable(req):
+            # (prefill-only requests share too: the KV sender reads the cached pages they start on by slot,
+            # for the part the decode side lacks -- kv_transfer/sender.py)
             return None
         pages, hashes = self.cache.lookup(req.token_ids, (len(req.token_ids) - 1) // self.page_size)
         alloc = self.tables.allocator

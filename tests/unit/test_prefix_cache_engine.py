@@ -187,7 +187,8 @@ def test_prefill_only_and_add_prefilled_still_work(tiny_dir, reference):
     rid = llm.add_request(PROMPTS[1], GREEDY, prefill_only=True)
     first = [o for o in llm.generate_until_idle() if o.request_id == rid][0]
     pages, n = llm.held_pages(rid)
-    assert n == len(PROMPTS[1]) and llm.prefix_stats()["queries"] == 1  # held prompts compute everything
+    # held (prefill-only) prompts share cached pages too: the KV sender reads them by slot
+    assert n == len(PROMPTS[1]) and llm.prefix_stats()["hit_tokens"] == HITS_ONE_AT_A_TIME[1]
     res = llm.reserve(n)
     for layer in range(llm.config.num_layers):  # copy the held KV into the reservation, as a transfer does
         src = [pages[i // PS] * PS + i % PS for i in range(n)]
