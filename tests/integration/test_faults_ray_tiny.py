@@ -9,6 +9,10 @@ A prefill actor killed before its KV has left (its pushes stalled by the same tr
 the requests it owed are re-prefilled on the other prefill actor and finish greedy-equal, with no token
 lost or repeated in their streams.
 
+A burst of 10x what the queue admits, with deadlines too short to meet in it: the surplus is refused at
+once with a typed 429 (`OverloadedError`, never admitted), requests past their deadline end "timeout"
+on time, the rest finish greedy-equal, and nothing is left behind.
+
 An actor restarted by Ray rejoins the router ("Ray actors restart per the spec", "an actor restarted on
 the same address"): the spec's
 `reliability.actor_max_restarts: 1` reaches the actor options; `ray.kill(..., no_restart=False)` kills the
@@ -121,6 +125,43 @@ def test_a_prefill_actor_killed_before_its_kv_left_is_re_prefilled_elsewhere(ray
             assert led.balanced(0) and led.completed == len(prompts) and led.workers_lost == 1, led
             assert 0 < led.recovered, led
             print(f"prefill actor killed with {owed} transfers in flight: {led.recovered} re-prefilled elsewhere")
+        finally:
+            await router.shutdown()
+    asyncio.run(main())
+
+
+def test_a_burst_of_10x_the_queue_and_short_deadlines_end_typed_and_on_time(ray_session, tiny_dir):
+    from cluster.serving_api import OverloadedError
+
+    queue = 4
+    spec = spec_for(tiny_dir, server={"request_timeout_s": 120.0, "max_queued_requests": queue})
+    ref = LLM(model=str(tiny_dir), dtype="float32", num_pages=64).generate([PROMPT], PARAMS)[0].token_ids
+    router = ClusterRouter.from_spec(spec, transport=FaultyTransport({"delay": 1.0, "delay_s": 0.2}))
+
+    async def one(i):
+        late = i % 5 == 0  # a deadline no request can meet while the KV trickles in
+        req = GenerateRequest(f"b{i}", PROMPT, PARAMS, model=router.model_name, deadline_s=0.3 if late else None)
+        t0 = time.monotonic()
+        try:
+            out = [d async for d in router.generate(req)]
+        except OverloadedError:
+            return "429", time.monotonic() - t0
+        toks = [t for d in out for t in d.new_token_ids]
+        if out[-1].finish_reason == "length":
+            assert_greedy_equal([ref], [toks])
+        return out[-1].finish_reason, time.monotonic() - t0
+
+    async def main():
+        try:
+            got = await asyncio.gather(*(one(i) for i in range(10 * queue)))
+            kinds = [k for k, _ in got]
+            assert kinds.count("429") >= 10 * queue - 2 * queue and "length" in kinds, kinds
+            assert all(t < 5.0 for k, t in got if k in ("429", "timeout")), got  # typed and on time
+            await assert_cluster_empty(router, timeout_s=30)
+            led = router.ledger
+            assert led.balanced(0) and led.admitted == len(got) - kinds.count("429"), led
+            assert (led.completed, led.failed) == (kinds.count("length"), kinds.count("timeout")), (led, kinds)
+            print(f"burst of {len(got)} at a queue of {queue}: {dict((k, kinds.count(k)) for k in set(kinds))}")
         finally:
             await router.shutdown()
     asyncio.run(main())
