@@ -212,7 +212,7 @@ def router_config(spec, config):
                         min(p.kv.num_pages * p.kv.page_size for p in serving),
                         prefill.kv.num_pages * prefill.kv.page_size if prefill is not None else None,
                         spec.server.max_queued_requests, spec.server.request_timeout_s,
-                        **spec.reliability.router_options())
+                        **spec.reliability.router_options(), **spec.routing.router_options())
 
 
 def _bundle(pool) -> dict[str, float]:

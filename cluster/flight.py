@@ -52,6 +52,7 @@ class Flight:
     prefill_ended: bool = False  # a terminal prefill event arrived (possibly before submit() returned)
     decode_open: bool = False  # the decode worker holds a reservation or a running request for it
     prefill_tokens_counted: bool = False  # its prompt counts in its prefill worker's queued tokens
+    prefill_tokens: int = 0  # how many: the prompt less the prefix the router expects cached there
     done: bool = False
     sent_tokens: int = 0
     seen_tokens: int = 0  # the newest num_output of any event

@@ -26,11 +26,20 @@ Score (lower wins): load[w] + uncached tokens on w, both in prompt-token units (
 is its queued prompt tokens: time to first token grows with the tokens ahead plus the tokens to compute).
 `cache_weight` scales how much a cached token is worth against one queued token; ties go to the first
 candidate, so callers pass candidates in their own preference order.
+
+`PrefixPlacer` is what `cluster.router` holds: one index per pool whose workers run a prefix cache (their
+`info["prefix"]`: the engine's salt, page size and page count, so digests are the engine's own), or none
+when `RouterConfig.prefix_routing` is False / no worker caches. Decode pool: `decode_order` ranks the
+workers that have the pages for the uncached part (never one without), by load (requests in flight x
+`decode_load_tokens`) + uncached tokens (KV bytes still to ship). Prefill pool: `pick_prefill` by queued
+uncached prompt tokens + this prompt's uncached tokens. `record` after each placement, `forget` on a
+worker's loss; `extra()` adds routing counters and pool totals of the workers' prefix stats to
+`BackendStats.extra` (hence /metrics and the bench's server counter table).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 from engine.kv_cache.prefix_cache import page_hashes  # pure Python: the engine's own chain, no torch
 
@@ -87,14 +96,112 @@ class PrefixIndex:
         return len(self._pages.get(worker, ()))
 
 
+def rank(candidates: Sequence[Hashable], hashes: Sequence[Digest], index: PrefixIndex,
+         load: Mapping[Hashable, float], prompt_len: int, cache_weight: float = 1.0,
+         max_cached: int | None = None) -> list[Hashable]:
+    """Candidates by load + uncached prompt tokens, best first (stable: equals keep the caller's order).
+    `max_cached`: the most tokens a hit can cover (prefill: all but the last token, always computed)."""
+    top = max(prompt_len - 1, 0) if max_cached is None else max_cached
+
+    def cost(w: Hashable) -> float:
+        return load.get(w, 0.0) + prompt_len - cache_weight * min(index.matched_tokens(w, hashes), top)
+
+    return sorted(candidates, key=cost)
+
+
 def pick(candidates: Sequence[Hashable], hashes: Sequence[Digest], index: PrefixIndex,
          load: Mapping[Hashable, float], prompt_len: int, cache_weight: float = 1.0) -> Hashable:
     """The candidate with the lowest load + uncached prompt tokens (see the module map)."""
     if not candidates:
         raise ValueError("no candidate worker")
+    return rank(candidates, hashes, index, load, prompt_len, cache_weight)[0]
 
-    def cost(w: Hashable) -> float:
-        cached = min(index.matched_tokens(w, hashes), max(prompt_len - 1, 0))  # the last token is always computed
-        return load.get(w, 0.0) + prompt_len - cache_weight * cached
 
-    return min(candidates, key=cost)  # min keeps the first of equals
+def _name(w: Any) -> str:
+    return w.handle.name
+
+
+class PrefixPlacer:
+    """The router's prefix-aware placement over router `Worker` records (see the module map)."""
+
+    def __init__(self, infos: Mapping[str, Sequence[tuple[str, dict]]], enabled: bool | None = None,
+                 cache_weight: float = 1.0, decode_load_tokens: float = 64.0):
+        """`infos`: pool -> [(worker name, its ready() info)]; `enabled`: None = on where workers cache."""
+        self.cache_weight, self.decode_load_tokens = cache_weight, decode_load_tokens
+        self.index: dict[str, PrefixIndex] = {}
+        self.counts = {"prefill_placements": 0, "prefill_warm": 0, "prefill_claimed_tokens": 0,
+                       "decode_placements": 0, "decode_warm": 0, "decode_claimed_tokens": 0}
+        for pool, workers in infos.items():
+            px = [(name, (info or {}).get("prefix")) for name, info in workers]
+            if enabled is False or not px or any(p is None for _, p in px):
+                continue  # (a pool mixing cached and uncached workers is not routed by prefix)
+            first = px[0][1]
+            self.index[pool] = PrefixIndex(first["page_size"], {n: p["num_pages"] for n, p in px},
+                                           salt=bytes.fromhex(first["prefix_salt"]))
+
+    def active(self, pool: str) -> bool:
+        return pool in self.index
+
+    def hashes(self, pool: str, prompt: Sequence[int]) -> list[Digest]:
+        idx = self.index.get(pool)
+        return idx.hashes(prompt) if idx is not None else []
+
+    def decode_order(self, workers: Sequence[Any], hashes: Sequence[Digest], prompt_len: int,
+                     need_pages: int) -> list[Any]:
+        """Decode workers to try, best first; a worker short of pages for the uncached part is left out
+        (its free pages as last reported, less what the router reserved since)."""
+        base = sorted(workers, key=lambda w: (-w.free_pages(), len(w.flights)))  # without a cache: most room
+        idx = self.index.get("decode")
+        if idx is None:
+            return [w for w in base if w.stats is None or w.free_pages() >= need_pages]
+        ok = [w for w in base if w.stats is None or w.free_pages() >= need_pages - idx.matched_pages(_name(w), hashes)]
+        load = {_name(w): len(w.flights) * self.decode_load_tokens for w in ok}
+        by_name = {_name(w): w for w in ok}
+        return [by_name[n] for n in rank(list(by_name), hashes, idx, load, prompt_len, self.cache_weight,
+                                         max_cached=prompt_len)]
+
+    def pick_prefill(self, workers: Sequence[Any], hashes: Sequence[Digest], prompt_len: int) -> tuple[Any, int]:
+        """(prefill worker, prompt tokens it is expected to compute): fewest queued + uncached tokens."""
+        base = sorted(workers, key=lambda w: (w.queued_tokens, len(w.flights)))
+        idx = self.index.get("prefill")
+        if idx is None:
+            return base[0], prompt_len
+        load = {_name(w): float(w.queued_tokens) for w in base}
+        by_name = {_name(w): w for w in base}
+        best = rank(list(by_name), hashes, idx, load, prompt_len, self.cache_weight)[0]
+        cached = min(idx.matched_tokens(best, hashes), max(prompt_len - 1, 0))
+        return by_name[best], prompt_len - cached
+
+    def record(self, pool: str, worker: Any, hashes: Sequence[Digest]) -> None:
+        """`worker` was given this prompt: count the placement, and it will hold these pages from now on."""
+        idx = self.index.get(pool)
+        if idx is None:
+            return
+        claimed = idx.matched_tokens(_name(worker), hashes)
+        c = self.counts
+        c[f"{pool}_placements"] += 1
+        c[f"{pool}_warm"] += claimed > 0
+        c[f"{pool}_claimed_tokens"] += claimed
+        idx.record(_name(worker), hashes)
+
+    def forget(self, worker: Any) -> None:
+        """A lost (or restarted) worker holds nothing any more."""
+        for idx in self.index.values():
+            idx.forget(_name(worker))
+
+    def extra(self, workers: Sequence[Any]) -> dict[str, float]:
+        """Routing counters and pool totals of the live workers' prefix stats (`BackendStats.extra`)."""
+        out = {f"prefix_routing_{k}": float(v) for k, v in self.counts.items()}
+        for pool in ("prefill", "decode", "colocated"):
+            stats = [w.stats for w in workers if w.pool == pool and hasattr(w.stats, "prefix_queried_tokens")]
+            if not stats:
+                continue
+            q, h = sum(s.prefix_queried_tokens for s in stats), sum(s.prefix_hit_tokens for s in stats)
+            out.update({f"{pool}_prefix_queried_tokens": float(q), f"{pool}_prefix_hit_tokens": float(h),
+                        f"{pool}_prefix_hit_rate": h / q if q else 0.0})
+        senders = [w.stats for w in workers if w.pool == "prefill" and hasattr(w.stats, "kv_bytes_not_sent")]
+        if senders:
+            out["prefill_tokens_saved"] = float(sum(s.prefill_tokens_saved for s in senders))
+            out["kv_bytes_not_sent"] = float(sum(s.kv_bytes_not_sent for s in senders))
+            out["kv_tokens_not_sent"] = float(sum(s.kv_tokens_not_sent for s in senders))
+        return out

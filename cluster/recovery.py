@@ -148,7 +148,7 @@ def stale_workers(workers, now: float, timeout_s: float) -> list:
 class RecoveryMixin:
     """`ClusterRouter`'s worker side: the pollers (heartbeats), losses and recoveries. Uses the router's
     `cfg`, `workers`, `_flights`, `_waiting`, `_ids`, `_wake`, `_clock`, `_tokenizer`, `ledger`,
-    `_release`."""
+    `_release`, `_prefix`."""
 
     async def _poll(self, w: Worker) -> None:
         """Long-poll one worker's events into their flights; a returned drain is its heartbeat."""
@@ -221,6 +221,7 @@ class RecoveryMixin:
             return
         w.alive = False
         self.ledger.workers_lost += 1
+        self._prefix.forget(w)  # a restarted incarnation starts with an empty prefix cache
         for wid in list(w.flights):
             f = self._flights.get(wid)
             if f is not None and harmed_by(f, w):

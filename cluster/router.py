@@ -11,7 +11,10 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"):
   2. The admission task takes the head: decode worker with the most free pages, then the least load;
      `reserve` there (None = no pages now: the next worker, else wait for capacity); then the prefill
      worker with the fewest queued prefill tokens gets `submit(prompt, descriptor, decode address)`:
-     it prefills and ships each layer's KV as computed.
+     it prefills and ships each layer's KV as computed. With prefix caching (`prefix_routing`, on where the
+     workers cache), `cluster/prefix_routing.PrefixPlacer` orders both choices by cached prefix against load
+     (never a decode worker short of pages), and the reservation's `kv_start` tells the prefill worker
+     which KV the decode side already holds.
   3. One poller per worker long-polls `drain()`; events go to their flight's queue. The prefill's first
      token is streamed at once (TTFT); decode deltas follow; `Flight.advance` reconciles the two streams.
   4. The request ends exactly once: finished (decode's last delta, or the prefill's when it stopped at
@@ -36,6 +39,7 @@ from typing import Any, AsyncIterator, Callable
 
 from cluster.flight import Flight
 from cluster.intake import validate_request
+from cluster.prefix_routing import PrefixPlacer
 from cluster.recovery import Ledger, RecoveryMixin, Worker, WorkerHandle, outcome_of
 from cluster.serving_api import (BackendStats, BackendUnavailableError, GenerateDelta, GenerateRequest,
                                  OverloadedError)
@@ -62,6 +66,9 @@ class RouterConfig:
     max_recoveries: int = 2  # re-placements of one request after worker losses before it fails
     call_timeout_s: float = 30.0  # a placement command unanswered this long: its worker is lost
     rejoin_restarted: bool = False  # take a lost worker's restarted incarnation back (Ray restarts actors)
+    prefix_routing: bool | None = None  # route by cached prefix (cluster/prefix_routing.py); None: where workers cache
+    prefix_cache_weight: float = 1.0  # one cached prompt token against one queued token
+    decode_load_tokens: float = 64.0  # a decode worker's request in flight, in prompt tokens to ship
 
 
 class ClusterRouter(RecoveryMixin):
@@ -86,6 +93,9 @@ class ClusterRouter(RecoveryMixin):
         self._closed = False
         self._clock = clock
         self.ledger = Ledger()
+        infos = {pool: [(h.name, getattr(h, "info", None)) for h in hs] for pool, hs in pools.items()}
+        self._prefix = PrefixPlacer(infos, config.prefix_routing, config.prefix_cache_weight,
+                                    config.decode_load_tokens)
 
     @classmethod
     def from_spec(cls, spec, **kwargs) -> "ClusterRouter":
@@ -138,6 +148,7 @@ class ClusterRouter(RecoveryMixin):
         extra["kv_transfer_bytes"] = float(sum(s.kv_bytes_sent for s in senders))
         extra["kv_transfer_seconds"] = float(sum(s.kv_transfer_seconds for s in senders))
         extra.update(self.ledger.extra(len(self._flights)))
+        extra.update(self._prefix.extra(everyone))
         return BackendStats(queued, len(self._flights) - queued, sum(w.stats.pages_in_use for w in everyone),
                             sum(w.stats.num_pages for w in everyone),
                             sum(w.stats.num_preemptions for w in everyone if w.pool != "prefill"), extra)
@@ -277,10 +288,9 @@ class ClusterRouter(RecoveryMixin):
         wid, prompt = f.wid, f.run_prompt
         need = -(-len(prompt) // self._page_size)
         lease = max(f.deadline - self._clock(), 0.0) + self.cfg.lease_margin_s
-        desc = None
-        for w in sorted(self._alive("decode"), key=lambda w: (-w.free_pages(), len(w.flights))):
-            if w.stats is not None and w.free_pages() < need:
-                continue
+        desc, px = None, self._prefix
+        dh = px.hashes("decode", prompt)
+        for w in px.decode_order(self._alive("decode"), dh, len(prompt), need):  # warm and roomy first
             desc = await self._ask(w, "reserve", wid, prompt, f.run_params, lease)
             if desc is not None:
                 break
@@ -294,12 +304,15 @@ class ClusterRouter(RecoveryMixin):
             return True
         f.decode, f.decode_open = w, True
         w.flights.add(f.wid)
+        px.record("decode", w, dh)
         f.mark("reserved")
-        p = min(self._alive("prefill"), key=lambda p: (p.queued_tokens, len(p.flights)))
+        ph = px.hashes("prefill", prompt)
+        p, f.prefill_tokens = px.pick_prefill(self._alive("prefill"), ph, len(prompt))  # queued + uncached
         f.prefill, f.prefill_tokens_counted = p, True
-        p.queued_tokens += len(prompt)
+        p.queued_tokens += f.prefill_tokens
         p.flights.add(wid)
         await self._ask(p, "submit", wid, prompt, f.run_params, desc, w.handle.info["address"])
+        px.record("prefill", p, ph)
         if f.wid != wid:  # a worker loss re-queued it meanwhile: this placement is void
             self._spawn(self._call(p, "cancel", wid))
             return True
@@ -324,7 +337,7 @@ class ClusterRouter(RecoveryMixin):
     def _uncount_prefill(self, f: Flight) -> None:
         if f.prefill_tokens_counted:
             f.prefill_tokens_counted = False
-            f.prefill.queued_tokens -= len(f.run_prompt)
+            f.prefill.queued_tokens -= f.prefill_tokens
 
     def _end(self, f: Flight, outcome: str) -> None:
         """The flight leaves the router (exactly once, counted in the ledger); workers' holdings are freed."""

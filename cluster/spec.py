@@ -5,12 +5,14 @@ Shape (only `model` is required; the pools the mode needs must be named; default
     model, dtype, mode: disaggregated | colocated
     pools:        prefill + decode (disaggregated) or colocated; each: replicas, tensor_parallel,
                   pipeline_parallel, resources {num_cpus, num_gpus, custom}, max_num_seqs,
-                  max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage, eviction},
+                  max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage, eviction,
+                  prefix_caching},
                   speculative {proposer, max_draft, adaptive, gate, draft_model} (decode/colocated only)
     kv_transfer:  host, auth_token {env | file}, tls {cert_file, key_file, ca_file}, failure_policy,
                   push_timeout_s
     server:       host, port, api_key {env | file}, request_timeout_s, max_queued_requests
     reliability:  heartbeat_timeout_s, call_timeout_s, max_recoveries, actor_max_restarts
+    routing:      prefix_aware (default: on where kv.prefix_caching is), cache_weight, decode_load_tokens
     slo:          ttft_ms, tpot_ms
     ray:          address: local | auto | ray://HOST:PORT | HOST:PORT
 
@@ -32,8 +34,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
-from cluster.spec_sections import (EvictionSpec, KVPages, ReliabilitySpec, SpeculativeSpec,  # noqa: F401
-                                   _fail_if, _Section)
+from cluster.spec_sections import (EvictionSpec, KVPages, ReliabilitySpec, RoutingSpec,  # noqa: F401
+                                   SpeculativeSpec, _fail_if, _Section)
 from engine.config import ModelConfig
 from kv_transfer.config import LOOPBACK_HOSTS, TOKEN_ENV
 
@@ -237,7 +239,8 @@ class ClusterSpec(_Section):
     slo: SloSpec = Field(default_factory=SloSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
     reliability: ReliabilitySpec = Field(default_factory=ReliabilitySpec)
-    _blank_is_default = ("pools", "kv_transfer", "server", "slo", "ray", "reliability")
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    _blank_is_default = ("pools", "kv_transfer", "server", "slo", "ray", "reliability", "routing")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":
@@ -254,8 +257,20 @@ class ClusterSpec(_Section):
             problems.append(Problem("pools.decode.kv.storage", f"{dec.kv.storage!r} differs from pools.prefill.kv."
                                     f"storage {pre.kv.storage!r}: KV pages travel in their storage format, so "
                                     f"both pools must use the same one"))
-        _fail_if(problems + self._deadline_problems())
+        _fail_if(problems + self._deadline_problems() + self._prefix_problems())
         return self
+
+    def _prefix_problems(self) -> list[Problem]:
+        pre, dec, out = self.pools.prefill, self.pools.decode, []
+        if self.mode == "disaggregated" and pre and dec and dec.kv.prefix_caching and pre.kv.eviction is not None:
+            # the decode side shares cached pages into a reservation; evicted KV cannot fill such a one
+            out.append(Problem("pools.decode.kv.prefix_caching", "cannot be combined with pools.prefill.kv."
+                                                                 "eviction yet (evicted KV cannot join cached "
+                                                                 "prefix pages); turn one of them off"))
+        if self.routing.prefix_aware and not any(p.kv.prefix_caching for p in self.pools_in_use().values()):
+            out.append(Problem("routing.prefix_aware", "needs kv.prefix_caching: true on at least one pool "
+                                                       "(there is no cached prefix to route by)"))
+        return out
 
     def _deadline_problems(self) -> list[Problem]:
         # A worker found dead only after its requests' deadline passed cannot be recovered from: every
@@ -303,6 +318,8 @@ class ClusterSpec(_Section):
               "max_model_len": p.max_model_len, "kv_storage": p.kv.storage}
         if p.kv.eviction is not None:
             kw["kv_eviction"] = p.kv.eviction.model_dump()
+        if p.kv.prefix_caching:
+            kw["enable_prefix_caching"] = True
         if p.speculative is not None:
             kw["speculative"] = p.speculative.engine_config()
         return kw

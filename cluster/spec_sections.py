@@ -1,5 +1,6 @@
 """Parts of the cluster spec (`cluster/spec.py`) that configure the engine of a pool replica: KV pages (size,
-count, storage format, eviction) and draft-verify decoding; the `reliability` section (dead-peer detection,
+count, storage format, eviction, prefix caching) and draft-verify decoding; the `routing` section (prefix-aware
+placement); the `reliability` section (dead-peer detection,
 request recovery, Ray actor restarts), read by `cluster/actors.py` into `RouterConfig` and actor options;
 plus the strict base section every spec model derives from and `_fail_if`, which turns cross-field
 problems into a `SpecError`.
@@ -39,6 +40,17 @@ class KVPages(_Section):
     num_pages: int = Field(1024, ge=1, le=1 << 24)
     storage: Literal["raw", "int8", "fp8"] = "raw"  # page format, also the KV wire format (quantized: ~0.52x)
     eviction: "EvictionSpec | None" = None  # thin prompt KV at the end of prefill (prefill/colocated pools)
+    # share full pages of repeated prompt prefixes (engine/kv_cache/prefix_cache.py); in a disaggregated
+    # cluster the decode side then receives only the KV past what it holds
+    prefix_caching: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "KVPages":
+        if self.prefix_caching and self.eviction is not None:
+            _fail_if([Problem("prefix_caching", "cannot be combined with kv.eviction on the same pool yet: evicted "
+                                                "KV no longer lines up with its tokens, so its pages cannot be "
+                                                "shared; turn one of them off")])
+        return self
 
 
 class EvictionSpec(_Section):
@@ -81,6 +93,20 @@ class SpeculativeSpec(_Section):
         opts = {"model": self.draft_model} if self.draft_model else {}
         return {"proposer": self.proposer, "max_draft": self.max_draft, "adaptive": self.adaptive,
                 "gate": self.gate, "proposer_options": opts}
+
+
+class RoutingSpec(_Section):
+    """`routing`: how the router weighs where a prompt's prefix is cached against load
+    (cluster/prefix_routing.py). Cross-checked against the pools' `kv.prefix_caching` in `ClusterSpec`."""
+    prefix_aware: bool | None = None  # None: on for every pool with kv.prefix_caching
+    cache_weight: float = Field(1.0, ge=0.0, le=100.0)  # one cached prompt token against one queued token
+    # a decode worker's request in flight, in prompt tokens to ship: how much load outweighs a cached prefix
+    decode_load_tokens: float = Field(64.0, ge=0.0, le=float(1 << 20))
+
+    def router_options(self) -> dict[str, Any]:
+        """Keyword arguments of `cluster.router.RouterConfig` this section sets."""
+        return {"prefix_routing": self.prefix_aware, "prefix_cache_weight": self.cache_weight,
+                "decode_load_tokens": self.decode_load_tokens}
 
 
 class ReliabilitySpec(_Section):

@@ -1,0 +1,184 @@
+"""Prefix caching + prefix-aware routing through `ClusterRouter` over real in-process workers (tiny random
+Llama, float32, pages of 4, KV over the fake transport; no Ray).
+
+Requests sharing a 30-token prefix at various lengths (a page boundary, one past it, the whole prompt
+cached at a boundary, no hit) run concurrently, cache on vs off: greedy-equal to one engine. One at a time
+on one decode worker, the KV not sent equals exactly what an engine mirroring the decode worker's cache
+holds of each prompt, on both sides' counters and in `BackendStats.extra` (/metrics). With two workers per
+pool, a prompt sharing a warm prefix lands where it was cached. Every test ends with nothing held on any
+worker, only evictable cache pages, and an empty pool after `reset_prefix_cache()`.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from cluster.http.metrics import FrontendMetrics
+from cluster.router import ClusterRouter, RouterConfig
+from cluster.worker_loop import start_local
+from decode_worker.worker import DecodeWorker
+from engine import SamplingParams
+from engine.llm import LLM
+from engine.tokenizer import Tokenizer
+from kv_transfer.config import ReceiverConfig, SenderConfig
+from kv_transfer.fake_transport import FakeTransport
+from prefill_worker.worker import PrefillWorker
+from tests.cluster_helpers import assert_cluster_empty
+from tests.cluster_helpers import collect as collect_stream
+from tests.exactness import assert_greedy_equal
+from tests.tiny_models import write_tiny
+from tests.unit.leak_checks import assert_allocator_empty
+
+PS = 4
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+rng = random.Random(5)
+BASE = [rng.randrange(3, 256) for _ in range(30)]
+TAIL = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 7, 3, 9, 6)]
+PROMPTS = [BASE[:8] + TAIL[0], BASE[:9] + TAIL[1], BASE[:16], list(BASE), BASE[:3] + TAIL[2], TAIL[3] + BASE,
+           BASE + TAIL[4], BASE[:16] + TAIL[0]]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    alone = LLM(model=str(tiny_dir), dtype="float32", num_pages=128, page_size=PS)
+    return [o.token_ids for o in alone.generate([BASE] + PROMPTS, GREEDY)]
+
+
+class Cluster:
+    """A router over in-process workers; keeps the workers so a test can inspect their engines after the
+    loops stopped."""
+
+    def __init__(self, tiny_dir, cache=True, n_prefill=1, n_decode=1, routing=None, decode_load_tokens=64.0):
+        transport = FakeTransport()
+        kw = dict(model=str(tiny_dir), dtype="float32", page_size=PS, max_model_len=128,
+                  enable_prefix_caching=cache)
+        self.engines: dict[str, LLM] = {}
+
+        def build(name, make):
+            def factory():
+                w = make()
+                self.engines[name] = w.llm
+                return w
+            return start_local(name.split("-")[0], name, factory)
+
+        pools = {"prefill": [build(f"prefill-{i}", lambda: PrefillWorker(
+            dict(kw, num_pages=64, max_num_batched_tokens=16), SenderConfig(chunk_bytes=1024), transport))
+            for i in range(n_prefill)],
+                 "decode": [build(f"decode-{i}", lambda: DecodeWorker(dict(kw, num_pages=96), ReceiverConfig(),
+                                                                       transport)) for i in range(n_decode)]}
+        cfg = RouterConfig("disaggregated", "tiny", 256, 128, 96 * PS, 64 * PS, request_timeout_s=60.0,
+                           drain_timeout_s=0.2, prefix_routing=routing, decode_load_tokens=decode_load_tokens)
+        self.router = ClusterRouter(cfg, pools, Tokenizer(tiny_dir), PS)
+
+    async def run(self, i, prompt):
+        return (await collect_stream(self.router, f"r{i}", prompt, GREEDY, "tiny"))[0]
+
+    async def close(self):
+        """Leak check on every worker, shut down, then: only evictable cache pages; a reset empties them."""
+        try:
+            await assert_cluster_empty(self.router)
+        finally:
+            await self.router.shutdown()
+        for llm in self.engines.values():
+            u = llm.kv_usage()
+            assert u["pages_in_use"] == 0 and u["reservations"] == 0, u
+            assert u.get("cached_pages", 0) == u.get("evictable_pages", 0)
+            llm.reset_prefix_cache()
+            assert_allocator_empty(llm.allocator)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_shared_prefixes_concurrently_are_greedy_equal_with_the_cache_on_and_off(tiny_dir, reference, cache):
+    async def main():
+        c = Cluster(tiny_dir, cache, n_prefill=2, n_decode=2, decode_load_tokens=1.0)
+        try:
+            warm = await c.run("warm", BASE)
+            got = await asyncio.gather(*(c.run(i, p) for i, p in enumerate(PROMPTS)))
+            assert_greedy_equal(reference, [warm] + list(got))
+            extra = (await c.router.stats()).extra
+            if cache:  # prefixes were found cached and KV was left unsent
+                assert extra["prefill_tokens_saved"] > 0 and extra["kv_bytes_not_sent"] > 0
+                assert extra["prefix_routing_decode_warm"] > 0 and extra["prefix_routing_prefill_warm"] > 0
+            else:
+                assert extra["kv_bytes_not_sent"] == extra["prefill_tokens_saved"] == 0
+                assert extra["prefix_routing_decode_placements"] == 0  # nothing to route by
+        finally:
+            await c.close()
+    run(main())
+
+
+def test_bytes_not_sent_equal_what_the_decode_worker_held(tiny_dir, reference):
+    """One request at a time, one worker per pool: the decode worker's cache is exactly a mirror engine's
+    that ran the same requests, so kv_start of each request is the mirror's cached prefix (whole pages)."""
+    async def main():
+        c = Cluster(tiny_dir, True)
+        mirror = LLM(model=str(tiny_dir), dtype="float32", page_size=PS, num_pages=96, enable_prefix_caching=True)
+        want_tokens = want_saved = 0
+        try:
+            got = []
+            for i, p in enumerate([BASE] + PROMPTS):
+                want_tokens += len(mirror.prefix_cache.lookup(p, len(p) // PS)[0]) * PS
+                want_saved += len(mirror.prefix_cache.lookup(p, (len(p) - 1) // PS)[0]) * PS  # prefill: same history
+                got.append(await c.run(i, p))
+                mirror.generate(p, GREEDY)
+            assert_greedy_equal(reference, got)
+            assert (want_tokens, want_saved) == (8 + 8 + 16 + 28 + 0 + 0 + 28 + 16, 8 + 8 + 12 + 28 + 0 + 0 + 28 + 16)
+            per_token = c.engines["decode-0"].kv_spec.bytes_per_page() // PS
+            extra = (await c.router.stats()).extra
+            assert extra["kv_tokens_not_sent"] == want_tokens
+            assert extra["kv_bytes_not_sent"] == want_tokens * per_token
+            assert extra["decode-0.kv_bytes_not_received"] == want_tokens * per_token
+            assert extra["prefill_tokens_saved"] == extra["prefill-0.prefill_tokens_saved"] == want_saved
+            assert extra["prefill-0.kv_bytes_sent"] == sum(len(p) for p in [BASE] + PROMPTS) * per_token - \
+                want_tokens * per_token
+            assert 0 < extra["prefill_prefix_hit_rate"] < 1
+            m = FrontendMetrics()
+            m.refresh(await c.router.stats())
+            text = m.render().decode()
+            assert f'pdserve_backend_stat{{name="kv_bytes_not_sent"}} {float(want_tokens * per_token)}' in text
+            assert 'pdserve_backend_stat{name="prefill_0_prefix_hit_tokens"}' in text
+        finally:
+            await c.close()
+    run(main())
+
+
+def test_routing_sends_a_shared_prefix_where_it_is_cached(tiny_dir, reference):
+    async def main():
+        c = Cluster(tiny_dir, True, n_prefill=2, n_decode=2)
+        try:
+            await c.run("warm", BASE)
+            first = {n: s for n, s in (await c.router.worker_stats()).items()}
+            warm_p = next(n for n, s in first.items() if n.startswith("prefill") and s.num_steps)
+            warm_d = next(n for n, s in first.items() if n.startswith("decode") and s.num_steps)
+            got = await c.run(1, BASE + TAIL[4])
+            assert_greedy_equal([reference[7]], [got])
+            after = await c.router.worker_stats()
+            assert after[warm_p].prefill_tokens_saved == 28 and after[warm_d].kv_bytes_not_received > 0
+            assert all(after[n].num_steps == first[n].num_steps for n in after if n not in (warm_p, warm_d))
+        finally:
+            await c.close()
+    run(main())
+
+
+def test_prefix_routing_off_still_shares_on_the_worker_it_lands_on(tiny_dir, reference):
+    async def main():
+        c = Cluster(tiny_dir, True, routing=False)
+        try:
+            got = [await c.run(0, BASE), await c.run(1, BASE + TAIL[4])]
+            assert_greedy_equal([reference[0], reference[7]], got)
+            extra = (await c.router.stats()).extra
+            assert extra["prefix_routing_prefill_placements"] == 0 and extra["kv_tokens_not_sent"] == 28
+        finally:
+            await c.close()
+    run(main())
