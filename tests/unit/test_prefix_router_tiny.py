@@ -17,6 +17,7 @@ import pytest
 
 from cluster.http.metrics import FrontendMetrics
 from cluster.router import ClusterRouter, RouterConfig
+from cluster.serving_api import BackendUnavailableError
 from cluster.worker_loop import start_local
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
@@ -55,8 +56,9 @@ class Cluster:
     """A router over in-process workers; keeps the workers so a test can inspect their engines after the
     loops stopped."""
 
-    def __init__(self, tiny_dir, cache=True, n_prefill=1, n_decode=1, routing=None, decode_load_tokens=64.0):
-        transport = FakeTransport()
+    def __init__(self, tiny_dir, cache=True, n_prefill=1, n_decode=1, routing=None, decode_load_tokens=64.0,
+                 fault=None, policy="fail"):
+        transport = FakeTransport(fault)
         kw = dict(model=str(tiny_dir), dtype="float32", page_size=PS, max_model_len=128,
                   enable_prefix_caching=cache)
         self.engines: dict[str, LLM] = {}
@@ -72,7 +74,7 @@ class Cluster:
             dict(kw, num_pages=64, max_num_batched_tokens=16), SenderConfig(chunk_bytes=1024), transport))
             for i in range(n_prefill)],
                  "decode": [build(f"decode-{i}", lambda: DecodeWorker(dict(kw, num_pages=96), ReceiverConfig(),
-                                                                       transport)) for i in range(n_decode)]}
+                                                                       transport, policy)) for i in range(n_decode)]}
         cfg = RouterConfig("disaggregated", "tiny", 256, 128, 96 * PS, 64 * PS, request_timeout_s=60.0,
                            drain_timeout_s=0.2, prefix_routing=routing, decode_load_tokens=decode_load_tokens)
         self.router = ClusterRouter(cfg, pools, Tokenizer(tiny_dir), PS)
@@ -179,6 +181,38 @@ def test_prefix_routing_off_still_shares_on_the_worker_it_lands_on(tiny_dir, ref
             assert_greedy_equal([reference[0], reference[7]], got)
             extra = (await c.router.stats()).extra
             assert extra["prefix_routing_prefill_placements"] == 0 and extra["kv_tokens_not_sent"] == 28
+        finally:
+            await c.close()
+    run(main())
+
+
+def corrupt_when_shared():
+    """A fault corrupting the first chunk of every push into a reservation on shared pages (kv_start > 0)."""
+    start = [0]
+
+    def fault(index, frame):
+        kind = frame.WhichOneof("kind")
+        if kind == "open":
+            start[0] = frame.open.kv_start
+        elif kind == "chunk" and index == 1 and start[0]:
+            frame.chunk.payload = bytes(len(frame.chunk.payload))  # checksum mismatch: DATA_LOSS
+        return [frame]
+    return fault
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_transfer_into_shared_pages_recomputes_or_fails_and_frees_them(tiny_dir, reference, policy):
+    async def main():
+        c = Cluster(tiny_dir, True, fault=corrupt_when_shared(), policy=policy)
+        try:
+            assert_greedy_equal([reference[0]], [await c.run(0, BASE)])  # kv_start 0: untouched
+            if policy == "recompute":  # the decode worker re-runs it from its prompt, on its cached prefix
+                got = await c.run(1, BASE + TAIL[4])
+                assert_greedy_equal([reference[7]], [got])
+                assert (await c.router.worker_stats())["decode-0"].num_transfer_failures == 1
+            else:
+                with pytest.raises(BackendUnavailableError, match="transfer failed"):
+                    await c.run(1, BASE + TAIL[4])
         finally:
             await c.close()
     run(main())
