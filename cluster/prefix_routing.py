@@ -32,9 +32,10 @@ candidate, so callers pass candidates in their own preference order.
 when `RouterConfig.prefix_routing` is False / no worker caches. Decode pool: `decode_order` ranks the
 workers that have the pages for the uncached part (never one without), by load (requests in flight x
 `decode_load_tokens`) + uncached tokens (KV bytes still to ship). Prefill pool: `pick_prefill` by queued
-uncached prompt tokens + this prompt's uncached tokens. `record` after each placement, `forget` on a
-worker's loss; `extra()` adds routing counters and pool totals of the workers' prefix stats to
-`BackendStats.extra` (hence /metrics and the bench's server counter table).
+uncached prompt tokens + this prompt's uncached tokens; colocated pool: `pick_colocated` (load as for
+decode). `record` after each placement, `forget` on a worker's loss; `extra()` adds routing counters and
+pool totals of the workers' prefix stats to `BackendStats.extra` (hence /metrics and the bench's server
+counter table).
 """
 from __future__ import annotations
 
@@ -129,8 +130,8 @@ class PrefixPlacer:
         """`infos`: pool -> [(worker name, its ready() info)]; `enabled`: None = on where workers cache."""
         self.cache_weight, self.decode_load_tokens = cache_weight, decode_load_tokens
         self.index: dict[str, PrefixIndex] = {}
-        self.counts = {"prefill_placements": 0, "prefill_warm": 0, "prefill_claimed_tokens": 0,
-                       "decode_placements": 0, "decode_warm": 0, "decode_claimed_tokens": 0}
+        self.counts = {f"{pool}_{k}": 0 for pool in ("prefill", "decode", "colocated")
+                       for k in ("placements", "warm", "claimed_tokens")}
         for pool, workers in infos.items():
             px = [(name, (info or {}).get("prefix")) for name, info in workers]
             if enabled is False or not px or any(p is None for _, p in px):
@@ -171,6 +172,17 @@ class PrefixPlacer:
         best = rank(list(by_name), hashes, idx, load, prompt_len, self.cache_weight)[0]
         cached = min(idx.matched_tokens(best, hashes), max(prompt_len - 1, 0))
         return by_name[best], prompt_len - cached
+
+    def pick_colocated(self, workers: Sequence[Any], hashes: Sequence[Digest], prompt_len: int) -> Any:
+        """A colocated replica runs both phases: requests in flight x `decode_load_tokens` + uncached tokens
+        (the engine admits by pages itself, so no page filter here)."""
+        base = sorted(workers, key=lambda w: (len(w.flights), -w.free_pages()))
+        idx = self.index.get("colocated")
+        if idx is None:
+            return base[0]
+        load = {_name(w): len(w.flights) * self.decode_load_tokens for w in base}
+        by_name = {_name(w): w for w in base}
+        return by_name[rank(list(by_name), hashes, idx, load, prompt_len, self.cache_weight)[0]]
 
     def record(self, pool: str, worker: Any, hashes: Sequence[Digest]) -> None:
         """`worker` was given this prompt: count the placement, and it will hold these pages from now on."""

@@ -323,8 +323,10 @@ class ClusterRouter(RecoveryMixin):
         return True
 
     async def _place_colocated(self, f: Flight) -> bool:
-        w = min(self._alive("colocated"), key=lambda w: (len(w.flights), -w.free_pages()))
+        ch = self._prefix.hashes("colocated", f.run_prompt)  # ([] unless its replicas cache prefixes)
+        w = self._prefix.pick_colocated(self._alive("colocated"), ch, len(f.run_prompt))
         await self._ask(w, "add_request", f.wid, f.run_prompt, f.run_params)
+        self._prefix.record("colocated", w, ch)
         if f.done:
             self._spawn(self._call(w, "abort", f.wid))
             return True

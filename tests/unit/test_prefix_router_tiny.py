@@ -216,3 +216,24 @@ def test_a_failed_transfer_into_shared_pages_recomputes_or_fails_and_frees_them(
         finally:
             await c.close()
     run(main())
+
+
+def test_colocated_replicas_route_a_shared_prefix_to_the_warm_one(tiny_dir, reference):
+    async def main():
+        kw = dict(model=str(tiny_dir), dtype="float32", page_size=PS, max_model_len=128, num_pages=96,
+                  enable_prefix_caching=True)
+        pools = {"colocated": [start_local("colocated", f"colocated-{i}", lambda: DecodeWorker(kw, serve_kv=False))
+                               for i in range(2)]}
+        cfg = RouterConfig("colocated", "tiny", 256, 128, 96 * PS, request_timeout_s=60.0, drain_timeout_s=0.2)
+        router = ClusterRouter(cfg, pools, Tokenizer(tiny_dir), PS)
+        try:
+            got = [(await collect_stream(router, f"r{i}", p, GREEDY, "tiny"))[0]
+                   for i, p in enumerate([BASE, BASE + TAIL[4], BASE[:9] + TAIL[1]])]
+            assert_greedy_equal([reference[0], reference[7], reference[2]], got)
+            stats = await assert_cluster_empty(router)
+            warm = [n for n, s in stats.items() if s.num_steps]
+            assert len(warm) == 1 and stats[warm[0]].prefix_hit_tokens == 28 + 8  # both followed the first
+            assert (await router.stats()).extra["prefix_routing_colocated_warm"] == 2
+        finally:
+            await router.shutdown()
+    run(main())
