@@ -115,6 +115,9 @@ class LLM:
     def check_request(self, n_prompt: int, params: SamplingParams, prefill_only: bool = False) -> None:
         """InvalidRequestError if a prompt of `n_prompt` tokens with `params` can never run here. A
         prefill-only request makes one token, so only that one must fit."""
+        if self.backend is None and params.kv_eviction not in (None, "off"):  # TP/PP: attention runs in ranks
+            raise InvalidRequestError("kv_eviction", "per-request KV eviction is not supported with tensor or "
+                                                     "pipeline parallelism")
         if prefill_only:
             params = SamplingParams(max_tokens=1)
         if self.spec is not None:

@@ -156,3 +156,19 @@ def test_prefix_caching_with_tp_skips_cached_pages_and_stays_equal(tiny84):
     assert hit == ref_hit > 0
     assert_greedy_equal(ref, got)
     assert_ranks_gone(llm)
+
+
+def test_per_request_kv_eviction_is_refused_at_admission(tiny84):
+    """Eviction observes attention inside the ranks: refused when the request arrives, not mid-step."""
+    import dataclasses
+
+    from engine import InvalidRequestError
+
+    with LLM(model=str(tiny84), dtype="float32", tensor_parallel_size=2, **BATCHING) as llm:
+        for prefill_only in (False, True):
+            with pytest.raises(InvalidRequestError, match="kv_eviction"):
+                llm.add_request(PROMPTS[0], dataclasses.replace(GREEDY, kv_eviction={"method": "snapkv"}),
+                                prefill_only=prefill_only)
+        assert llm.generate([PROMPTS[1]], dataclasses.replace(GREEDY, kv_eviction="off"))[0].finished
+        assert_engine_empty(llm)
+    assert_ranks_gone(llm)
