@@ -33,9 +33,10 @@ when `RouterConfig.prefix_routing` is False / no worker caches. Decode pool: `de
 workers that have the pages for the uncached part (never one without), by load (requests in flight x
 `decode_load_tokens`) + uncached tokens (KV bytes still to ship). Prefill pool: `pick_prefill` by queued
 uncached prompt tokens + this prompt's uncached tokens; colocated pool: `pick_colocated` (load as for
-decode). `record` after each placement, `forget` on a worker's loss; `extra()` adds routing counters and
-pool totals of the workers' prefix stats to `BackendStats.extra` (hence /metrics and the bench's server
-counter table).
+decode). `record` after each placement (and `record_output` when a request completes: the decode side
+caches the answer's pages too, which a next chat turn repeats), `forget` on a worker's loss; `extra()`
+adds routing counters and pool totals of the workers' prefix stats to `BackendStats.extra` (hence
+/metrics and the bench's server counter table).
 """
 from __future__ import annotations
 
@@ -195,6 +196,13 @@ class PrefixPlacer:
         c[f"{pool}_warm"] += claimed > 0
         c[f"{pool}_claimed_tokens"] += claimed
         idx.record(_name(worker), hashes)
+
+    def record_output(self, worker: Any, tokens: Sequence[int]) -> None:
+        """A request finished on decode/colocated `worker`: prompt + output (`tokens`) have KV there but the
+        last token (never computed), so a next turn carrying this answer finds it (multi-turn chat)."""
+        idx = self.index.get(worker.pool)
+        if idx is not None and len(tokens) > 1:
+            idx.record(_name(worker), idx.hashes(tokens[:-1]))
 
     def forget(self, worker: Any) -> None:
         """A lost (or restarted) worker holds nothing any more."""

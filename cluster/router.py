@@ -353,6 +353,8 @@ class ClusterRouter(RecoveryMixin):
         for w in (f.prefill, f.decode):
             if w is not None:
                 w.flights.discard(f.wid)
+        if outcome == "completed" and f.decode is not None:  # its cache now holds the output's pages too
+            self._prefix.record_output(f.decode, list(f.prompt_ids) + list(f.output_ids))
         if self._wake is not None:
             self._wake.set()
 

@@ -237,3 +237,21 @@ def test_colocated_replicas_route_a_shared_prefix_to_the_warm_one(tiny_dir, refe
         finally:
             await router.shutdown()
     run(main())
+
+
+def test_a_next_chat_turn_finds_the_answer_cached_where_it_was_decoded(tiny_dir):
+    async def main():
+        c = Cluster(tiny_dir, True, n_decode=2)
+        try:
+            out = await c.run(0, BASE)  # 30 + 8 tokens; KV of the first 37 on its decode worker: 9 full pages
+            turn2 = BASE + out + TAIL[4]
+            idx = c.router._prefix.index["decode"]
+            warm = max(("decode-0", "decode-1"), key=lambda n: idx.matched_tokens(n, idx.hashes(turn2)))
+            assert idx.matched_tokens(warm, idx.hashes(turn2)) == 36  # prompt and answer pages recorded
+            await c.run(1, turn2)
+            extra = (await c.router.stats()).extra
+            assert extra[f"{warm}.kv_bytes_not_received"] == extra["kv_bytes_not_sent"] > 0
+            assert extra["kv_tokens_not_sent"] == 36 and extra["prefill-0.prefill_tokens_saved"] == 28
+        finally:
+            await c.close()
+    run(main())
