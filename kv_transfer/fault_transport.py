@@ -9,7 +9,11 @@ frame (parsed and re-encoded by the codec, so the receiver checks them like any 
 built from a spec and is not in `contract.TRANSPORTS`: a serving cluster cannot be configured into it.
 
 Plan (each probability per chunk frame, drawn in order from one seeded RNG per process):
-    {"seed": 0, "drop": 0.0, "corrupt": 0.0, "duplicate": 0.0, "delay": 0.0, "delay_s": 0.0}
+    {"seed": 0, "drop": 0.0, "corrupt": 0.0, "duplicate": 0.0, "delay": 0.0, "delay_s": 0.0,
+     "requests": {}, "at_chunk": 0}
+`requests` aims faults instead of drawing them: {client request id: fault} hits chunk number `at_chunk` of
+that request's first transfer (the id before the router's "#n" suffix; a re-prefill after a recovery is not
+hit again), so one cluster can run fault-free, faulted and untouched requests side by side.
 drop: the chunk never arrives (the finish frame's chunk count then disagrees); corrupt: its payload is
 zeroed (the checksum fails); duplicate: it arrives twice (accepted once); delay: the stream stalls
 `delay_s` before it (past the push deadline the call fails with DEADLINE_EXCEEDED).
@@ -32,10 +36,12 @@ class FaultyTransport:
 
     def __init__(self, plan: dict | None = None, inner: str = "grpc"):
         plan = dict(plan or {})
-        unknown = set(plan) - set(FAULTS) - {"seed", "delay_s"}
-        if unknown or any(not 0.0 <= float(plan.get(k, 0.0)) <= 1.0 for k in FAULTS):
-            raise TransferConfigError("plan", f"keys {sorted(FAULTS)} (probabilities in [0, 1]), seed, delay_s; "
-                                              f"got {plan}")
+        unknown = set(plan) - set(FAULTS) - {"seed", "delay_s", "requests", "at_chunk"}
+        aimed = dict(plan.get("requests", {}))
+        if (unknown or any(not 0.0 <= float(plan.get(k, 0.0)) <= 1.0 for k in FAULTS)
+                or not set(aimed.values()) <= set(FAULTS)):
+            raise TransferConfigError("plan", f"keys {sorted(FAULTS)} (probabilities in [0, 1]), seed, delay_s, "
+                                              f"requests ({{request id: fault}}), at_chunk; got {plan}")
         self.plan, self.inner_name = plan, inner
         self._setup()
 
@@ -44,6 +50,7 @@ class FaultyTransport:
         self._rng = random.Random(self.plan.get("seed", 0))
         self._lock = threading.Lock()  # push threads share the RNG and the counters
         self.injected: Counter = Counter()
+        self._hit: set[str] = set()  # aimed request ids already faulted (their re-prefills run clean)
 
     # Only the plan crosses process boundaries: each process builds its own inner transport and RNG.
     def __getstate__(self) -> dict:
@@ -75,10 +82,27 @@ class FaultyTransport:
                     return fault
         return None
 
+    def _aim(self, request_id: str) -> str | None:
+        """The fault aimed at this transfer's request (its first transfer only), if any."""
+        rid = request_id.rsplit("#", 1)[0]
+        fault = self.plan.get("requests", {}).get(rid)
+        with self._lock:
+            if fault is None or rid in self._hit:
+                return None
+            self._hit.add(rid)
+            self.injected[fault] += 1
+        return fault
+
     def _faulty(self, frames):
+        aimed, n = None, -1
         for data in frames:
             frame = codec.parse_frame(bytes(data))
-            fault = self._pick() if frame.WhichOneof("kind") == "chunk" else None
+            kind, fault = frame.WhichOneof("kind"), None
+            if kind == "open":
+                aimed = self._aim(frame.open.request_id)
+            elif kind == "chunk":
+                n += 1
+                fault = (aimed if n == int(self.plan.get("at_chunk", 0)) else None) if aimed else self._pick()
             if fault == "drop":
                 continue
             if fault == "corrupt":

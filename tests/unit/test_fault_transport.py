@@ -25,16 +25,16 @@ class Sink:
         return PushResult("done", "", 0, 0, 0)
 
 
-def stream(n_chunks: int = 20) -> list[bytes]:
+def stream(n_chunks: int = 20, request_id: str = "") -> list[bytes]:
     chunks = [pb.Frame(chunk=pb.Chunk(layer=i, payload=bytes([i + 1]) * 8, byte_length=8)) for i in range(n_chunks)]
-    frames = [pb.Frame(open=pb.Open(reservation_id="r"))] + chunks + [pb.Frame(finish=pb.Finish(num_chunks=20))]
+    frames = [pb.Frame(open=pb.Open(request_id=request_id, reservation_id="r"))] + chunks + [pb.Frame(finish=pb.Finish(num_chunks=20))]
     return [f.SerializeToString() for f in frames]
 
 
-def push(plan: dict) -> tuple[list, FaultyTransport]:
-    t, sink = FaultyTransport(plan, inner="fake"), Sink()
+def push(plan: dict, request_id: str = "", t: FaultyTransport | None = None) -> tuple[list, FaultyTransport]:
+    t, sink = t or FaultyTransport(plan, inner="fake"), Sink()
     address = t.serve(sink, ReceiverConfig()).address
-    t.push(address, iter(stream()), SenderConfig())
+    t.push(address, iter(stream(request_id=request_id)), SenderConfig())
     return sink.frames, t
 
 
@@ -66,7 +66,20 @@ def test_same_seed_same_faults_and_a_copy_carries_only_the_plan():
     assert twin.plan == plan and twin._inner is None and not twin.injected
 
 
-@pytest.mark.parametrize("plan", [{"drop": 1.5}, {"corrupt": -0.1}, {"explode": 0.1}])
+def test_an_aimed_fault_hits_one_chunk_of_its_request_s_first_transfer_only():
+    plan = {"requests": {"a": "drop", "b": "corrupt"}, "at_chunk": 3}
+    frames, t = push(plan, "a#1")
+    assert kinds(frames) == ["open"] + ["chunk"] * 19 + ["finish"] and 3 not in [f.chunk.layer for f in frames]
+    frames, t = push(plan, "a#7", t)  # the re-prefill after a recovery: clean
+    assert len(frames) == 22
+    frames, t = push(plan, "b#2", t)
+    assert [f.chunk.layer for f in frames[1:-1] if f.chunk.payload == bytes(8)] == [3]
+    frames, t = push(plan, "c#3", t)  # not aimed, no probabilities: untouched
+    assert [f.SerializeToString() for f in frames] == stream(request_id="c#3")
+    assert dict(t.injected) == {"drop": 1, "corrupt": 1}
+
+
+@pytest.mark.parametrize("plan", [{"drop": 1.5}, {"corrupt": -0.1}, {"explode": 0.1}, {"requests": {"a": "melt"}}])
 def test_bad_plan_is_a_typed_error(plan):
     with pytest.raises(TransferConfigError, match="plan"):
         FaultyTransport(plan)
