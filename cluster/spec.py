@@ -330,24 +330,25 @@ class ClusterSpec(_Section):
                 f"http {self.server.host}:{self.server.port}")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+# engine setting -> the pool's YAML key, for the engine's own parallel validators
+_PARALLEL_KEYS = {"tensor_parallel_size": "tensor_parallel", "pipeline_parallel_size": "pipeline_parallel",
+                  "speculative": "speculative", "kv_eviction": "kv.eviction"}
+
+
+def _parallel_problems(pool: Pool, c: ModelConfig) -> list[Problem]:
+    """The engine's judgement of the pool's degrees and options (engine/parallel/validate.py), so the spec
+    and `LLM(tensor_parallel_size=, pipeline_parallel_size=)` cannot disagree."""
+    from engine.parallel.validate import parallel_problems, valid_tp_degrees  # pure; imported only here
+
+    errs = parallel_problems(c, pool.tensor_parallel, pool.pipeline_parallel, pool.speculative is not None,
+                             pool.kv.eviction is not None)
+    hints = {"tensor_parallel_size": f"; use one of {', '.join(map(str, valid_tp_degrees(c)))}",
+             "pipeline_parallel_size": f"; use 1 to {c.num_layers}"}
+    return [Problem(_PARALLEL_KEYS.get(e.field, e.field), e.reason + hints.get(e.field, "")) for e in errs]
 
 
 def _model_problems(pool: Pool, c: ModelConfig) -> list[Problem]:
-    out: list[Problem] = []
-    tp, pp = pool.tensor_parallel, pool.pipeline_parallel
-    # Each rank holds whole query heads; KV heads are split, or replicated when tp is a multiple of them
-    # (8 query / 2 KV heads at tp 4: each KV head on two ranks).
-    if c.num_heads % tp or (c.num_kv_heads % tp and tp % c.num_kv_heads):
-        ok = ", ".join(str(d) for d in _divisors(c.num_heads) if not c.num_kv_heads % d or not d % c.num_kv_heads)
-        out.append(Problem("tensor_parallel", f"{tp} does not divide the model's {c.num_heads} attention heads, "
-                                              f"or neither divides nor is a multiple of its {c.num_kv_heads} KV "
-                                              f"heads (ranks hold whole heads); use one of {ok}"))
-    if c.num_layers % pp:
-        ok = ", ".join(map(str, _divisors(c.num_layers)))
-        out.append(Problem("pipeline_parallel", f"{pp} does not divide the model's {c.num_layers} layers; "
-                                                f"use one of {ok}"))
+    out: list[Problem] = _parallel_problems(pool, c)
     if pool.max_model_len is not None and pool.max_model_len > c.max_position:
         out.append(Problem("max_model_len", f"{pool.max_model_len} exceeds the model's {c.max_position} positions"))
     problem = _capacity_problem(pool, min(pool.max_model_len or c.max_position, c.max_position))

@@ -13,6 +13,8 @@ ids. Module map, in the order a step meets them:
   TP exceeds the KV heads), which weights it reads, its `KVPageSpec`, validation with typed errors.
 - `kv_io.py`: a request's KV out of / into a replica of any layout by (layer, KV-head range, tokens),
   routed to the ranks or stages that hold them (KV resharding between prefill and decode layouts).
+- `validate.py`: `validate_tp` / `validate_pp` / `check_supported` / `parallel_problems` (no torch): the one
+  judge of degrees and options, shared by `LLM` and the cluster spec.
 - `errors.py`: `ParallelConfigError`, `UnsupportedWithParallelError`, `RankFailedError`.
 Workers are free of process-launch concerns, so `cluster/` can host them in Ray actors. The forward is
 `engine.model.LlamaForward` given a shard (local head counts, an `all_reduce`) or a layer slice.

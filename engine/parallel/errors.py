@@ -14,7 +14,7 @@ class ParallelConfigError(PdserveError, ValueError):
     """A parallel degree does not divide the model; `field` names the offending setting."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.reason = field, message
         super().__init__(f"{field}: {message}")
 
 
@@ -22,8 +22,8 @@ class UnsupportedWithParallelError(PdserveError, ValueError):
     """A feature combined with tensor or pipeline parallelism that the ranks cannot run yet."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{field}: {message} (not supported with tensor or pipeline parallelism)")
+        self.field, self.reason = field, f"{message} (not supported with tensor or pipeline parallelism)"
+        super().__init__(f"{field}: {self.reason}")
 
 
 class RankFailedError(PdserveError, RuntimeError):

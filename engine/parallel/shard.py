@@ -20,22 +20,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv_cache.spec import KVPageSpec
 from engine.parallel.errors import ParallelConfigError
-
-
-def validate_tp(cfg: ModelConfig, size: int, field: str = "tensor_parallel_size") -> None:
-    """ParallelConfigError naming `field` unless `cfg` can be split over `size` ranks."""
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ParallelConfigError(field, f"must be a positive integer, got {size!r}")
-    if cfg.num_heads % size:
-        raise ParallelConfigError(field, f"{size} does not divide the model's {cfg.num_heads} query heads "
-                                         f"(num_attention_heads)")
-    kv = cfg.num_kv_heads
-    if kv % size and size % kv:
-        raise ParallelConfigError(field, f"{size} neither divides the model's {kv} KV heads "
-                                         f"(num_key_value_heads) nor is a multiple of them (replication)")
-    if cfg.intermediate_size % size:
-        raise ParallelConfigError(field, f"{size} does not divide the model's intermediate_size "
-                                         f"{cfg.intermediate_size}")
+from engine.parallel.validate import validate_tp  # noqa: F401 - the degree check lives beside the others
 
 
 def q_head_range(cfg: ModelConfig, rank: int, size: int) -> range:

@@ -17,19 +17,7 @@ import dataclasses
 from engine.batch import StepBatch
 from engine.config import ModelConfig
 from engine.kv_cache.spec import KVPageSpec
-from engine.parallel.errors import ParallelConfigError
-
-FIELD = "pipeline_parallel_size"
-
-
-def validate_pp(cfg: ModelConfig, size: int) -> None:
-    """ParallelConfigError unless `cfg`'s layers can be split into `size` non-empty stages."""
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ParallelConfigError(FIELD, f"must be a positive integer, got {size!r}")
-    if size > cfg.num_layers:
-        raise ParallelConfigError(FIELD, f"{size} stages for the model's {cfg.num_layers} layers "
-                                         f"(num_hidden_layers): a stage needs at least one layer")
-
+from engine.parallel.validate import PP_FIELD as FIELD, validate_pp  # noqa: F401 - judged with TP there
 
 def stage_layers(num_layers: int, stage: int, size: int) -> range:
     """Global layer ids of `stage` of `size`: contiguous, earlier stages one larger when uneven."""

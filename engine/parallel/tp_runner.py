@@ -24,21 +24,7 @@ from engine.parallel.rank_worker import RankSpec, without_logits
 from engine.parallel.shard import kv_head_range, shard_kv_spec, validate_tp
 from engine.parallel.stage_worker import StageSpec
 from engine.parallel.stages import stage_kv_spec, stage_layers, validate_pp
-
-
-def check_supported(cfg: ModelConfig, tp: int, speculative=None, kv_eviction=None, pp: int = 1) -> None:
-    """ParallelConfigError if a degree does not split `cfg`; UnsupportedWithParallelError for options
-    whose state lives beside one model and one page pool. Runs before any weight is read."""
-    validate_tp(cfg, tp)
-    validate_pp(cfg, pp)
-    if tp > 1 and pp > 1:
-        raise UnsupportedWithParallelError("pipeline_parallel_size", "stages of several tensor-parallel ranks")
-    if speculative is not None:
-        raise UnsupportedWithParallelError("speculative", "draft-verify decoding runs proposers and drafts "
-                                                          "against a single-process model")
-    if kv_eviction is not None:
-        raise UnsupportedWithParallelError("kv_eviction", "eviction observes attention and compacts pages "
-                                                          "in one local page pool")
+from engine.parallel.validate import check_supported  # noqa: F401 - `LLM` imports it from here
 
 
 def make_parallel_runner(model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec,

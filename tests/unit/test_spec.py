@@ -110,9 +110,15 @@ BAD = {
     "missing model": ("pools: {prefill: {}, decode: {}}\n", "model", "required key is missing"),
     "bad dtype": (MINIMAL + "dtype: bf16\n", "dtype", "did you mean 'bfloat16'?"),
     "tp not dividing heads": ("model: smollm2-135m\npools: {prefill: {tensor_parallel: 2}, decode: {}}\n",
-                              "pools.prefill.tensor_parallel", "2 does not divide the model's 9 attention heads"),
-    "pp not dividing layers": ("model: smollm2-135m\npools: {prefill: {}, decode: {pipeline_parallel: 4}}\n",
-                               "pools.decode.pipeline_parallel", "does not divide the model's 30 layers"),
+                              "pools.prefill.tensor_parallel", "2 does not divide the model's 9 query heads"),
+    "pp beyond the layers": ("model: smollm2-135m\npools: {prefill: {}, decode: {pipeline_parallel: 31}}\n",
+                             "pools.decode.pipeline_parallel", "31 stages for the model's 30 layers"),
+    "tp not dividing intermediate_size": ("model: smollm2-135m\npools: {prefill: {tensor_parallel: 9}, decode: {}}\n",
+                                          "pools.prefill.tensor_parallel", "intermediate_size 1536; use one of 1, 3"),
+    "tp with pp": ("model: smollm2-135m\npools: {prefill: {tensor_parallel: 3, pipeline_parallel: 2}, decode: {}}\n",
+                   "pools.prefill.pipeline_parallel", "stages of several tensor-parallel ranks (not supported"),
+    "speculative with tp": ("model: smollm2-135m\npools: {prefill: {}, decode: {tensor_parallel: 3, speculative: {}}}\n",
+                            "pools.decode.speculative", "draft-verify decoding"),
     "kv pages too few for the model": ("model: smollm2-135m\npools: {prefill: {}, decode: {kv: {num_pages: 10}}}\n",
                                        "pools.decode.kv.num_pages", "cannot hold one 8192-token sequence"),
     "kv pages too few for max_model_len": (
@@ -242,12 +248,12 @@ def test_literal_config_matches_the_real_smollm2(smollm2_dir):
 
 
 def test_tp_may_replicate_kv_heads_but_must_split_query_heads():
-    """9 query / 3 KV heads: tp 9 replicates each KV head on 3 ranks (allowed); 12 / 4 at tp 6 neither
-    splits nor replicates the KV heads evenly (rejected, naming what works)."""
+    """9 query / 3 KV heads with intermediate 1152: tp 9 replicates each KV head on 3 ranks (allowed); 12 / 4
+    at tp 6 neither splits nor replicates the KV heads evenly (rejected, naming what works)."""
     import dataclasses
 
     spec = parse_spec({"model": "m", "pools": {"prefill": {}, "decode": {"tensor_parallel": 9}}})
-    spec.check_against_model(SMOLLM2)  # no SpecError
+    spec.check_against_model(dataclasses.replace(SMOLLM2, intermediate_size=1152))  # no SpecError
     odd = dataclasses.replace(SMOLLM2, num_heads=12, num_kv_heads=4)
     bad = parse_spec({"model": "m", "pools": {"prefill": {}, "decode": {"tensor_parallel": 6}}})
     with pytest.raises(SpecError) as info:

@@ -1,0 +1,89 @@
+"""Which parallel layouts a model and a set of options can run with (pure: no torch, no processes).
+
+The one place the degrees are judged, so the engine and the cluster spec cannot disagree:
+- `LLM(tensor_parallel_size=, pipeline_parallel_size=)` calls `check_supported` (through `tp_runner`)
+  before any weight is read or process started;
+- `cluster.spec.ClusterSpec.check_against_model` (what `pdserve validate` and `serve` run) calls
+  `parallel_problems` and reports every problem under the pool's YAML keys.
+`validate_tp` / `validate_pp` are also re-exported by `shard.py` / `stages.py`, whose workers re-check.
+"""
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.parallel.errors import ParallelConfigError, UnsupportedWithParallelError
+
+PP_FIELD = "pipeline_parallel_size"
+
+
+def validate_tp(cfg: ModelConfig, size: int, field: str = "tensor_parallel_size") -> None:
+    """ParallelConfigError naming `field` unless `cfg` can be split over `size` ranks."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ParallelConfigError(field, f"must be a positive integer, got {size!r}")
+    if cfg.num_heads % size:
+        raise ParallelConfigError(field, f"{size} does not divide the model's {cfg.num_heads} query heads "
+                                         f"(num_attention_heads)")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        raise ParallelConfigError(field, f"{size} neither divides the model's {kv} KV heads "
+                                         f"(num_key_value_heads) nor is a multiple of them (replication)")
+    if cfg.intermediate_size % size:
+        raise ParallelConfigError(field, f"{size} does not divide the model's intermediate_size "
+                                         f"{cfg.intermediate_size}")
+
+
+def validate_pp(cfg: ModelConfig, size: int) -> None:
+    """ParallelConfigError unless `cfg`'s layers can be split into `size` non-empty stages."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ParallelConfigError(PP_FIELD, f"must be a positive integer, got {size!r}")
+    if size > cfg.num_layers:
+        raise ParallelConfigError(PP_FIELD, f"{size} stages for the model's {cfg.num_layers} layers "
+                                            f"(num_hidden_layers): a stage needs at least one layer")
+
+
+def valid_tp_degrees(cfg: ModelConfig) -> list[int]:
+    """Every tensor-parallel degree `cfg` splits over (for error messages and the planner)."""
+    out = []
+    for size in range(1, cfg.num_heads + 1):
+        try:
+            validate_tp(cfg, size)
+        except ParallelConfigError:
+            continue
+        out.append(size)
+    return out
+
+
+def unsupported(tp: int, pp: int, speculative: bool = False, kv_eviction: bool = False,
+                ) -> list[UnsupportedWithParallelError]:
+    """Options whose state lives beside one model and one page pool, combined with TP/PP > 1."""
+    if (tp, pp) == (1, 1):
+        return []
+    out = []
+    if tp > 1 and pp > 1:
+        out.append(UnsupportedWithParallelError(PP_FIELD, "stages of several tensor-parallel ranks"))
+    if speculative:
+        out.append(UnsupportedWithParallelError("speculative", "draft-verify decoding runs proposers and drafts "
+                                                               "against a single-process model"))
+    if kv_eviction:
+        out.append(UnsupportedWithParallelError("kv_eviction", "eviction observes attention and compacts pages "
+                                                               "in one local page pool"))
+    return out
+
+
+def parallel_problems(cfg: ModelConfig, tp: int, pp: int, speculative: bool = False,
+                      kv_eviction: bool = False) -> list[ParallelConfigError | UnsupportedWithParallelError]:
+    """Every reason `cfg` cannot run at these degrees with these options, in `check_supported`'s order."""
+    out: list[ParallelConfigError | UnsupportedWithParallelError] = []
+    for check, size in ((validate_tp, tp), (validate_pp, pp)):
+        try:
+            check(cfg, size)
+        except ParallelConfigError as e:
+            out.append(e)
+    return out + unsupported(tp, pp, speculative, kv_eviction)
+
+
+def check_supported(cfg: ModelConfig, tp: int, speculative=None, kv_eviction=None, pp: int = 1) -> None:
+    """Raise the first of `parallel_problems` (ParallelConfigError for a degree that does not split
+    `cfg`, UnsupportedWithParallelError for an option the ranks cannot run). Runs before any weight is read."""
+    problems = parallel_problems(cfg, tp, pp, speculative is not None, kv_eviction is not None)
+    if problems:
+        raise problems[0]
