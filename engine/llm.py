@@ -60,6 +60,11 @@ class LLM:
         self.tensor_parallel_size = tp = tensor_parallel_size  # > 1: ranks in processes of their own
         self.pipeline_parallel_size = pp = pipeline_parallel_size  # > 1: layer stages, one process each
         parallel = (tp, pp) != (1, 1)
+        if kv_storage == "kivi4" and parallel:  # rank processes have no allocator to release staging with
+            raise InvalidRequestError("kv_storage", "'kivi4' does not run with tensor/pipeline parallelism yet")
+        if kv_storage == "kivi4" and kv_eviction is not None:
+            raise InvalidRequestError("kv_eviction", "cannot be combined with kv_storage 'kivi4': compaction would "
+                                                     "move cells across the per-page key groups; use int8 or fp8")
         if parallel:
             from engine.parallel.tp_runner import check_supported, make_parallel_runner
 
@@ -72,6 +77,8 @@ class LLM:
         self.kv_spec = KVPageSpec(c.num_layers, c.num_kv_heads, c.head_dim, page_size, dtype, kv_storage)
         self.allocator = PageAllocator(num_pages, clock=clock)
         self.backend = None if parallel else make_backend(self.kv_spec, num_pages, device)  # parallel: one per rank
+        if hasattr(self.backend, "release_pages"):  # kivi4: staging copies go with the pages (kv_cache/kivi.py)
+            self.allocator.add_unheld_hook(lambda page: self.backend.release_pages([page]))
         self.tables = BlockTables(self.allocator, page_size)
         self.runner = (ModelRunner(self.model, self.backend, page_size) if not parallel else
                        make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device))

@@ -54,6 +54,12 @@ class PageAllocator:
         self._cache_owner: str | None = None
         self._on_evict: Callable[[int], None] | None = None
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cache-only pages, least recently released first
+        self._on_unheld: list[Callable[[int], None]] = []
+
+    def add_unheld_hook(self, fn: Callable[[int], None]) -> None:
+        """`fn(page)` runs when a page stops being held by any owner but the cache (freed, or left to the
+        cache): nothing will write it again (the kivi4 backend drops its full-precision staging copy)."""
+        self._on_unheld.append(fn)
 
     def attach_cache(self, owner: str, on_evict: Callable[[int], None]) -> None:
         """Make `owner` a cache whose sole-owned pages are evictable; `on_evict(page)` runs before one goes."""
@@ -148,6 +154,10 @@ class PageAllocator:
             self._free.append(page)
         elif self._cache_owner in owners and len(owners) == 1:
             self._evictable[page] = None  # newest at the back: evicted last
+        else:
+            return
+        for fn in self._on_unheld:  # (idempotent for the hooks: a cached page evicted later calls it again)
+            fn(page)
 
     # ---- reservations ------------------------------------------------------------------------
     @property

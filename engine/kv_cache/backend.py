@@ -3,7 +3,8 @@
 The model never indexes cache tensors; it hands the backend the keys (after RoPE) and values of the new
 tokens and asks for attention outputs. Storage per layer is `[num_pages, page_size, num_kv_heads,
 head_dim]`, addressed by flat slot id (page * page_size + offset). Formats register by name in
-`BACKENDS` ("raw" here; "int8" and "fp8" in `quantized.py`), so the model and the transfer layer stay
+`BACKENDS` ("raw" here; "int8" and "fp8" in `quantized.py`; "kivi4" in `kivi.py`, which also keeps a
+full-precision staging copy of pages being filled and wants `release_pages` when a page is let go), so the model and the transfer layer stay
 unchanged.
 
 Masks come from slot counts in the `AttentionContext` (built by `engine.attention_context`), never from
@@ -101,11 +102,11 @@ class RawKVBackend:
         return self.read(layer, slots)
 
 
-BACKENDS = {"raw": RawKVBackend}  # quantized formats register from engine/kv_cache/quantized.py
+BACKENDS = {"raw": RawKVBackend}  # quantized formats register from engine/kv_cache/quantized.py and kivi.py
 
 
 def make_backend(spec: KVPageSpec, num_pages: int, device="cpu"):
     if spec.storage_format not in BACKENDS:
-        from engine.kv_cache import quantized  # noqa: F401 - registers its formats
+        from engine.kv_cache import kivi, quantized  # noqa: F401 - register their formats
 
     return BACKENDS[spec.storage_format](spec, num_pages, device)

@@ -10,8 +10,10 @@ storage format), never re-encoded, so quantized formats flow through unchanged o
 
 Slots [start, stop) of a page list are addressed with the pool's own page size. Storage per layer is
 `[num_pages, page_size, kv_heads, cell]`, where a cell is one (token, head): head_dim values in the
-compute dtype (raw), or head_dim + 2 bytes (quantized, `quantized.py`); this module only moves cells,
-whatever their element type. Consecutive slots move as one
+compute dtype (raw), or head_dim + 2 bytes (int8/fp8, `quantized.py`), or a kivi4 cell (`kivi.py`: 4-bit
+values plus a share of the page's key scales); this module only moves cells, whatever their element type.
+kivi4 ships sealed pages only (a partly filled page lives in full-precision staging: KVFormatError), and
+marks imported pages sealed. Consecutive slots move as one
 slice, scattered pages as one gather/scatter of whole pages (plus the partial edge pages), so the cost
 does not depend on how fragmented the free list was.
 Only the engine thread may call these on a live engine (they touch cache tensors), except that
@@ -67,6 +69,8 @@ def export_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int,
     spec: KVPageSpec = backend.spec
     ps, runs = spec.page_size, slot_runs(pages, spec.page_size, start, stop)
     p0, p1 = start // ps, -(-stop // ps)
+    if hasattr(backend, "sealed"):  # kivi4: only sealed pages hold their tokens in cells
+        _check_sealed(backend, pages[p0:p1])
     out = []
     for pool in (backend.k[layer], backend.v[layer]):  # [num_pages, page_size, kv_heads, cell]
         flat = pool.view(-1, spec.num_kv_heads, pool.shape[-1])
@@ -106,6 +110,18 @@ def import_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int, 
         for first, at, length in todo:
             dst = flat[first:first + length]
             (dst if heads == spec.num_kv_heads else dst[:, head_start:head_end]).copy_(src[at:at + length])
+    if hasattr(backend, "mark_imported"):  # kivi4: the cells are a sealed page's (the sender checked)
+        backend.mark_imported(pages[start // ps:-(-stop // ps)])
+
+
+def _check_sealed(backend, pages: Sequence[int]) -> None:
+    unsealed = [p for p in pages if not bool(backend.sealed[p])]
+    if unsealed:
+        from engine.kv_cache.kivi import KVFormatError
+
+        raise KVFormatError(f"kivi4 pages {unsealed} are not sealed (partly filled: their tokens are in "
+                            f"full-precision staging, not in cells); kivi4 ships whole pages only -- use a "
+                            f"prompt length that is a multiple of page_size {backend.spec.page_size}, or int8")
 
 
 def _clip_edges(runs: Runs, lo: int, hi: int) -> Runs:

@@ -3,7 +3,9 @@
 Both ends of a KV transfer compare `signature()` before a byte moves. The page size is left out of the
 signature on purpose: transfers are addressed by token range, so a prefill worker with 16-token pages can
 ship into a decode worker with 32-token pages. Everything else (layers, heads, head dim, dtype, storage
-format, sharding) must agree for the bytes to mean the same thing.
+format, sharding) must agree for the bytes to mean the same thing. Exception: "kivi4" cells carry a share of
+their page's per-channel key scales (`kivi.py`), so for it the page size is part of the signature and a
+transfer between pools of different page sizes is refused as a layout mismatch.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import json
 from dataclasses import asdict, dataclass
 
 # Storage formats a page pool may hold: "raw" (the compute dtype), "int8" and "fp8" (e4m3) with a float16
-# scale per (token, head) (`quantized.py`). The transfer layer ships each unchanged.
-STORAGE_FORMATS = ("raw", "int8", "fp8")
+# scale per (token, head) (`quantized.py`); "kivi4" (4-bit KIVI: keys per channel over a page, values per
+# token, the unsealed last page in full precision; `kivi.py`). The transfer layer ships each unchanged.
+STORAGE_FORMATS = ("raw", "int8", "fp8", "kivi4")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -41,6 +44,9 @@ class KVPageSpec:
             raise ValueError(f"KVPageSpec tp_rank {self.tp_rank} outside [0, {self.tp_size})")
         if not 0 <= self.layer_start < self.layers_end <= self.num_layers:
             raise ValueError(f"KVPageSpec layer range [{self.layer_start}, {self.layers_end}) invalid")
+        if self.storage_format == "kivi4" and (self.head_dim % 2 or (4 * self.head_dim) % self.page_size):
+            raise ValueError(f"KVPageSpec kivi4 needs an even head_dim and page_size dividing 4 * head_dim (the "
+                             f"page's per-channel key scales are spread over its token rows): {self}")
 
     @property
     def layers_end(self) -> int:
@@ -58,6 +64,8 @@ class KVPageSpec:
         """Stored bytes of one token of one KV head, for K (V is the same size)."""
         if self.storage_format == "raw":
             return self.head_dim * self.itemsize
+        if self.storage_format == "kivi4":
+            return kivi_cell_bytes(self.head_dim, self.page_size)
         return self.head_dim + 2  # one byte per value + a float16 scale (engine/kv_cache/quantized.py)
 
     def bytes_per_token_layer(self) -> int:
@@ -69,7 +77,17 @@ class KVPageSpec:
 
     def signature(self) -> str:
         fields = asdict(self)
-        fields.pop("page_size")
+        if self.storage_format != "kivi4":  # kivi4 cells carry a share of their page's key scales: a token
+            fields.pop("page_size")  # range means the same bytes only between pools of one page size
+
         fields["layer_end"] = self.layers_end
         blob = json.dumps(fields, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def kivi_cell_bytes(head_dim: int, page_size: int) -> int:
+    """Bytes of one (token, head) kivi4 cell, K and V alike (layout in `kivi.py`): head_dim / 2 packed nibbles
+    plus an equal share of the token's metadata -- its value scale/zero (4 bytes) and its 1/page_size of the
+    page's per-channel key scale/zero (4 * head_dim / page_size bytes), at least the 4 value bytes."""
+    meta = 4 * head_dim // page_size
+    return head_dim // 2 + max(-(-(meta + 4) // 2), 4)
