@@ -173,18 +173,19 @@ def markdown(result: BenchResult, compare: dict | None) -> str:
 
 def server_lines(result: BenchResult) -> list[str]:
     """Per probe, what the server counted (change over the probe): KV bytes moved, backend statistics
-    such as prefix-cache hits, preemptions; empty when no target exposed /metrics."""
-    keys = sorted({k for t in result.targets for r in t.runs for k in r.server
+    such as prefix-cache hits, preemptions; one row per counter (there are many: per worker), one column
+    per probe. Empty when no target exposed /metrics."""
+    probes = [(t, r) for t in result.targets for r in t.runs if r.server]
+    keys = sorted({k for _, r in probes for k in r.server
                    if not k.startswith(("pdserve_requests_total", "pdserve_http_errors"))})
     if not keys:
         return []
-    short = [k.replace("pdserve_backend_stat{name=", "").replace("pdserve_", "").rstrip("}") for k in keys]
     out = ["", "Server counters, change over each probe (from /metrics):", "",
-           "| target | rate | " + " | ".join(short) + " |", "|---|---|" + "---|" * len(keys)]
-    for t in result.targets:
-        for r in t.runs:
-            out.append(f"| {t.label} | {_f(r.rate, '.3g')} | "
-                       + " | ".join(_f(r.server.get(k), ".4g") for k in keys) + " |")
+           "| counter | " + " | ".join(f"{t.label} @ {_f(r.rate, '.3g')}" for t, r in probes) + " |",
+           "|---|" + "---|" * len(probes)]
+    for k in keys:
+        name = k.replace("pdserve_backend_stat{name=", "").replace("pdserve_", "").rstrip("}")
+        out.append(f"| {name} | " + " | ".join(_f(r.server.get(k), ".4g") for _, r in probes) + " |")
     return out
 
 

@@ -245,7 +245,8 @@ def test_run_bench_on_an_endpoint_and_after_ctrl_c(fake, tmp_path):
     assert [r.server for r in tr.runs] == [{"pdserve_backend_stat{name=prefix_hit_tokens}": 6.0,
                                            "pdserve_prompt_tokens_total": 24.0}] * 2
     from cluster.bench.report import markdown
-    assert "| fake | 10 | 6 | 24 |" in markdown(result, None)
+    md = markdown(result, None)
+    assert "| counter | fake @ 10 | fake @ 20 |" in md and "| prompt_tokens_total | 24 | 24 |" in md
 
     calls = []
 
