@@ -8,9 +8,11 @@ a pool that cannot be placed) -> one `WorkerActor` per bundle, each building its
 async handle interface) -> `ClusterRouter` (`router_config`: the spec's deadlines and `reliability`).
 Restarts: Ray restarts a dead actor `reliability.actor_max_restarts` times (`actor_options`), but never
 retries a call on the new incarnation (max_task_retries 0): a retried `drain` would hide the death from the
-router, which must see it to recover the requests the old incarnation held. The router does not take a
-restarted actor back as a new worker (`RayHandle.reincarnation`: the restarted actor's `ready()`, whose
-info carries a fresh random `incarnation`); the lost record stays dead (cluster/recovery.py, "Rejoin").
+router, which must see it to recover the requests the old incarnation held. The router takes a restarted
+actor back as a new worker record (`RayHandle.reincarnation`: the restarted actor's `ready()`, whose info
+carries a fresh random `incarnation`); the lost record stays dead (cluster/recovery.py, "Rejoin").
+Test hooks on `WorkerActor`, called by fault tests on the actor handle and never by the router, a spec or
+HTTP: `slow_steps(delay_s)` (a slow worker) and `rss_bytes()` (memory under repeated faults).
 `shutdown()` stops every actor's loop (its worker aborts what it holds), kills the actors, removes the
 placement groups and, if it started Ray, shuts Ray down.
 
@@ -24,8 +26,10 @@ ever rebuilt.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import os
+import time
 import uuid
 from typing import Any
 
@@ -63,11 +67,34 @@ class WorkerActor:
         engine_kwargs = dict(engine_kwargs, num_threads=num_threads)
         methods = PREFILL_METHODS if kind == "prefill" else DECODE_METHODS
         incarnation = uuid.uuid4().hex  # new on every (re)start: the router tells a restarted actor apart
-        self.loop = WorkerLoop(lambda: _build(kind, engine_kwargs, kv), methods, name,
+        self.step_delay_s = 0.0  # fault tests only (`slow_steps`); a restarted incarnation starts at 0
+        self.loop = WorkerLoop(lambda: self._delayable(_build(kind, engine_kwargs, kv)), methods, name,
                                lambda worker: {**_info(worker), "incarnation": incarnation})
 
     def ready(self, timeout_s: float) -> dict:
         return self.loop.wait_ready(timeout_s)
+
+    # Test hooks, called from test code on the actor handle: the router never calls them (its commands go
+    # through `call` and the worker's allow-list) and neither a spec nor HTTP can reach them.
+    def slow_steps(self, delay_s: float) -> None:
+        """Every later step of the worker first sleeps `delay_s` (a slow or overloaded machine; 0 = off)."""
+        self.step_delay_s = float(delay_s)
+
+    def rss_bytes(self) -> int:
+        """This actor process's resident memory after a full collection (memory under repeated faults)."""
+        gc.collect()
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _delayable(self, worker):
+        step = worker.step
+
+        def delayed_step():
+            if self.step_delay_s > 0:
+                time.sleep(self.step_delay_s)
+            return step()
+        worker.step = delayed_step  # (on the instance: the worker classes stay untouched)
+        return worker
 
     def call(self, method: str, *args) -> tuple[str, Any]:
         try:
