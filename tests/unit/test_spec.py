@@ -19,7 +19,7 @@ from cluster.spec import ClusterSpec, SpecError, load_spec, parse_spec, resolve_
 from engine.config import ModelConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-EXAMPLES = ("local.yaml", "local-2d.yaml", "colocated.yaml", "multinode.yaml")
+EXAMPLES = ("local.yaml", "local-2d.yaml", "colocated.yaml", "multinode.yaml", "local-2p2d.yaml", "local-2p2d-prefix.yaml")
 SMOLLM2 = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position=8192,
                       tie_word_embeddings=True, qkv_bias=False)
@@ -40,7 +40,7 @@ def spec_error(tmp_path: Path, text: str) -> SpecError:
 
 
 # ---- the examples ------------------------------------------------------------------------------
-def test_deploy_holds_the_four_examples():
+def test_deploy_holds_the_examples():
     data = {"hardware.yaml"}  # the planner's hardware table: data beside the specs, not a spec
     assert sorted(p.name for p in DEPLOY.glob("*.yaml") if p.name not in data) == sorted(EXAMPLES)
 
@@ -52,6 +52,16 @@ def test_example_loads_and_fits_smollm2(name):
     assert spec.model == "smollm2-135m" and spec.dtype == "bfloat16"
     for pool in spec.pools_in_use():
         assert pool in spec.summary()
+
+
+def test_prefix_example_differs_from_its_baseline_only_in_prefix_caching():
+    base, pfx = load_spec(DEPLOY / "local-2p2d.yaml"), load_spec(DEPLOY / "local-2p2d-prefix.yaml")
+    assert all(p.kv.prefix_caching for p in pfx.pools_in_use().values()) and pfx.routing.prefix_aware
+    assert not any(p.kv.prefix_caching for p in base.pools_in_use().values())
+    for name in ("prefill", "decode"):
+        a, b = base.engine_kwargs(name), pfx.engine_kwargs(name)
+        assert {k: v for k, v in b.items() if k != "enable_prefix_caching"} == \
+            {k: v for k, v in a.items() if k != "enable_prefix_caching"}
 
 
 def test_examples_say_what_the_issue_asks():
