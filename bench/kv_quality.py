@@ -1,6 +1,6 @@
 """KV quality harness: what a compressed KV cache costs in model quality, per storage format.
 
-For each config -- a storage format (raw = the baseline, int8, fp8) and optionally an eviction policy
+For each config -- a storage format (raw = the baseline, int8, fp8, kivi4) and optionally an eviction policy
 applied at the end of prefill (snapkv / streaming at a budget) -- on the same model, dtype and text:
   ppl       perplexity of held-out text read through the stored pages: prefill `--prefill` tokens (their
             KV is written in the format, and the prefill itself reads it back), then score the next
@@ -12,6 +12,8 @@ applied at the end of prefill (snapkv / streaming at a budget) -- on the same mo
   agree     greedy-agreement length: tokens generated before the first divergence from raw (mean, min)
             over `--agree-prompts` real-text prompts, `--agree-tokens` new tokens each.
   bytes     KV bytes per prompt token vs raw (format size x share kept): what crosses the wire.
+kivi4 (engine/kv_cache/kivi.py) reads the page a query sits in from full precision: its tail is at most
+page_size - 1 tokens (15 here), well inside the 128 the issue allows; every earlier page is read as 4 bits.
 Text: the stdlib's pydoc topics (real English prose; not used to pick any setting).
 Run:  .venv/bin/python bench/kv_quality.py [--configs raw,int8,snapkv:0.3+int8] [--dtype bfloat16] [--quick]
 Writes bench/out/kv_quality_<dtype>.json and prints a table.
@@ -129,7 +131,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--configs", default="raw,int8,fp8,streaming:0.3,snapkv:0.3,snapkv:0.3+int8",
-                    help="comma list: a storage format (raw, int8, fp8), or METHOD:BUDGET[+FORMAT] for eviction "
+                    help="comma list: a storage format (raw, int8, fp8, kivi4), or METHOD:BUDGET[+FORMAT] for eviction "
                          "at the end of prefill (snapkv, streaming; budget a share <= 1 or tokens)")
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--score", type=int, default=512)

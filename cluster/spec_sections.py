@@ -38,7 +38,8 @@ class KVPages(_Section):
     # pages per replica: 16k tokens, ~380 MB for SmolLM2 in bf16. The cap stops an absurd count before the
     # pool is allocated (2^24 pages of 16 tokens of SmolLM2 is ~6 TB).
     num_pages: int = Field(1024, ge=1, le=1 << 24)
-    storage: Literal["raw", "int8", "fp8"] = "raw"  # page format, also the KV wire format (quantized: ~0.52x)
+    # page format, also the KV wire format (int8/fp8: ~0.52x of bf16; kivi4: 4-bit KIVI, ~0.33x, no eviction)
+    storage: Literal["raw", "int8", "fp8", "kivi4"] = "raw"
     eviction: "EvictionSpec | None" = None  # thin prompt KV at the end of prefill (prefill/colocated pools)
     # share full pages of repeated prompt prefixes (engine/kv_cache/prefix_cache.py); in a disaggregated
     # cluster the decode side then receives only the KV past what it holds
@@ -50,6 +51,9 @@ class KVPages(_Section):
             _fail_if([Problem("prefix_caching", "cannot be combined with kv.eviction on the same pool yet: evicted "
                                                 "KV no longer lines up with its tokens, so its pages cannot be "
                                                 "shared; turn one of them off")])
+        if self.storage == "kivi4" and self.eviction is not None:
+            _fail_if([Problem("eviction", "cannot be combined with storage kivi4: compaction would move cells "
+                                          "across its per-page key groups; use int8 or fp8 with eviction")])
         return self
 
 

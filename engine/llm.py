@@ -125,6 +125,9 @@ class LLM:
         if self.backend is None and params.kv_eviction not in (None, "off"):  # TP/PP: attention runs in ranks
             raise InvalidRequestError("kv_eviction", "per-request KV eviction is not supported with tensor or "
                                                      "pipeline parallelism")
+        if self.kv_spec.storage_format == "kivi4" and params.kv_eviction not in (None, "off"):
+            raise InvalidRequestError("kv_eviction", "not supported on kivi4 pages (compaction would move cells "
+                                                     "across the per-page key groups)")
         if prefill_only:
             params = SamplingParams(max_tokens=1)
         if self.spec is not None:

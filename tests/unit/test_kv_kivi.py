@@ -160,3 +160,17 @@ def test_prefix_caching_shares_sealed_pages(tiny_dir):
 def test_eviction_is_refused_with_kivi4(tiny_dir):
     with pytest.raises(InvalidRequestError, match="kivi4"):
         make(tiny_dir, kv_eviction={"method": "streaming", "budget": 0.5, "min_prompt": 8})
+    llm = make(tiny_dir)
+    with pytest.raises(InvalidRequestError, match="kivi4"):
+        llm.add_request(PROMPTS[0], SamplingParams(kv_eviction={"method": "streaming", "budget": 0.5}))
+    assert_kivi_empty(llm)
+
+
+def test_yaml_pool_takes_kivi4_but_not_with_eviction():
+    from pydantic import ValidationError
+
+    from cluster.spec_sections import KVPages
+
+    assert KVPages(storage="kivi4").storage == "kivi4"
+    with pytest.raises(ValidationError, match="kivi4"):
+        KVPages(storage="kivi4", eviction={"method": "snapkv", "budget": 0.3})
