@@ -96,23 +96,27 @@ def open_frame(desc: TransferDescriptor, layout: TransferLayout, prompt_token_id
         tp_rank=layout.tp_rank, tp_size=layout.tp_size, kv_start=desc.kv_start))
 
 
-def plan_token_ranges(start: int, stop: int, layout: TransferLayout, target_bytes: int) -> list[tuple[int, int]]:
-    """Split tokens [start, stop) of one layer (all local heads) into chunks of about `target_bytes`."""
-    per_token = layout.payload_bytes(1, layout.num_heads)
+def plan_token_ranges(start: int, stop: int, layout: TransferLayout, target_bytes: int,
+                      num_heads: int | None = None) -> list[tuple[int, int]]:
+    """Split tokens [start, stop) of one layer (all local heads, or `num_heads` of them) into chunks of
+    about `target_bytes`."""
+    per_token = layout.payload_bytes(1, layout.num_heads if num_heads is None else num_heads)
     step = max(1, target_bytes // per_token)
     return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
 def chunk_wire(layout: TransferLayout, layer: int, token_start: int, token_end: int,
-               k: memoryview, v: memoryview) -> bytes:
-    """Wire bytes of `Frame(chunk=Chunk(...))` for all local heads; `k`, `v`: stored bytes of these tokens.
+               k: memoryview, v: memoryview, heads: range | None = None) -> bytes:
+    """Wire bytes of `Frame(chunk=Chunk(...))` for all local heads (or the global KV heads `heads`: a
+    parallel replica ships each rank's heads); `k`, `v`: stored bytes of these tokens.
 
     Protobuf serializes the small header; the payload is appended as field 12 (protobuf fields may be
     concatenated, and field 12 is the last one, so this is byte-for-byte what `SerializeToString()` makes).
     The K/V bytes are copied exactly once, straight into the frame, and checksummed in place.
     """
     n = len(k) + len(v)
-    head = pb.Chunk(layer=layer, head_start=layout.head_start, head_end=layout.head_end, token_start=token_start,
+    h0, h1 = (layout.head_start, layout.head_end) if heads is None else (heads.start, heads.stop)
+    head = pb.Chunk(layer=layer, head_start=h0, head_end=h1, token_start=token_start,
                     token_end=token_end, tp_rank=layout.tp_rank, tp_size=layout.tp_size, dtype=layout.dtype,
                     storage_format=layout.storage_format, byte_length=n,
                     checksum=checksum(k, v)).SerializeToString()
@@ -273,7 +277,8 @@ def check_chunk(msg: pb.Chunk, layout: TransferLayout, num_tokens: int, max_chun
         raise InvalidFrame(f"chunk storage format {msg.storage_format!r}: expected {layout.storage_format!r}")
     if (msg.tp_rank, msg.tp_size) != (layout.tp_rank, layout.tp_size):
         raise InvalidFrame(f"chunk from tp rank {msg.tp_rank}/{msg.tp_size}; this receiver takes "
-                           f"{layout.tp_rank}/{layout.tp_size} (resharding is not implemented)")
+                           f"{layout.tp_rank}/{layout.tp_size} (a transfer is addressed in the replica's whole "
+                           f"layout, global KV heads and layers; each side maps them to its own ranks)")
     _check_range("layer", msg.layer, msg.layer + 1, layout.layer_start, layout.layer_end)
     _check_range("heads", msg.head_start, msg.head_end, layout.head_start, layout.head_end)
     _check_range("tokens", msg.token_start, msg.token_end, kv_start, num_tokens)

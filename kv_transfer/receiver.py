@@ -23,6 +23,11 @@ held while bytes are copied. Prefix caching: `reserve(..., token_ids=prompt)` sh
 prefix pages into the reservation; the descriptor's `kv_start` (= shared pages x page size) is where the
 KV to receive begins: chunks below it are refused (InvalidFrame; nothing writes a shared page), the open
 frame must announce the same start, and completeness counts cells from it.
+Tensor/pipeline-parallel decode (`llm.backend is None`): the reservation is addressed in the replica's
+whole layout (global KV heads and layers, the model-level signature), so a prefill replica of any layout
+may fill it; each chunk is written with `engine.parallel.kv_io.import_heads` into every rank holding one
+of its heads (the stage holding its layer), from the transport thread like any other chunk (the rank
+processes serialize callers: a write waits for a running step, and lands in pinned pages it never reads).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from collections import OrderedDict
 
 from engine.errors import InvalidRequestError, ReservationError
 from engine.kv_cache.page_io import import_kv, stored_token_head_bytes
+from engine.parallel.kv_io import HeadChunk, import_heads
 from kv_transfer import codec
 from kv_transfer.config import ReceiverConfig, check_bind, check_token
 from kv_transfer.contract import (Cancelled, DataLoss, EndObserver, ErrorCode, FailedPrecondition,
@@ -231,13 +237,22 @@ class KVReceiver:
             ib.bytes += header.byte_length
             ib.pending_writes += 1
         try:  # outside the lock: the pages are pinned for this transfer, and no step touches them
-            import_kv(self.llm.backend, header.layer, ib.pages, header.token_start, header.token_end, payload,
-                      header.head_start - self.layout.head_start, header.head_end - self.layout.head_start)
+            self._write(ib, header, payload)
         finally:
             with self._lock:
                 ib.pending_writes -= 1
                 if ib.ready or (ib.state.terminal and not ib.pending_writes):
                     self._work.set()  # pump has something to do: commit, or free
+
+    def _write(self, ib: Inbound, h, payload) -> None:
+        """A checked chunk into the reservation's pages: this process's pool, or the ranks holding its heads."""
+        if self.llm.backend is not None:
+            import_kv(self.llm.backend, h.layer, ib.pages, h.token_start, h.token_end, payload,
+                      h.head_start - self.layout.head_start, h.head_end - self.layout.head_start)
+            return
+        half = h.byte_length // 2  # K then V
+        chunk = HeadChunk(h.layer, range(h.head_start, h.head_end), payload[:half], payload[half:])
+        import_heads(self.llm, chunk, ib.pages, h.token_start, h.token_end)
 
     def _accept_finish(self, ib: Inbound, msg) -> PushResult:
         with self._lock:

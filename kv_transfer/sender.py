@@ -25,6 +25,13 @@ Eviction: when the engine will thin a request's KV at the end of its prefill (`l
 is published per layer (which tokens survive is known only then); once HELD, the kept tokens --
 compacted to the front of its pages -- are shipped like a HELD request's, and the Finish frame says how
 many (`num_slots`), so the decode side adopts that many slots and frees the rest of its reservation.
+Tensor/pipeline-parallel prefill (`llm.backend is None`: the pages live in the rank processes, which run
+no layer hooks): nothing is published per layer; once the prefill is HELD, the engine thread reads every
+layer's KV out of the ranks with `engine.parallel.kv_io.export_heads` (one chunk per layer and distinct
+KV-head group, or per stage's layers) and queues them addressed by global KV heads. The transfer is
+described in the replica's whole layout (`llm.kv_spec`: every layer and KV head, tp 0 of 1), so its
+signature is the model-level one and a decode replica of another layout takes it and maps heads and
+layers to its own ranks (`KVReceiver`); a shard's spec has another signature and is refused.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ import threading
 from collections import OrderedDict
 
 from engine.kv_cache.page_io import export_kv, stored_token_head_bytes
+from engine.parallel.kv_io import export_heads
 from engine.request import RequestStatus
 from kv_transfer import codec
 from kv_transfer.config import SenderConfig
@@ -58,12 +66,15 @@ class Outbound:
         self.state, self.reason, self.code = TransferState.PENDING, None, None
         self.bytes = self.chunks = 0
         self.threads: list[threading.Thread] = []  # the push thread
-        self.deferred = False  # the prefill will evict KV: ship the kept pages once it is HELD, not per layer
+        self.deferred = False  # evicting or parallel prefill: ship the pages once it is HELD, not per layer
+        self.evicts = False  # the prefill thins its KV: the finish frame says how many tokens were kept
 
     # engine thread
-    def publish(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview) -> None:
-        """Queue copies of the stored K/V of tokens [start, stop) of one layer."""
-        self._q.put(("kv", layer, start, stop, k, v))
+    def publish(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview,
+                heads: range | None = None) -> None:
+        """Queue copies of the stored K/V of tokens [start, stop) of one layer (all heads, or the global
+        KV heads `heads` only: one rank's part of a parallel replica)."""
+        self._q.put(("kv", layer, start, stop, k, v, heads))
         self.published[layer - self.layout.layer_start] = stop
 
     def publish_held(self, backend, pages: list[int], num_tokens: int, start: int = 0) -> None:
@@ -108,13 +119,14 @@ class Outbound:
                     return
                 yield from self._chunks(layer, a, n, *export_kv(backend, layer, pages, a, n, copy=False))
 
-    def _chunks(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview):
-        row = self.layout.payload_bytes(1, self.layout.num_heads) // 2  # bytes of one token's K (or V)
-        for a, b in codec.plan_token_ranges(start, stop, self.layout, self._chunk_bytes):
+    def _chunks(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview, heads: range | None = None):
+        nh = self.layout.num_heads if heads is None else len(heads)
+        row = self.layout.payload_bytes(1, nh) // 2  # bytes of one token's K (or V)
+        for a, b in codec.plan_token_ranges(start, stop, self.layout, self._chunk_bytes, nh):
             lo, hi = (a - start) * row, (b - start) * row
             self.chunks += 1
             self.bytes += 2 * (hi - lo)
-            yield codec.chunk_wire(self.layout, layer, a, b, k[lo:hi], v[lo:hi])
+            yield codec.chunk_wire(self.layout, layer, a, b, k[lo:hi], v[lo:hi], heads)
 
     # either thread
     def end(self, state: TransferState, reason: str | None = None, code: ErrorCode | None = None) -> bool:
@@ -151,6 +163,7 @@ class KVSender:
         self._ended: OrderedDict[str, TransferStatus] = OrderedDict()  # the last `remember_ended`
         self._threads: list[threading.Thread] = []
         self._hooked = False
+        self.parallel = llm.backend is None  # TP/PP: pages in the rank processes, read once HELD (no hooks)
 
     def send(self, request_id: str, desc: TransferDescriptor, address: str) -> None:
         """Start shipping the KV of prefill-only request `request_id` into the reservation `desc`."""
@@ -169,13 +182,14 @@ class KVSender:
         if desc.kv_start and self.llm.will_evict(request_id):
             raise FailedPrecondition("this prefill evicts KV, which cannot fill a reservation on shared cached "
                                      f"prefix pages (kv_start {desc.kv_start})")
-        if not self._hooked:
+        if not self._hooked and not self.parallel:
             self.llm.runner.add_layer_hook(self._on_layer)
             self._hooked = True
         ob = Outbound(request_id, desc, address, self.layout, list(req.prompt_token_ids),
                       self.llm.kv_spec.num_kv_heads, self.config.chunk_bytes, self.clock())
         self._out[request_id] = ob
-        ob.deferred = self.llm.will_evict(request_id)
+        ob.evicts = self.llm.will_evict(request_id)
+        ob.deferred = ob.evicts or self.parallel
         if request_id in self.llm.tables and not ob.deferred:  # computed before send(): publish what is there
             self._publish_cached(ob, req.status == RequestStatus.HELD)
         push = threading.Thread(target=self._push, args=(ob,), name=f"kv-push-{request_id}", daemon=True)
@@ -197,9 +211,9 @@ class KVSender:
             if not ob.input_closed:
                 if req is None or req.finished:
                     ob.abort("the prefill request ended without its KV (finished at its first token or aborted)")
-                elif req.status == RequestStatus.HELD and ob.deferred:  # evicted: ship the kept tokens now
+                elif req.status == RequestStatus.HELD and ob.deferred:  # evicted/parallel: ship the pages now
                     self._publish_cached(ob, held=True)
-                    ob.finish(req.output_token_ids[0], self.llm.tables.get(rid).num_slots)
+                    ob.finish(req.output_token_ids[0], self.llm.tables.get(rid).num_slots if ob.evicts else 0)
                 elif req.status == RequestStatus.HELD:
                     ob.finish(req.output_token_ids[0])
             deadline = self.config.deadline_s
@@ -263,6 +277,10 @@ class KVSender:
         table = self.llm.tables.get(ob.request_id)
         n, a = min(table.num_slots, ob.desc.num_tokens), ob.desc.kv_start
         if n <= a:
+            return
+        if self.parallel:  # ranks answer one caller at a time: read them here, on the engine thread
+            for c in export_heads(self.llm, list(self.llm.kv_spec.local_layers), list(table.pages), a, n):
+                ob.publish(c.layer, a, n, memoryview(c.k), memoryview(c.v), c.heads)
             return
         if held:  # pages frozen until we release them: let the push thread read them, layer by layer
             ob.publish_held(self.llm.backend, list(table.pages), n, a)

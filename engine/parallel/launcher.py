@@ -9,7 +9,9 @@ caller's script needs no `if __name__ == "__main__"` guard, unlike multiprocessi
 `call(payloads)` sends one message per rank and waits for every reply, failing fast if a rank dies (its
 end of the socket closes) -> `close()` asks each rank to leave, then terminates and kills what is left. A
 `weakref.finalize` runs the same shutdown when the launcher is collected or the interpreter exits, so no
-rank outlives its driver; a rank whose socket closes (driver gone) exits on its own.
+rank outlives its driver; a rank whose socket closes (driver gone) exits on its own. `call` and
+`call_some` hold one lock from send to last reply: a KV receiver's transport thread may write chunks
+(`import_kv`) while the engine thread steps, and the replies on a socket must pair with their requests.
 
 Wire: messages are pickled plain tuples between a parent and the children it started (a trusted local
 control plane, like Ray's). Tensors never cross as torch objects (torch's pickling would go through shared
@@ -22,6 +24,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -141,6 +144,7 @@ class RankProcesses:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        self._lock = threading.Lock()  # one caller at a time (engine thread, KV transport threads)
         try:
             for spec in specs:
                 proc, conn = _start(spec)
@@ -157,6 +161,10 @@ class RankProcesses:
 
     def call(self, payloads: list) -> list:
         """Send payloads[r] to rank r as ("step", payload); every rank's reply value, by rank."""
+        with self._lock:
+            return self._call(payloads)
+
+    def _call(self, payloads: list) -> list:
         if self.closed:
             raise RankFailedError(0, "the rank processes are shut down")
         try:
@@ -173,6 +181,10 @@ class RankProcesses:
     def call_some(self, method: str, args: dict[int, tuple]) -> dict[int, object]:
         """Call `method` (one of KV_METHODS) on the ranks named in `args`; their return values."""
         assert method in KV_METHODS, method
+        with self._lock:
+            return self._call_some(method, args)
+
+    def _call_some(self, method: str, args: dict[int, tuple]) -> dict[int, object]:
         if self.closed:
             raise RankFailedError(0, "the rank processes are shut down")
         try:

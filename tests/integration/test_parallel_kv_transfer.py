@@ -1,0 +1,119 @@
+"""KV resharding over the real transfer path (issue 9 item 3): a prefill replica of one layout ships its
+KV over loopback gRPC (`KVSender` -> `KVReceiver`, in-process) into a decode replica of another layout.
+
+The parallel side reads/writes its ranks through `engine.parallel.kv_io` (a TP/PP prefill ships once
+HELD, each rank's KV heads / each stage's layers as chunks addressed by global heads; a TP/PP decode
+writes each chunk into every rank holding one of its heads). Layouts: prefill TP=2 -> decode TP=1,
+TP=1 -> TP=2, PP=2 -> TP=1 on a random-weight Llama with 8 query / 2 KV heads; SmolLM2 TP=3 -> TP=1
+(`slow`). Each is greedy-equal to one process alone, ends with nothing leaked on either engine (pages,
+reservations, requests, transfers, push threads) and every rank process reaped. The handshake compares
+the model-level layout: replicas of any layout share one signature, a shard's layout does not.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine import SamplingParams
+from engine.llm import LLM
+from engine.parallel.shard import shard_kv_spec
+from engine.parallel.stages import stage_kv_spec
+from kv_transfer.config import ReceiverConfig, SenderConfig
+from kv_transfer.contract import FailedPrecondition, TransferState, make_transport
+from kv_transfer.receiver import KVReceiver
+from kv_transfer.sender import KVSender
+from tests.exactness import assert_greedy_equal
+from tests.kv_helpers import close_all, decode_all, drive
+from tests.parallel_helpers import PROMPTS, assert_ranks_gone
+from tests.tiny_models import write_tiny
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny82(tmp_path_factory):
+    return write_tiny("llama", tmp_path_factory.mktemp("rsx") / "l82", num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, initializer_range=0.1)
+
+
+def engine(model_dir, tp: int = 1, pp: int = 1, page_size: int = 4) -> LLM:
+    return LLM(model=str(model_dir), dtype="float32", page_size=page_size, num_pages=64,
+               max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
+def alone(model_dir, prompts, params) -> list[list[int]]:
+    with engine(model_dir) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def over_grpc(model_dir, src: dict, dst: dict, prompts, params) -> list[list[int]]:
+    """Prefill on a replica of layout `src`, ship over gRPC, decode on one of layout `dst` (other page size);
+    checks both engines empty, every transfer DONE and every rank process reaped."""
+    pre, dec = engine(model_dir, page_size=4, **src), engine(model_dir, page_size=8, **dst)
+    tx_t, rx_t = make_transport("grpc"), make_transport("grpc")
+    rx = tx = None
+    try:
+        rx = KVReceiver(dec, ReceiverConfig())
+        address = rx.serve(rx_t)
+        tx = KVSender(pre, tx_t, SenderConfig(chunk_bytes=1024))
+        descs = [rx.reserve(len(p), params) for p in prompts]
+        sent = [pre.add_request(p, params, prefill_only=True) for p in prompts]
+        for rid, d in zip(sent, descs):
+            tx.send(rid, d, address)
+        got = decode_all(dec, [d.request_id for d in descs], drive(tx, rx))
+        assert all(rx.status(d.reservation_id).state == TransferState.DONE for d in descs)
+        assert all(tx.status(rid).state == TransferState.DONE and tx.status(rid).bytes for rid in sent)
+        close_all(tx, rx, tx_t, [pre, dec])
+        rx_t.close()
+    finally:
+        for closer in (tx, rx):
+            if closer is not None:
+                closer.close()
+        pre.close()
+        dec.close()
+    for llm in (pre, dec):
+        if llm.model is None:
+            assert_ranks_gone(llm)
+    return got
+
+
+@pytest.mark.parametrize("src, dst", [(dict(tp=2), dict()), (dict(), dict(tp=2)), (dict(pp=2), dict())],
+                         ids=["tp2-tp1", "tp1-tp2", "pp2-tp1"])
+def test_tiny_kv_reshards_over_grpc(tiny82, src, dst):
+    prompts = PROMPTS[:3]
+    assert_greedy_equal(alone(tiny82, prompts, GREEDY), over_grpc(tiny82, src, dst, prompts, GREEDY))
+
+
+def test_signature_is_model_level_and_a_shard_layout_is_refused(tiny82):
+    """TP/PP replicas describe transfers in their whole layout (one signature for every layout of a model);
+    a descriptor carrying a shard's layout (a rank's heads, a stage's layers) is refused before a byte moves."""
+    with engine(tiny82) as one, engine(tiny82, tp=2) as two:
+        spec = one.kv_spec
+        assert two.kv_spec.signature() == spec.signature()
+        shards = [shard_kv_spec(spec, 0, 2), stage_kv_spec(spec, range(0, 2))]
+        assert all(s.signature() != spec.signature() for s in shards)
+        rx, tx = KVReceiver(one, ReceiverConfig()), KVSender(two, make_transport("fake"))
+        try:
+            for shard in shards:
+                desc = rx.reserve(len(PROMPTS[1]), GREEDY)
+                rid = two.add_request(PROMPTS[1], GREEDY, prefill_only=True)
+                with pytest.raises(FailedPrecondition, match="layout"):
+                    tx.send(rid, dataclasses.replace(desc, layout_signature=shard.signature()), "nowhere")
+                two.abort(rid)
+                rx.cancel(desc.reservation_id)
+            close_all(tx, rx, None, [one, two])
+        finally:
+            tx.close()
+            rx.close()
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_prefill_to_tp1_decode_over_grpc(smollm2_dir):
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert_greedy_equal(alone(smollm2_dir, prompts, params),
+                        over_grpc(smollm2_dir, dict(tp=3), dict(), prompts, params))
