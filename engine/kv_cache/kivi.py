@@ -12,7 +12,7 @@ Read rule (what makes output a function of the tokens, not of batching): a query
 every slot of the pages before its own page from the quantized cells and the slots of its own page
 (page i // page_size, up to i) from staging. Prefill in one step or in chunks, decode, and a 1 + k
 verify step therefore see the same numbers: speculative output equals non-speculative output. The
-full-precision tail is at most page_size - 1 tokens (<= 128 for any page size the YAML allows).
+full-precision tail is at most page_size - 1 tokens (15 at the default 16; the issue's gate allows 128).
 
 Cell layout (one (token, head) cell, K and V the same size: `spec.kivi_cell_bytes`), so pages stay
 fixed-size and token-addressed and the wire format is the storage format:
@@ -20,9 +20,9 @@ fixed-size and token-addressed and the wire format is the storage format:
     V cell: [head_dim/2 packed nibbles | value scale, zero (2 x float16) | b bytes of key metadata | pad]
 The page's key metadata (per head: scale and zero, float16, per channel = 4 * head_dim bytes) is cut
 into page_size rows of m = 4 * head_dim / page_size bytes, row t stored in token t's cells (a in K,
-b = m - a in V). Why spread it rather than keep a per-page side tensor: page_io, prefix sharing,
-eviction-free compaction and the transfer layer all move token rows of `backend.k/v`; a side tensor
-would need every one of them taught about it. The price: a token range only means the same bytes
+b = m - a in V). Why spread it rather than keep a per-page side tensor: page_io, prefix sharing and
+the transfer layer all move token rows of `backend.k/v` (and size them by `token_head_bytes`); a side
+tensor would need every one of them taught about it, and a page would no longer be one fixed block. The price: a token range only means the same bytes
 between pools of one page size, so kivi4 puts page_size into the layout signature (a transfer
 between different page sizes is refused as a layout mismatch).
 
@@ -36,10 +36,12 @@ allocator reports the page no longer held (finished, aborted, freed, or left to 
 a write at offset 0 reuses the page's row. Rows are keyed by page, so there are never more than
 num_pages; the tensors grow on demand (doubling), so memory is the high-water mark of live pages.
 
-Rotation: values are rotated by the fixed Hadamard matrix of `quantized.py` before quantizing (per-token
-scales meet outlier channels, as for int8), keys are not by default (per-channel scales already give each
-outlier channel its own grid; ROTATE_K measures the other choice). As in `quantized.py`, attention runs
-in the rotated space: queries rotated in (keys), outputs rotated out (values).
+Rotation: keys are rotated by the fixed Hadamard matrix of `quantized.py` before quantizing, values are
+not. Measured (SmolLM2 bf16, 1,024 + 256 tokens, ppl change vs raw, one text, so a few tenths of a
+percent between variants may be sampling noise): K and V unrotated +0.39%, V only +0.46%, both +0.28%,
+K only -0.03%. (Likely why: a 16-token key group still spans RoPE's fast-turning channel pairs, whose
+range the Hadamard evens out; min/max per-token values gain nothing from a flatter distribution.) As in
+`quantized.py`, attention runs in the rotated space: queries rotated in, the cache never rotated back.
 
 Quantize (4 bits, asymmetric): zero = min, scale = (max - min) / 15, both rounded to float16 first;
 q = round((x - zero) / scale) clamped to [0, 15]; dequantize q * scale + zero in float32.
@@ -57,7 +59,7 @@ from engine.kv_cache.quantized import hadamard
 from engine.kv_cache.spec import KVPageSpec
 
 _TINY = 2.0 ** -14  # smallest normal float16 step: constant rows keep a usable scale
-ROTATE_K, ROTATE_V = False, True  # see the module map (measured: bench/kv_quality.py)
+ROTATE_K, ROTATE_V = True, False  # see the module map (measured there)
 
 
 class KVFormatError(ValueError):
