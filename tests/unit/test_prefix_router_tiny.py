@@ -57,7 +57,7 @@ class Cluster:
     loops stopped."""
 
     def __init__(self, tiny_dir, cache=True, n_prefill=1, n_decode=1, routing=None, decode_load_tokens=64.0,
-                 fault=None, policy="fail"):
+                 fault=None, policy="fail", decode_pages=96):
         transport = FakeTransport(fault)
         kw = dict(model=str(tiny_dir), dtype="float32", page_size=PS, max_model_len=128,
                   enable_prefix_caching=cache)
@@ -73,9 +73,9 @@ class Cluster:
         pools = {"prefill": [build(f"prefill-{i}", lambda: PrefillWorker(
             dict(kw, num_pages=64, max_num_batched_tokens=16), SenderConfig(chunk_bytes=1024), transport))
             for i in range(n_prefill)],
-                 "decode": [build(f"decode-{i}", lambda: DecodeWorker(dict(kw, num_pages=96), ReceiverConfig(),
+                 "decode": [build(f"decode-{i}", lambda: DecodeWorker(dict(kw, num_pages=decode_pages), ReceiverConfig(),
                                                                        transport, policy)) for i in range(n_decode)]}
-        cfg = RouterConfig("disaggregated", "tiny", 256, 128, 96 * PS, 64 * PS, request_timeout_s=60.0,
+        cfg = RouterConfig("disaggregated", "tiny", 256, 128, decode_pages * PS, 64 * PS, request_timeout_s=60.0,
                            drain_timeout_s=0.2, prefix_routing=routing, decode_load_tokens=decode_load_tokens)
         self.router = ClusterRouter(cfg, pools, Tokenizer(tiny_dir), PS)
 
@@ -254,4 +254,21 @@ def test_a_next_chat_turn_finds_the_answer_cached_where_it_was_decoded(tiny_dir)
             assert extra["kv_tokens_not_sent"] == 36 and extra["prefill-0.prefill_tokens_saved"] == 28
         finally:
             await c.close()
+    run(main())
+
+
+def test_decode_page_pressure_evicts_cached_pages_and_preempts_without_changing_outputs(tiny_dir, reference):
+    """16 pages of 4 tokens on the decode worker: the eight requests need ~60 at their longest, so cached
+    pages are evicted for reservations (and, depending on timing, running requests preempted and recomputed
+    there on their cached prefix)."""
+    async def main():
+        c = Cluster(tiny_dir, True, decode_pages=16)
+        try:
+            warm = await c.run("warm", BASE)
+            got = await asyncio.gather(*(c.run(i, p) for i, p in enumerate(PROMPTS)))
+            assert_greedy_equal(reference, [warm] + list(got))
+        finally:
+            await c.close()
+        st = c.engines["decode-0"].prefix_stats()  # (its loop has stopped: safe to read from here)
+        assert st["evicted_pages"] > 0 and st["shared_received_pages"] > 0
     run(main())
