@@ -2,9 +2,12 @@
 runs). With `cluster/router.py`'s `from_spec` path, the only code that imports ray.
 
 Order: `init_ray(address)` (a private local Ray bound to 127.0.0.1 with auth mode set explicitly, or join
-an existing one) -> one placement group per pool (`replicas` bundles of the pool's `resources`; Ray refuses
-a pool that cannot be placed) -> one `WorkerActor` per bundle, each building its worker on its own
-`WorkerLoop` thread (one torch thread unless `num_threads` says otherwise) -> `RayHandle`s (the router's
+an existing one) -> placement groups per pool (`_placement`: `pool.placement` pack = one group of `replicas`
+bundles, each every rank's `resources`; strict_pack = a STRICT_PACK group per replica, a bundle per rank;
+Ray refuses a pool that cannot be placed) -> one `WorkerActor` per replica, each building its worker on its own
+`WorkerLoop` thread (one torch thread unless `num_threads` says otherwise; a tensor/pipeline-parallel
+engine starts its rank processes as the actor's children, engine/parallel/launcher.py, which exit with
+it) -> `RayHandle`s (the router's
 async handle interface) -> `ClusterRouter` (`router_config`: the spec's deadlines and `reliability`).
 Restarts: Ray restarts a dead actor `reliability.actor_max_restarts` times (`actor_options`), but never
 retries a call on the new incarnation (max_task_retries 0): a retried `drain` would hide the death from the
@@ -127,8 +130,10 @@ def _info(worker) -> dict:
     address = getattr(worker, "address", None)
     if address and address.startswith(("0.0.0.0:", "[::]:")):  # listening on every interface: say which
         address = f"{ray.util.get_node_ip_address()}:{address.rsplit(':', 1)[1]}"
+    runner = getattr(getattr(worker, "llm", None), "runner", None)
     return {"address": address, "node_id": ray.get_runtime_context().get_node_id(),
-            "prefix": getattr(worker, "prefix_info", None)}  # prefix caching: the router's page naming
+            "prefix": getattr(worker, "prefix_info", None),  # prefix caching: the router's page naming
+            "rank_pids": list(getattr(runner, "pids", []))}  # TP/PP: the engine's rank processes
 
 
 def _plain(attrs: dict) -> dict:
@@ -223,8 +228,14 @@ def kv_configs(spec) -> dict:
 
 
 def actor_options(pool, spec) -> dict[str, Any]:
-    """`WorkerActor.options(...)` for one replica of `pool`: its resources and the spec's restart policy."""
-    return {**pool.resources.actor_options(), **spec.reliability.actor_options()}
+    """`WorkerActor.options(...)` for one replica of `pool`: its resources and the spec's restart policy.
+    `resources` are per rank: under pack the actor holds every rank's (its children compute with them,
+    and a GPU actor must see all their GPUs); under strict_pack one rank's, bundle 0 of its group."""
+    n = pool.degree if pool.placement == "pack" else 1
+    opts = pool.resources.actor_options()
+    opts = {"num_cpus": opts["num_cpus"] * n, "num_gpus": opts["num_gpus"] * n,
+            "resources": {k: v * n for k, v in opts["resources"].items()}}
+    return {**opts, **spec.reliability.actor_options()}
 
 
 def router_config(spec, config):
@@ -242,37 +253,57 @@ def router_config(spec, config):
                         **spec.reliability.router_options(), **spec.routing.router_options())
 
 
-def _bundle(pool) -> dict[str, float]:
+def _bundle(pool, ranks: int = 1) -> dict[str, float]:
+    """Ray resources of `ranks` ranks of one replica (`resources` are per rank)."""
     r = pool.resources
     b = {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.custom}
-    return {k: float(v) for k, v in b.items() if v > 0}
+    return {k: float(v) * ranks for k, v in b.items() if v > 0}
+
+
+def _placement(name: str, pool, ready_timeout_s: float) -> tuple[list, list]:
+    """(placement groups, per replica the (group, bundle index) its actor goes to, or None: unplaced).
+    pack: one SPREAD group, one bundle of every rank's resources per replica (a bundle is on one node, so
+    are the rank processes, children of the actor); strict_pack: a STRICT_PACK group per replica, one
+    bundle per rank, the actor in bundle 0 and its rank processes using the others' reservation."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    if pool.placement == "strict_pack" and pool.degree > 1:
+        bundle = _bundle(pool)
+        groups = [placement_group([bundle] * pool.degree, strategy="STRICT_PACK")
+                  for _ in range(pool.replicas)] if bundle else []
+        slots = [(g, 0) for g in groups]
+    else:
+        bundle = _bundle(pool, pool.degree)
+        groups = [placement_group([bundle] * pool.replicas, strategy="SPREAD")] if bundle else []
+        slots = [(groups[0], i) for i in range(pool.replicas)] if groups else []
+    try:
+        if groups:  # (none: nothing to ask a Ray cluster)
+            ray.get([g.ready() for g in groups], timeout=ready_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for g in groups:
+            ray.util.remove_placement_group(g)
+        raise BackendUnavailableError(f"pools.{name}: Ray cannot place {pool.replicas} replicas of {pool.degree} "
+                                      f"rank(s) x {_bundle(pool)} ({pool.placement}; cluster resources: "
+                                      f"{ray.cluster_resources()})") from None
+    return groups, slots or [None] * pool.replicas
 
 
 def _start_pool(name: str, pool, spec, kv: dict, num_threads: int, ready_timeout_s: float):
-    """One placement group and `replicas` actors for a pool; (handles, placement group)."""
-    import ray
-    from ray.util.placement_group import placement_group
+    """A pool's placement groups and `replicas` actors; (handles, placement groups)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = _bundle(pool)
-    pg = placement_group([bundle] * pool.replicas, strategy="SPREAD") if bundle else None
-    if pg is not None:
-        try:
-            ray.get(pg.ready(), timeout=ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(pg)
-            raise BackendUnavailableError(f"pools.{name}: Ray cannot place {pool.replicas} x {bundle} "
-                                          f"(cluster resources: {ray.cluster_resources()})") from None
+    groups, slots = _placement(name, pool, ready_timeout_s)
     engine_kwargs = spec.engine_kwargs(name)
     if pool.resources.num_gpus > 0:
-        engine_kwargs["device"] = "cuda"
+        engine_kwargs["device"] = "cuda"  # TP/PP ranks: cuda:rank of the GPUs the actor sees
     actors = []
-    for i in range(pool.replicas):
+    for i, slot in enumerate(slots):
         opts = actor_options(pool, spec)
-        if pg is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        if slot is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(*slot)  # (group, bundle index)
         actors.append(_actor().options(**opts).remote(name, f"{name}-{i}", engine_kwargs, kv, num_threads))
-    return actors, pg
+    return actors, groups
 
 
 def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: int = 1,
@@ -282,18 +313,13 @@ def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: 
     pickles to plain data, such as `kv_transfer.fault_transport.FaultyTransport`."""
     import ray
 
-    from cluster.spec import Problem, SpecError, resolve_model_config
+    from cluster.spec import resolve_model_config
     from engine.loader import resolve_model
     from engine.tokenizer import Tokenizer
 
     config = resolve_model_config(spec)
     spec.check_against_model(config)
-    pools = spec.pools_in_use()
-    bad = [Problem(f"pools.{n}.tensor_parallel", "serve supports 1 for now") for n, p in pools.items()
-           if p.tensor_parallel > 1] + [Problem(f"pools.{n}.pipeline_parallel", "serve supports 1 for now")
-                                        for n, p in pools.items() if p.pipeline_parallel > 1]
-    if bad:
-        raise SpecError(bad)
+    pools = spec.pools_in_use()  # TP/PP degrees and what they cannot run with: check_against_model above
     owns_ray = init_ray(spec.ray.address, num_cpus)
     kv = {**(kv_configs(spec) if spec.mode == "disaggregated" else {}), "transport": transport}
     started: list[tuple[str, list, Any]] = []
@@ -319,10 +345,10 @@ def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: 
 def _teardown_sync(started, owns_ray: bool) -> None:
     import ray
 
-    for _, actors, pg in started:
+    for _, actors, groups in started:
         for a in actors:
-            ray.kill(a)
-        if pg is not None:
-            ray.util.remove_placement_group(pg)
+            ray.kill(a)  # a TP/PP actor's rank processes see their socket close and exit
+        for g in groups:
+            ray.util.remove_placement_group(g)
     if owns_ray:
         ray.shutdown()

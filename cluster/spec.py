@@ -4,7 +4,8 @@ Shape (only `model` is required; the pools the mode needs must be named; default
 
     model, dtype, mode: disaggregated | colocated
     pools:        prefill + decode (disaggregated) or colocated; each: replicas, tensor_parallel,
-                  pipeline_parallel, resources {num_cpus, num_gpus, custom}, max_num_seqs,
+                  pipeline_parallel, placement (pack | strict_pack), resources {num_cpus, num_gpus,
+                  custom} (per rank: a replica reserves tensor_parallel x pipeline_parallel of them), max_num_seqs,
                   max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage, eviction,
                   prefix_caching},
                   speculative {proposer, max_draft, adaptive, gate, draft_model} (decode/colocated only)
@@ -89,7 +90,8 @@ class SecretSource(_Section):
 
 
 class Resources(_Section):
-    """Ray resources one replica reserves (each replica, not the pool)."""
+    """Ray resources of one rank of a replica (a replica reserves tensor_parallel x pipeline_parallel times
+    these; one process each: the replica's actor, or a rank process it starts), never the pool's."""
     num_cpus: float = Field(1.0, ge=0)  # one torch thread per worker process
     num_gpus: float = Field(0.0, ge=0)
     custom: dict[str, float] = Field(default_factory=dict)  # e.g. {prefill: 1}: `ray start --resources`
@@ -125,6 +127,10 @@ class Pool(_Section):
     replicas: int = Field(1, ge=1, le=4096)
     tensor_parallel: int = Field(1, ge=1, le=1024)  # must divide heads and KV heads (checked against the model)
     pipeline_parallel: int = Field(1, ge=1, le=1024)  # must divide layers (checked against the model)
+    # How a replica's ranks are reserved (they run as child processes of the replica's actor, so on its node):
+    # pack: one Ray bundle of degree x resources per replica; strict_pack: a STRICT_PACK placement group per
+    # replica, one bundle per rank (Ray refuses a replica whose ranks do not fit on one node).
+    placement: Literal["pack", "strict_pack"] = "pack"
     resources: Resources = Field(default_factory=Resources)
     max_num_seqs: int = Field(32, ge=1, le=1 << 16)  # sequences in one step's batch
     max_num_batched_tokens: int = Field(512, ge=1, le=1 << 22)  # tokens in one step's batch (prefill chunk budget)
@@ -136,12 +142,23 @@ class Pool(_Section):
     @model_validator(mode="after")
     def _check(self) -> "Pool":
         problem = _capacity_problem(self, self.max_model_len) if self.max_model_len else None
-        _fail_if([problem] if problem else [])
+        problems = [problem] if problem else []
+        if self.placement == "strict_pack" and self.degree > 1 and self.resources.num_gpus > 0:
+            problems.append(Problem("placement", "strict_pack with GPUs: the rank processes are children of the "
+                                                 "replica's actor and see only the GPUs of its own bundle; use "
+                                                 "pack (one bundle of every rank's GPUs, always on one node)"))
+        _fail_if(problems)
         return self
+
+    @property
+    def degree(self) -> int:
+        """Processes one replica computes with (its ranks): tensor_parallel x pipeline_parallel."""
+        return self.tensor_parallel * self.pipeline_parallel
 
     def describe(self) -> str:
         r = self.resources
         parts = [f"tp {self.tensor_parallel}", f"pp {self.pipeline_parallel}", f"{r.num_cpus:g} CPU"]
+        parts += [f"{self.placement} x{self.degree}"] if self.degree > 1 else []
         parts += [f"{r.num_gpus:g} GPU"] if r.num_gpus else []
         parts += [f"{k} {v:g}" for k, v in r.custom.items()]
         parts.append(f"{self.kv.num_pages} KV pages of {self.kv.page_size}")
@@ -320,6 +337,10 @@ class ClusterSpec(_Section):
             kw["kv_eviction"] = p.kv.eviction.model_dump()
         if p.kv.prefix_caching:
             kw["enable_prefix_caching"] = True
+        if p.tensor_parallel > 1:  # rank processes started by the engine (engine/parallel/launcher.py)
+            kw["tensor_parallel_size"] = p.tensor_parallel
+        if p.pipeline_parallel > 1:
+            kw["pipeline_parallel_size"] = p.pipeline_parallel
         if p.speculative is not None:
             kw["speculative"] = p.speculative.engine_config()
         return kw

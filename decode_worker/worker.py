@@ -242,6 +242,7 @@ class DecodeWorker:
             self.llm.abort(rid)
         self._entries.clear()
         self._by_reservation.clear()
+        self.llm.close()  # TP/PP: the rank processes leave with the worker (no-op in one process)
 
     # ---- internals ---------------------------------------------------------------------------
     def _on_end(self, reservation_id: str, status: TransferStatus) -> None:

@@ -166,6 +166,7 @@ class PrefillWorker:
         for rid in list(self.llm.requests):
             self.llm.abort(rid)
         self.transport.close()
+        self.llm.close()  # TP/PP: the rank processes leave with the worker (no-op in one process)
 
     # ---- internals ---------------------------------------------------------------------------
     def _on_output(self, out: RequestOutput) -> None:

@@ -1,9 +1,10 @@
 """Typed errors of the parallel engine (tensor and pipeline parallelism), raised at its boundaries.
 
 `ParallelConfigError`: a degree the model cannot be split by (raised by `shard.validate_tp` and
-`stages.validate_pp` before any process starts; a cluster spec validator can call the same functions). `UnsupportedWithParallelError`:
-`LLM` was asked for a feature that does not yet run across ranks. `RankFailedError`: a rank process died or
-raised while the driver waited for it; every rank of the replica is shut down before it is raised.
+`stages.validate_pp`, both in `validate.py`, before any process starts; the cluster spec asks the same
+functions). `UnsupportedWithParallelError`: `LLM` was asked for a feature that does not yet run across
+ranks. `RankFailedError`: a rank process died or raised while the driver waited for it; every rank of the
+replica is shut down before it is raised.
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """A request's KV in and out of a replica of any layout, addressed by (layer, global KV-head range,
 token range): the engine side of KV resharding between prefill and decode layouts.
 
-Who calls: whatever moves KV between replicas (tests by hand today; the transfer layer is meant to, see
-issue 9 item 3) -> `export_heads(llm, layers, pages, start, stop)` returns `HeadChunk`s, each the stored
-bytes of some global KV heads of one layer -> ship them -> `import_heads(llm, chunk, pages, start, stop)`
-on the receiving replica writes each chunk into every pool that holds any of its heads: the ranks whose
-heads overlap (each replica of a replicated head gets its copy) or the stage that holds the layer.
+Who calls: `kv_transfer.sender.KVSender` (a parallel prefill, once HELD), `kv_transfer.receiver.KVReceiver`
+(a parallel decode, per chunk), tests by hand -> `export_heads(llm, layers, pages, start, stop)` returns
+`HeadChunk`s, each the stored bytes of some global KV heads of one layer -> ship them ->
+`import_heads(llm, chunk, pages, start, stop)` on the receiving replica writes each chunk into every pool
+that holds any of its heads: the ranks whose heads overlap (each replica of a replicated head gets its
+copy) or the stage that holds the layer.
 One process: the engine's own backend. Tensor parallel: one export per distinct head group (the first
 replica), in parallel across ranks. Pipeline parallel: each stage exports its layers. Bytes are the
 pool's stored cells (`KVPageSpec` storage format), never re-encoded; pages are each side's own.
@@ -65,7 +66,8 @@ def import_heads(llm, chunk: HeadChunk, pages: list[int], start: int, stop: int)
         lo, hi = max(heads.start, chunk.heads.start), min(heads.stop, chunk.heads.stop)
         if chunk.layer not in held or lo >= hi:
             continue
-        payload = _heads_slice(chunk.k, n, chunk.heads, lo, hi, cell) + _heads_slice(chunk.v, n, chunk.heads, lo, hi, cell)
+        payload = (_heads_slice(chunk.k, n, chunk.heads, lo, hi, cell)
+                   + _heads_slice(chunk.v, n, chunk.heads, lo, hi, cell))
         args = (chunk.layer, pages, start, stop, payload, lo - heads.start, hi - heads.start)
         if rank is None:
             import_kv(llm.backend, *args)

@@ -129,7 +129,7 @@ def test_start_pool_creates_each_actor_with_the_restart_policy(monkeypatch):
     no_bundle = {"resources": {"num_cpus": 0.0}}  # no placement group: nothing asks a Ray cluster
     s = spec(pools={"prefill": no_bundle, "decode": {**no_bundle, "replicas": 2}}, **TUNED)
     handles, pg = actors._start_pool("decode", s.pools.decode, s, {}, 1, 1.0)
-    assert pg is None and handles == [1, 2] and len(fake.created) == 2
+    assert pg == [] and handles == [1, 2] and len(fake.created) == 2
     for opts, args in fake.created:
         assert opts["max_restarts"] == 2 and opts["max_task_retries"] == 0 and args[0] == "decode"
 
