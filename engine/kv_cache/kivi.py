@@ -147,6 +147,7 @@ class KIVIBackend(RawKVBackend):
         self.sealed = torch.zeros(num_pages, dtype=torch.bool, device=device)  # quantized cells are current
         self._free_rows: list[int] = []
         self._rows = 0  # staging rows allocated so far (high-water mark)
+        self.num_reopened = 0  # sealed pages rewritten from inside (draft-verify rollback), for tests
         self._grow(8)
 
     # ---- staging rows ------------------------------------------------------------------------
@@ -202,6 +203,8 @@ class KIVIBackend(RawKVBackend):
         pages, offs = slots // ps, slots % ps  # [num_tokens]
         if layer == self.spec.layer_start:  # once per step: rows and seal flags for every layer
             self._stage(pages)
+            reopened = pages[(offs != 0) & self.sealed[pages]].unique()  # a rollback rewriting a sealed page
+            self.num_reopened += reopened.numel()
             self.sealed[pages] = False
         rows = self.stage_of[pages] * ps + offs  # [num_tokens] flat staging slot
         tail = (self.spec.num_kv_heads, self.spec.head_dim)

@@ -122,6 +122,7 @@ def test_speculative_output_equals_plain_output(tiny_dir, proposer):
         assert st.acceptance_rate == 1.0, st
     if proposer == "always_wrong":  # every draft rolled back, some into pages the same step sealed
         assert st.num_accepted == 0, st
+        assert spec.backend.num_reopened > 0  # and rewritten from inside, resealed from staging
 
 
 def test_shipped_sealed_pages_decode_like_local_pages(tiny_dir):
