@@ -1,7 +1,8 @@
 """KV-aware routing: which worker most likely holds a prompt's prefix, weighed against its load.
 
 Who calls it: `cluster.router` when it places a request (prefill pool: who computes the fewest uncached
-tokens; decode pool: who needs the fewest KV bytes shipped). Pure Python, no clock, no I/O.
+tokens; decode pool: who needs the fewest KV bytes shipped). Pure Python, no clock; the only I/O is
+`PrefixPlacer.refresh` asking workers (through the router's handles) what their caches hold.
 
     index = PrefixIndex(page_size=16, capacity_pages={"p0": 256})
     hashes = index.hashes(prompt_ids)              # one chained digest per full page of the prompt
@@ -34,14 +35,18 @@ workers that have the pages for the uncached part (never one without), by load (
 `decode_load_tokens`) + uncached tokens (KV bytes still to ship). Prefill pool: `pick_prefill` by queued
 uncached prompt tokens + this prompt's uncached tokens; colocated pool: `pick_colocated` (load as for
 decode). `record` after each placement (and `record_output` when a request completes: the decode side
-caches the answer's pages too, which a next chat turn repeats), `forget` on a worker's loss; `extra()`
+caches the answer's pages too, which a next chat turn repeats), `forget` on a worker's loss, `refresh`
+every `RouterConfig.prefix_refresh_s` (the workers' own reports replace the guess); `extra()`
 adds routing counters and pool totals of the workers' prefix stats to `BackendStats.extra` (hence
 /metrics and the bench's server counter table).
 """
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from typing import Any, Hashable, Iterable, Mapping, Sequence
+
+from engine.errors import PdserveError
 
 from engine.kv_cache.prefix_cache import page_hashes  # pure Python: the engine's own chain, no torch
 
@@ -133,6 +138,7 @@ class PrefixPlacer:
         self.index: dict[str, PrefixIndex] = {}
         self.counts = {f"{pool}_{k}": 0 for pool in ("prefill", "decode", "colocated")
                        for k in ("placements", "warm", "claimed_tokens")}
+        self.refreshes = 0  # worker reports that replaced the router's guess
         for pool, workers in infos.items():
             px = [(name, (info or {}).get("prefix")) for name, info in workers]
             if enabled is False or not px or any(p is None for _, p in px):
@@ -204,6 +210,26 @@ class PrefixPlacer:
         if idx is not None and len(tokens) > 1:
             idx.record(_name(worker), idx.hashes(tokens[:-1]))
 
+    async def refresh(self, workers: Sequence[Any], flights: Mapping[str, Any], timeout_s: float) -> None:
+        """Ask each live caching worker what its cache holds (`prefix_hashes`) and replace the router's guess
+        with it (claims of pages it evicted go away; pages it cached on its own appear), then record again the
+        prompts of the router's `flights` (its live table, read after the answer) placed there, which it is
+        computing or receiving. The one call here that leaves the process; a worker that does not answer
+        keeps the old guess (its poller and heartbeat decide about its life)."""
+        for w in workers:
+            idx = self.index.get(w.pool)
+            if idx is None or not w.alive:
+                continue
+            try:
+                hashes = await asyncio.wait_for(w.handle.call("prefix_hashes"), timeout_s)
+            except (PdserveError, asyncio.TimeoutError):
+                continue
+            idx.replace(_name(w), hashes)
+            for f in list(flights.values()):
+                if w is f.prefill or w is f.decode:
+                    idx.record(_name(w), idx.hashes(f.run_prompt))
+            self.refreshes += 1
+
     def forget(self, worker: Any) -> None:
         """A lost (or restarted) worker holds nothing any more."""
         for idx in self.index.values():
@@ -212,6 +238,7 @@ class PrefixPlacer:
     def extra(self, workers: Sequence[Any]) -> dict[str, float]:
         """Routing counters and pool totals of the live workers' prefix stats (`BackendStats.extra`)."""
         out = {f"prefix_routing_{k}": float(v) for k, v in self.counts.items()}
+        out["prefix_routing_refreshes"] = float(self.refreshes)
         for pool in ("prefill", "decode", "colocated"):
             stats = [w.stats for w in workers if w.pool == pool and hasattr(w.stats, "prefix_queried_tokens")]
             if not stats:

@@ -69,6 +69,7 @@ class RouterConfig:
     prefix_routing: bool | None = None  # route by cached prefix (cluster/prefix_routing.py); None: where workers cache
     prefix_cache_weight: float = 1.0  # one cached prompt token against one queued token
     decode_load_tokens: float = 64.0  # a decode worker's request in flight, in prompt tokens to ship
+    prefix_refresh_s: float = 5.0  # replace the prefix index by the workers' reports this often (0: never)
 
 
 class ClusterRouter(RecoveryMixin):
@@ -246,6 +247,13 @@ class ClusterRouter(RecoveryMixin):
         self._tasks.append(asyncio.create_task(self._admission()))
         for ws in self.workers.values():
             self._tasks += [asyncio.create_task(self._poll(w)) for w in ws]
+        if self._prefix.index and self.cfg.prefix_refresh_s > 0:
+            self._tasks.append(asyncio.create_task(self._refresh_prefix()))
+
+    async def _refresh_prefix(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.cfg.prefix_refresh_s)
+            await self._prefix.refresh(self._everyone(), self._flights, self.cfg.call_timeout_s)
 
     async def _admission(self) -> None:
         """Admit waiting flights in arrival order; when the head cannot be placed, wait for capacity."""

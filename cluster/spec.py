@@ -13,7 +13,8 @@ Shape (only `model` is required; the pools the mode needs must be named; default
                   push_timeout_s
     server:       host, port, api_key {env | file}, request_timeout_s, max_queued_requests
     reliability:  heartbeat_timeout_s, call_timeout_s, max_recoveries, actor_max_restarts
-    routing:      prefix_aware (default: on where kv.prefix_caching is), cache_weight, decode_load_tokens
+    routing:      prefix_aware (default: on where kv.prefix_caching is), cache_weight, decode_load_tokens,
+                  refresh_s
     slo:          ttft_ms, tpot_ms
     ray:          address: local | auto | ray://HOST:PORT | HOST:PORT
 

@@ -106,11 +106,12 @@ class RoutingSpec(_Section):
     cache_weight: float = Field(1.0, ge=0.0, le=100.0)  # one cached prompt token against one queued token
     # a decode worker's request in flight, in prompt tokens to ship: how much load outweighs a cached prefix
     decode_load_tokens: float = Field(64.0, ge=0.0, le=float(1 << 20))
+    refresh_s: float = Field(5.0, ge=0.0, le=3600.0)  # workers' cache reports replace the router's guess (0: never)
 
     def router_options(self) -> dict[str, Any]:
         """Keyword arguments of `cluster.router.RouterConfig` this section sets."""
         return {"prefix_routing": self.prefix_aware, "prefix_cache_weight": self.cache_weight,
-                "decode_load_tokens": self.decode_load_tokens}
+                "decode_load_tokens": self.decode_load_tokens, "prefix_refresh_s": self.refresh_s}
 
 
 class ReliabilitySpec(_Section):

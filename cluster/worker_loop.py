@@ -27,8 +27,8 @@ from typing import Any, Callable
 from cluster.serving_api import BackendUnavailableError
 
 _STOP = object()
-PREFILL_METHODS = frozenset({"submit", "cancel", "stats"})  # the commands the router sends each kind
-DECODE_METHODS = frozenset({"reserve", "add_request", "fail_transfer", "abort", "stats"})  # (and colocated)
+PREFILL_METHODS = frozenset({"submit", "cancel", "stats", "prefix_hashes"})  # the commands the router sends
+DECODE_METHODS = frozenset({"reserve", "add_request", "fail_transfer", "abort", "stats", "prefix_hashes"})
 
 
 class WorkerLoop:

@@ -184,6 +184,10 @@ class DecodeWorker:
     def has_work(self) -> bool:
         return self.llm.has_unfinished() or bool(self.receiver and self.receiver.num_live) or bool(self._failed)
 
+    def prefix_hashes(self) -> list[bytes]:
+        """Chain hashes of every page this engine's prefix cache holds (the router refreshes its index)."""
+        return self.llm.prefix_cache.hashes() if self.llm.prefix_cache is not None else []
+
     def step(self) -> list[DecodeDelta]:
         """Pump transfers, handle failed ones, run one engine step; the deltas."""
         if self.receiver is not None:

@@ -124,6 +124,10 @@ class PrefillWorker:
     def has_work(self) -> bool:
         return self.llm.has_unfinished() or self.sender.num_live > 0
 
+    def prefix_hashes(self) -> list[bytes]:
+        """Chain hashes of every page this engine's prefix cache holds (the router refreshes its index)."""
+        return self.llm.prefix_cache.hashes() if self.llm.prefix_cache is not None else []
+
     def step(self) -> list[PrefillEvent]:
         """One engine step (or, with only transfers in flight, a short wait and a poll); the events."""
         steps, t0 = self.llm.scheduler.stats.num_steps, time.time()

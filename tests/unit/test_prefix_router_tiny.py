@@ -57,7 +57,7 @@ class Cluster:
     loops stopped."""
 
     def __init__(self, tiny_dir, cache=True, n_prefill=1, n_decode=1, routing=None, decode_load_tokens=64.0,
-                 fault=None, policy="fail", decode_pages=96):
+                 fault=None, policy="fail", decode_pages=96, refresh_s=5.0):
         transport = FakeTransport(fault)
         kw = dict(model=str(tiny_dir), dtype="float32", page_size=PS, max_model_len=128,
                   enable_prefix_caching=cache)
@@ -76,7 +76,8 @@ class Cluster:
                  "decode": [build(f"decode-{i}", lambda: DecodeWorker(dict(kw, num_pages=decode_pages), ReceiverConfig(),
                                                                        transport, policy)) for i in range(n_decode)]}
         cfg = RouterConfig("disaggregated", "tiny", 256, 128, decode_pages * PS, 64 * PS, request_timeout_s=60.0,
-                           drain_timeout_s=0.2, prefix_routing=routing, decode_load_tokens=decode_load_tokens)
+                           drain_timeout_s=0.2, prefix_routing=routing, decode_load_tokens=decode_load_tokens,
+                           prefix_refresh_s=refresh_s)
         self.router = ClusterRouter(cfg, pools, Tokenizer(tiny_dir), PS)
 
     async def run(self, i, prompt):
@@ -271,4 +272,28 @@ def test_decode_page_pressure_evicts_cached_pages_and_preempts_without_changing_
             await c.close()
         st = c.engines["decode-0"].prefix_stats()  # (its loop has stopped: safe to read from here)
         assert st["evicted_pages"] > 0 and st["shared_received_pages"] > 0
+    run(main())
+
+
+def test_the_index_is_refreshed_from_what_the_workers_report(tiny_dir):
+    """A claim the router made up (pages a worker never held, or evicted) goes away once the workers report;
+    what they do hold (the prompt's pages on the prefill side, prompt + answer on the decode side) stays."""
+    async def main():
+        c = Cluster(tiny_dir, True, refresh_s=0.1)
+        try:
+            await c.run(0, BASE)
+            idx = c.router._prefix.index
+            ghost = idx["decode"].hashes(TAIL[3] * 2)  # 4 pages no worker has
+            idx["decode"].record("decode-0", ghost)
+            seen = c.router._prefix.refreshes
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                if c.router._prefix.refreshes >= seen + 4:  # (both workers, twice: the ghost was recorded before)
+                    break
+            assert idx["decode"].matched_tokens("decode-0", ghost) == 0
+            assert idx["prefill"].matched_tokens("prefill-0", idx["prefill"].hashes(BASE)) == 28
+            assert idx["decode"].num_pages("decode-0") == 9  # 37 computed tokens of prompt + answer
+            assert (await c.router.stats()).extra["prefix_routing_refreshes"] >= seen + 4
+        finally:
+            await c.close()
     run(main())

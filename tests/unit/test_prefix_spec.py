@@ -49,8 +49,8 @@ def test_what_cannot_work_yet_is_a_spec_error_naming_the_key(data, key):
 def test_routing_reaches_the_router_config():
     cfg = SimpleNamespace(vocab_size=100, max_position=2048)  # what router_config reads of a ModelConfig
     r = router_config(spec(), cfg)
-    assert (r.prefix_routing, r.prefix_cache_weight, r.decode_load_tokens) == (None, 1.0, 64.0)
+    assert (r.prefix_routing, r.prefix_cache_weight, r.decode_load_tokens, r.prefix_refresh_s) == (None, 1.0, 64.0, 5.0)
     s = spec(pools={"prefill": {"kv": {"prefix_caching": True}}, "decode": {}},
-             routing={"prefix_aware": False, "cache_weight": 2.0, "decode_load_tokens": 8.0})
+             routing={"prefix_aware": False, "cache_weight": 2.0, "decode_load_tokens": 8.0, "refresh_s": 0.0})
     r = router_config(s, cfg)
-    assert (r.prefix_routing, r.prefix_cache_weight, r.decode_load_tokens) == (False, 2.0, 8.0)
+    assert (r.prefix_routing, r.prefix_cache_weight, r.decode_load_tokens, r.prefix_refresh_s) == (False, 2.0, 8.0, 0.0)
