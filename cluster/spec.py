@@ -37,7 +37,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
 from cluster.spec_sections import (EvictionSpec, KVPages, ReliabilitySpec, RoutingSpec,  # noqa: F401
-                                   SpeculativeSpec, _fail_if, _Section)
+                                   SpeculativeSpec, _fail_if, _Section, prefix_problems)
 from engine.config import ModelConfig
 from kv_transfer.config import LOOPBACK_HOSTS, TOKEN_ENV
 
@@ -275,20 +275,8 @@ class ClusterSpec(_Section):
             problems.append(Problem("pools.decode.kv.storage", f"{dec.kv.storage!r} differs from pools.prefill.kv."
                                     f"storage {pre.kv.storage!r}: KV pages travel in their storage format, so "
                                     f"both pools must use the same one"))
-        _fail_if(problems + self._deadline_problems() + self._prefix_problems())
+        _fail_if(problems + self._deadline_problems() + prefix_problems(self))
         return self
-
-    def _prefix_problems(self) -> list[Problem]:
-        pre, dec, out = self.pools.prefill, self.pools.decode, []
-        if self.mode == "disaggregated" and pre and dec and dec.kv.prefix_caching and pre.kv.eviction is not None:
-            # the decode side shares cached pages into a reservation; evicted KV cannot fill such a one
-            out.append(Problem("pools.decode.kv.prefix_caching", "cannot be combined with pools.prefill.kv."
-                                                                 "eviction yet (evicted KV cannot join cached "
-                                                                 "prefix pages); turn one of them off"))
-        if self.routing.prefix_aware and not any(p.kv.prefix_caching for p in self.pools_in_use().values()):
-            out.append(Problem("routing.prefix_aware", "needs kv.prefix_caching: true on at least one pool "
-                                                       "(there is no cached prefix to route by)"))
-        return out
 
     def _deadline_problems(self) -> list[Problem]:
         # A worker found dead only after its requests' deadline passed cannot be recovered from: every

@@ -114,6 +114,20 @@ class RoutingSpec(_Section):
                 "decode_load_tokens": self.decode_load_tokens, "prefix_refresh_s": self.refresh_s}
 
 
+def prefix_problems(spec) -> list[Problem]:
+    """`ClusterSpec` cross-checks of prefix caching against eviction and routing (keys rooted at the spec)."""
+    pre, dec, out = spec.pools.prefill, spec.pools.decode, []
+    if spec.mode == "disaggregated" and pre and dec and dec.kv.prefix_caching and pre.kv.eviction is not None:
+        # the decode side shares cached pages into a reservation; evicted KV cannot fill such a one
+        out.append(Problem("pools.decode.kv.prefix_caching", "cannot be combined with pools.prefill.kv.eviction "
+                                                             "yet (evicted KV cannot join cached prefix pages); "
+                                                             "turn one of them off"))
+    if spec.routing.prefix_aware and not any(p.kv.prefix_caching for p in spec.pools_in_use().values()):
+        out.append(Problem("routing.prefix_aware", "needs kv.prefix_caching: true on at least one pool (there is "
+                                                   "no cached prefix to route by)"))
+    return out
+
+
 class ReliabilitySpec(_Section):
     """`reliability`: how fast a dead worker is noticed and what happens to the requests it held
     (cluster/recovery.py). Cross-checked against `server.request_timeout_s` in `ClusterSpec`."""
