@@ -4,8 +4,8 @@ KV over loopback gRPC (`KVSender` -> `KVReceiver`, in-process) into a decode rep
 The parallel side reads/writes its ranks through `engine.parallel.kv_io` (a TP/PP prefill ships once
 HELD, each rank's KV heads / each stage's layers as chunks addressed by global heads; a TP/PP decode
 writes each chunk into every rank holding one of its heads). Layouts: prefill TP=2 -> decode TP=1,
-TP=1 -> TP=2, PP=2 -> TP=1 on a random-weight Llama with 8 query / 2 KV heads; SmolLM2 TP=3 -> TP=1
-(`slow`). Each is greedy-equal to one process alone, ends with nothing leaked on either engine (pages,
+TP=1 -> TP=2, PP=2 -> TP=1 on a random-weight Llama with 8 query / 2 KV heads; SmolLM2 TP=3 -> TP=1,
+TP=1 -> TP=3, PP=2 -> TP=1 (`slow`: issue 9's end-to-end acceptance). Each is greedy-equal to one process alone, ends with nothing leaked on either engine (pages,
 reservations, requests, transfers, push threads) and every rank process reaped. The handshake compares
 the model-level layout: replicas of any layout share one signature, a shard's layout does not.
 """
@@ -109,11 +109,12 @@ def test_signature_is_model_level_and_a_shard_layout_is_refused(tiny82):
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_prefill_to_tp1_decode_over_grpc(smollm2_dir):
+@pytest.mark.parametrize("src, dst", [(dict(tp=3), dict()), (dict(), dict(tp=3)), (dict(pp=2), dict())],
+                         ids=["tp3-tp1", "tp1-tp3", "pp2-tp1"])
+def test_smollm2_kv_reshards_over_grpc(smollm2_dir, src, dst):
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_dir)
     prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    assert_greedy_equal(alone(smollm2_dir, prompts, params),
-                        over_grpc(smollm2_dir, dict(tp=3), dict(), prompts, params))
+    assert_greedy_equal(alone(smollm2_dir, prompts, params), over_grpc(smollm2_dir, src, dst, prompts, params))
