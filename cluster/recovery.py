@@ -19,7 +19,9 @@ Who calls it: `cluster/router.py` only (`ClusterRouter` takes `RecoveryMixin`'s 
      to a healthy decode worker, whose stream then continues where the client's stopped
      (`Flight.rebase`: event counts are offset by the tokens and characters already seen) -- no token
      lost, none repeated. A flight out of recoveries ends with `BackendUnavailableError`.
-  4. Rejoin (`RouterConfig.rejoin_restarted`, on when the spec lets Ray restart actors): a lost worker whose
+  4. Rejoin (`RouterConfig.rejoin_restarted`, on when the spec lets Ray restart actors): while a pool has no
+     live worker but one is restarting, requests that need it (new ones and recovered ones) wait in the
+     queue (`AwaitingRestart`) until it rejoins or their deadline passes; a lost worker whose
      handle has `reincarnation()` (Ray: waits for the restarted actor's `ready()`) comes back as a NEW
      `Worker` record once a new incarnation (a random id the actor draws at start) answers; the old record
      stays dead. The same incarnation (a hung worker that was fenced) or none (dead for good) never returns.
@@ -48,6 +50,11 @@ from cluster.serving_api import BackendUnavailableError
 from engine.sampling_params import SamplingParams
 
 OUTCOMES = ("completed", "failed", "cancelled")
+
+
+class AwaitingRestart(Exception):
+    """Internal to the router: every worker of a pool is lost and one of them is being restarted, so a
+    request that needs the pool waits in the queue (bounded by its deadline) instead of failing."""
 
 
 class WorkerHandle(Protocol):
@@ -227,6 +234,7 @@ class RecoveryMixin:
             if f is not None and harmed_by(f, w):
                 self._recover(f, err)
         if self.cfg.rejoin_restarted and hasattr(w.handle, "reincarnation") and not self._closed:
+            self._restarting[w.pool] = self._restarting.get(w.pool, 0) + 1  # until _rejoin settles
             self._tasks.append(asyncio.get_running_loop().create_task(self._rejoin(w)))  # (cancelled at shutdown)
         if self._wake is not None:
             self._wake.set()
@@ -239,6 +247,10 @@ class RecoveryMixin:
             handle = await w.handle.reincarnation()
         except BackendUnavailableError:
             return  # dead for good: out of restarts, or killed without one
+        finally:
+            self._restarting[w.pool] -= 1
+            if self._wake is not None:
+                self._wake.set()  # requests waiting for this pool: place them, or fail them now
         old = w.handle.info.get("incarnation")
         if self._closed or handle.info.get("incarnation") in (None, old):
             return  # the same process (fenced while hung) never comes back

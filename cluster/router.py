@@ -40,7 +40,7 @@ from typing import Any, AsyncIterator, Callable
 from cluster.flight import Flight
 from cluster.intake import validate_request
 from cluster.prefix_routing import PrefixPlacer
-from cluster.recovery import Ledger, RecoveryMixin, Worker, WorkerHandle, outcome_of
+from cluster.recovery import AwaitingRestart, Ledger, RecoveryMixin, Worker, WorkerHandle, outcome_of
 from cluster.serving_api import (BackendStats, BackendUnavailableError, GenerateDelta, GenerateRequest,
                                  OverloadedError)
 from decode_worker.worker import DecodeDelta
@@ -94,6 +94,7 @@ class ClusterRouter(RecoveryMixin):
         self._closed = False
         self._clock = clock
         self.ledger = Ledger()
+        self._restarting: dict[str, int] = {}  # pool -> lost workers whose restarted actor is awaited
         infos = {pool: [(h.name, getattr(h, "info", None)) for h in hs] for pool, hs in pools.items()}
         self._prefix = PrefixPlacer(infos, config.prefix_routing, config.prefix_cache_weight,
                                     config.decode_load_tokens)
@@ -277,6 +278,8 @@ class ClusterRouter(RecoveryMixin):
             if self.cfg.mode == "colocated":
                 return await self._place_colocated(f)
             return await self._place_disaggregated(f)
+        except AwaitingRestart:  # every worker of a pool is down and one is restarting: keep it queued
+            return False
         except BackendUnavailableError as e:  # a worker died under the call: place it again elsewhere
             if f.wid == wid:  # (unless its loss already re-queued it)
                 self._recover(f, e)
@@ -289,11 +292,14 @@ class ClusterRouter(RecoveryMixin):
     def _alive(self, pool: str) -> list[Worker]:
         live = [w for w in self.workers[pool] if w.alive]
         if not live:
+            if self._restarting.get(pool):  # Ray is restarting one: wait for it (the deadline still bounds)
+                raise AwaitingRestart(pool)
             raise BackendUnavailableError(f"no live {pool} worker")
         return live
 
     async def _place_disaggregated(self, f: Flight) -> bool:
         wid, prompt = f.wid, f.run_prompt
+        self._alive("prefill")  # before anything is reserved: a pool awaiting its restart makes us wait
         need = -(-len(prompt) // self._page_size)
         lease = max(f.deadline - self._clock(), 0.0) + self.cfg.lease_margin_s
         desc, px = None, self._prefix

@@ -129,3 +129,58 @@ def test_shutdown_does_not_wait_for_a_restart_that_never_comes():
         await until(lambda: router.ledger.workers_lost == 1)
         await asyncio.wait_for(router.shutdown(), 5)  # the rejoin task waits on `restarted`: cancelled
     asyncio.run(main())
+
+
+def test_a_request_waits_for_the_restart_of_a_pools_only_worker_or_its_deadline():
+    """While the only decode worker is restarting, requests queue (no retries burnt, nothing reserved);
+    one completes on the new incarnation, one whose deadline passes first ends "timeout" on time; with
+    nothing restarting (out of restarts) a request fails typed at once."""
+    async def main():
+        router, dec = make()
+        try:
+            await router.stats()
+            dec.kill()
+            await until(lambda: router.ledger.workers_lost == 1)
+            short = router.generate(GenerateRequest("short", [1, 2, 3], PARAMS, model="m", deadline_s=0.3))
+            gen = router.generate(GenerateRequest("waits", [1, 2, 3], PARAMS, model="m"))
+            first = asyncio.ensure_future(gen.__anext__())
+            out = [d async for d in short]
+            assert out[-1].finished and out[-1].finish_reason == "timeout"
+            await asyncio.sleep(0.2)
+            assert not first.done() and router.ledger.recovered == 0  # queued, not failed
+            dec.restarted.set()
+            await until(lambda: router.ledger.workers_rejoined == 1)
+            new, pre_w = router.workers["decode"][1], router.workers["prefill"][0]
+            await until(lambda: any(k == "reserve" for k, _ in new.handle.fake.log))
+            wid = [r for k, r in new.handle.fake.log if k == "reserve"][-1]
+            await until(lambda: ("submit", wid) in pre_w.handle.fake.log)
+            await pre_w.handle.call("emit", [PrefillEvent(wid, "first_token", [7], "a", prompt_token_ids=[1, 2, 3])])
+            await pre_w.handle.call("emit", [PrefillEvent(wid, "transfer_done")])
+            await new.handle.call("emit", [DecodeDelta(wid, [7, 8], "ab", 2, 2, True, "length")])
+            pre_w.handle.fake.held.clear()
+            new.handle.fake.held.clear()
+            toks = [t for d in [await first] + [d async for d in gen] for t in d.new_token_ids]
+            assert toks == [7, 8] and (router.ledger.completed, router.ledger.failed) == (1, 1)
+        finally:
+            await router.shutdown()
+
+    async def gone():
+        router, dec = make(restarts=0)
+        try:
+            await router.stats()
+            dec.kill()
+            await until(lambda: router.ledger.workers_lost == 1)
+            await until(lambda: dec.asked == 1)
+            await asyncio.sleep(0.05)
+            gen = router.generate(GenerateRequest("late", [1, 2, 3], PARAMS, model="m"))
+            try:
+                async for _ in gen:
+                    pass
+                raise AssertionError("expected a typed error")
+            except BackendUnavailableError as e:
+                assert "no live decode worker" in str(e)
+        finally:
+            await router.shutdown()
+
+    asyncio.run(main())
+    asyncio.run(gone())
