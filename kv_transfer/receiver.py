@@ -39,13 +39,14 @@ from collections import OrderedDict
 
 from engine.errors import InvalidRequestError, ReservationError
 from engine.kv_cache.page_io import import_kv, stored_token_head_bytes
+from engine.parallel.errors import RankFailedError
 from engine.parallel.kv_io import HeadChunk, import_heads
 from kv_transfer import codec
 from kv_transfer.config import ReceiverConfig, check_bind, check_token
 from kv_transfer.contract import (Cancelled, DataLoss, EndObserver, ErrorCode, FailedPrecondition,
                                   InvalidFrame, PermissionDenied, PushResult, ResourceExhausted,
                                   TransferDescriptor, TransferError, TransferState, TransferStatus,
-                                  UnknownReservation)
+                                  Unavailable, UnknownReservation)
 from kv_transfer.inbound import Inbound
 
 
@@ -252,7 +253,10 @@ class KVReceiver:
             return
         half = h.byte_length // 2  # K then V
         chunk = HeadChunk(h.layer, range(h.head_start, h.head_end), payload[:half], payload[half:])
-        import_heads(self.llm, chunk, ib.pages, h.token_start, h.token_end)
+        try:
+            import_heads(self.llm, chunk, ib.pages, h.token_start, h.token_end)
+        except RankFailedError as e:  # the replica is down (every rank stopped): fail this transfer, typed
+            raise Unavailable(f"decode replica lost a rank while writing KV: {e}") from None
 
     def _accept_finish(self, ib: Inbound, msg) -> PushResult:
         with self._lock:

@@ -5,13 +5,16 @@ The parallel side reads/writes its ranks through `engine.parallel.kv_io` (a TP/P
 HELD, each rank's KV heads / each stage's layers as chunks addressed by global heads; a TP/PP decode
 writes each chunk into every rank holding one of its heads). Layouts: prefill TP=2 -> decode TP=1,
 TP=1 -> TP=2, PP=2 -> TP=1 on a random-weight Llama with 8 query / 2 KV heads; SmolLM2 TP=3 -> TP=1,
-TP=1 -> TP=3, PP=2 -> TP=1 (`slow`: issue 9's end-to-end acceptance). Each is greedy-equal to one process alone, ends with nothing leaked on either engine (pages,
-reservations, requests, transfers, push threads) and every rank process reaped. The handshake compares
-the model-level layout: replicas of any layout share one signature, a shard's layout does not.
+TP=1 -> TP=3, PP=2 -> TP=1 (`slow`: issue 9's end-to-end acceptance). Each is greedy-equal to one
+process alone, ends with nothing leaked on either engine (pages, reservations, requests, transfers, push
+threads) and every rank process reaped. The handshake compares
+the model-level layout: replicas of any layout share one signature, a shard's layout does not. A decode
+rank lost mid-transfer fails the transfer typed (UNAVAILABLE) and frees its reservation.
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -20,7 +23,7 @@ from engine.llm import LLM
 from engine.parallel.shard import shard_kv_spec
 from engine.parallel.stages import stage_kv_spec
 from kv_transfer.config import ReceiverConfig, SenderConfig
-from kv_transfer.contract import FailedPrecondition, TransferState, make_transport
+from kv_transfer.contract import ErrorCode, FailedPrecondition, TransferState, make_transport
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
@@ -106,6 +109,41 @@ def test_signature_is_model_level_and_a_shard_layout_is_refused(tiny82):
         finally:
             tx.close()
             rx.close()
+
+
+def test_a_decode_rank_lost_mid_transfer_fails_it_typed_and_frees_the_reservation(tiny82):
+    """A TP=2 decode replica whose rank 1 died: the first chunk written to it fails the transfer with a typed
+    UNAVAILABLE on both ends (the replica's other rank is stopped with it), and the reservation's pages go
+    back to the pool; both engines end empty and no rank process is left."""
+    pre, dec = engine(tiny82), engine(tiny82, tp=2, page_size=8)
+    tx_t, rx_t = make_transport("grpc"), make_transport("grpc")
+    rx, tx = KVReceiver(dec, ReceiverConfig()), KVSender(pre, tx_t, SenderConfig(chunk_bytes=1024))
+    try:
+        address = rx.serve(rx_t)
+        desc = rx.reserve(len(PROMPTS[0]), GREEDY)
+        victim = dec.runner.ranks.procs[1]
+        victim.kill()
+        victim.wait()
+        rid = pre.add_request(PROMPTS[0], GREEDY, prefill_only=True)
+        tx.send(rid, desc, address)
+        end = time.monotonic() + 60
+        while tx.num_live or rx.num_live:
+            tx.step() if pre.has_unfinished() else tx.poll()
+            rx.pump()
+            rx.wait_for_work(0.01)
+            assert time.monotonic() < end, "the transfer did not end"
+        got, sent = rx.status(desc.reservation_id), tx.status(rid)
+        assert got.state == sent.state == TransferState.FAILED
+        assert got.code == ErrorCode.UNAVAILABLE and "lost a rank" in got.reason, got
+        assert dec.runner.ranks.closed  # the replica is down: a step would raise RankFailedError now
+        close_all(tx, rx, tx_t, [pre, dec])
+    finally:
+        tx.close()
+        rx.close()
+        rx_t.close()
+        pre.close()
+        dec.close()
+    assert_ranks_gone(dec)
 
 
 @pytest.mark.slow
