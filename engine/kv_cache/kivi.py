@@ -6,8 +6,9 @@ the model sees the usual `write` / `attend`. `page_io` ships its cells unchanged
 the engine's page allocator tells it when a page stops being held (`release_pages`).
 
 Groups are pages. KIVI quantizes keys per channel over a group of tokens (keys have outlier channels)
-and values per token; here the group is one page (page_size tokens), so a page is quantized ("sealed")
-exactly when its last slot is written. Until then its tokens live in a full-precision *staging* copy.
+and values per token (here per token, head and group of 32 channels); the key group is one page
+(page_size tokens), so a page is quantized ("sealed") exactly when its last slot is written. Until then
+its tokens live in a full-precision *staging* copy.
 Read rule (what makes output a function of the tokens, not of batching): a query at position i reads
 every slot of the pages before its own page from the quantized cells and the slots of its own page
 (page i // page_size, up to i) from staging. Prefill in one step or in chunks, decode, and a 1 + k
@@ -17,7 +18,8 @@ full-precision tail is at most page_size - 1 tokens (15 at the default 16; the i
 Cell layout (one (token, head) cell, K and V the same size: `spec.kivi_cell_bytes`), so pages stay
 fixed-size and token-addressed and the wire format is the storage format:
     K cell: [head_dim/2 packed nibbles | a bytes of the page's key metadata | pad]
-    V cell: [head_dim/2 packed nibbles | value scale, zero (2 x float16) | b bytes of key metadata | pad]
+    V cell: [head_dim/2 packed nibbles | value scale, zero per 32-channel group (float16) | b bytes of
+             key metadata | pad]
 The page's key metadata (per head: scale and zero, float16, per channel = 4 * head_dim bytes) is cut
 into page_size rows of m = 4 * head_dim / page_size bytes, row t stored in token t's cells (a in K,
 b = m - a in V). Why spread it rather than keep a per-page side tensor: page_io, prefix sharing and
@@ -36,12 +38,16 @@ allocator reports the page no longer held (finished, aborted, freed, or left to 
 a write at offset 0 reuses the page's row. Rows are keyed by page, so there are never more than
 num_pages; the tensors grow on demand (doubling), so memory is the high-water mark of live pages.
 
-Rotation: keys are rotated by the fixed Hadamard matrix of `quantized.py` before quantizing, values are
-not. Measured (SmolLM2 bf16, 1,024 + 256 tokens, ppl change vs raw, one text, so a few tenths of a
-percent between variants may be sampling noise): K and V unrotated +0.39%, V only +0.46%, both +0.28%,
-K only -0.03%. (Likely why: a 16-token key group still spans RoPE's fast-turning channel pairs, whose
-range the Hadamard evens out; min/max per-token values gain nothing from a flatter distribution.) As in
-`quantized.py`, attention runs in the rotated space: queries rotated in, the cache never rotated back.
+Rotation and value groups, measured (SmolLM2 bf16, 2,048 prefill + 512 scored, chunks of 128, change vs
+raw pages on four held-out windows of the bench text -- offsets 0/3000/6000/9000 -- as mean / worst):
+    value group 64, no rotation      +0.46% / +0.94%      group 64, keys rotated    +0.85% / +1.12%
+    value group 32, no rotation      +0.39% / +0.72%      group 32, keys rotated    +0.48% / +0.80%
+    value group 64, values rotated   +0.37% / +0.98%      group 16, no rotation     +0.28% / +1.05%
+One window alone moves by several tenths of a percent between neighbouring settings (the error is small
+and its effect on one text's perplexity is not monotone), so the choice rests on the four together:
+value groups of 32 channels (`spec.KIVI_VALUE_GROUP`, as in KIVI), no Hadamard rotation (the knobs stay
+for measuring: with ROTATE_K/V on, attention runs in the rotated space as in `quantized.py`). Keys
+quantized per channel already give each outlier channel its own grid, which is what rotation buys int8.
 
 Quantize (4 bits, asymmetric): zero = min, scale = (max - min) / 15, both rounded to float16 first;
 q = round((x - zero) / scale) clamped to [0, 15]; dequantize q * scale + zero in float32.
@@ -56,22 +62,24 @@ import torch.nn.functional as F
 from engine.attention_context import AttentionContext, AttnGroup
 from engine.kv_cache.backend import BACKENDS, RawKVBackend, torch_dtype
 from engine.kv_cache.quantized import hadamard
+from engine.kv_cache import spec as spec_mod
 from engine.kv_cache.spec import KVPageSpec
 
 _TINY = 2.0 ** -14  # smallest normal float16 step: constant rows keep a usable scale
-ROTATE_K, ROTATE_V = True, False  # see the module map (measured there)
+ROTATE_K, ROTATE_V = False, False  # see the module map (measured there)
 
 
 class KVFormatError(ValueError):
     """KV cannot move in this storage format as asked (e.g. an unsealed kivi4 page)."""
 
 
-def _layout(hd: int, ps: int) -> tuple[int, int, int]:
-    """(cell bytes, key-metadata bytes in the K cell, in the V cell) for head_dim hd, page size ps."""
-    m = 4 * hd // ps
-    c = max(-(-(m + 4) // 2), 4)
-    a = min(c, m)
-    return hd // 2 + c, a, m - a
+def _layout(hd: int, ps: int) -> tuple[int, int, int, int]:
+    """(cell bytes, key-metadata bytes in the K cell, in the V cell, value-metadata bytes): `spec.kivi_layout`."""
+    return spec_mod.kivi_layout(hd, ps)
+
+
+def _value_group(hd: int) -> int:
+    return min(hd, spec_mod.KIVI_VALUE_GROUP)
 
 
 def _pack(q: torch.Tensor) -> torch.Tensor:
@@ -96,32 +104,34 @@ def _quant(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch
 def quantize_pages(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Full pages k, v float [P, ps, H, hd] -> K, V cells uint8 [P, ps, H, cell] (layout: module map)."""
     p, ps, h, hd = k.shape
-    cell, a, b = _layout(hd, ps)
+    cell, a, b, vm = _layout(hd, ps)
+    g = _value_group(hd)
     qk, ks, kz = _quant(k.float(), 1)  # per channel over the page's tokens: ks, kz [P, 1, H, hd]
     kmeta = torch.stack([ks, kz], 2).view(torch.uint8)  # [P, 1, 2, H, hd] float16 -> bytes [P, 1, 2, H, 2hd]
     kmeta = kmeta.permute(0, 3, 1, 2, 4).reshape(p, h, ps, -1).transpose(1, 2)  # [P, ps, H, m]: row t's share
-    qv, vs, vz = _quant(v.float(), 3)  # per token and head: vs, vz [P, ps, H, 1]
-    vmeta = torch.cat([vs, vz], -1).view(torch.uint8)  # [P, ps, H, 4]
+    qv, vs, vz = _quant(v.float().view(p, ps, h, hd // g, g), 4)  # per token, head, group: vs, vz [P, ps, H, G, 1]
+    qv = qv.view(p, ps, h, hd)
+    vmeta = torch.cat([vs, vz], -1).view(p, ps, h, 2 * hd // g).view(torch.uint8)  # [P, ps, H, vm]
     kc = torch.zeros(p, ps, h, cell, dtype=torch.uint8, device=k.device)
     vc = torch.zeros_like(kc)
     kc[..., :hd // 2], kc[..., hd // 2:hd // 2 + a] = _pack(qk), kmeta[..., :a]
-    vc[..., :hd // 2], vc[..., hd // 2:hd // 2 + 4] = _pack(qv), vmeta
-    vc[..., hd // 2 + 4:hd // 2 + 4 + b] = kmeta[..., a:]
+    vc[..., :hd // 2], vc[..., hd // 2:hd // 2 + vm] = _pack(qv), vmeta
+    vc[..., hd // 2 + vm:hd // 2 + vm + b] = kmeta[..., a:]
     return kc, vc
 
 
 def dequantize_pages(kc: torch.Tensor, vc: torch.Tensor, hd: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V cells uint8 [P, ps, H, cell] -> k, v float32 [P, ps, H, hd] (in the stored, rotated space)."""
     p, ps, h, _ = kc.shape
-    _, a, b = _layout(hd, ps)
-    half = hd // 2
-    kmeta = torch.cat([kc[..., half:half + a], vc[..., half + 4:half + 4 + b]], -1)  # [P, ps, H, m]
+    _, a, b, vm = _layout(hd, ps)
+    half, g = hd // 2, _value_group(hd)
+    kmeta = torch.cat([kc[..., half:half + a], vc[..., half + vm:half + vm + b]], -1)  # [P, ps, H, m]
     kmeta = kmeta.transpose(1, 2).reshape(p, h, 2, 2 * hd).contiguous().view(torch.float16)  # [P, H, 2, hd]
     ks, kz = kmeta[:, :, 0].float().unsqueeze(1), kmeta[:, :, 1].float().unsqueeze(1)  # [P, 1, H, hd]
-    vmeta = vc[..., half:half + 4].contiguous().view(torch.float16).float()  # [P, ps, H, 2]
+    vmeta = vc[..., half:half + vm].contiguous().view(torch.float16).float().view(p, ps, h, hd // g, 2)
     k = _unpack(kc[..., :half]) * ks + kz
-    v = _unpack(vc[..., :half]) * vmeta[..., :1] + vmeta[..., 1:]
-    return k, v
+    v = _unpack(vc[..., :half]).view(p, ps, h, hd // g, g) * vmeta[..., :1] + vmeta[..., 1:]  # [P, ps, H, G, g]
+    return k, v.view(p, ps, h, hd)
 
 
 class KIVIBackend(RawKVBackend):

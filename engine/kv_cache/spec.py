@@ -44,9 +44,11 @@ class KVPageSpec:
             raise ValueError(f"KVPageSpec tp_rank {self.tp_rank} outside [0, {self.tp_size})")
         if not 0 <= self.layer_start < self.layers_end <= self.num_layers:
             raise ValueError(f"KVPageSpec layer range [{self.layer_start}, {self.layers_end}) invalid")
-        if self.storage_format == "kivi4" and (self.head_dim % 2 or (4 * self.head_dim) % self.page_size):
-            raise ValueError(f"KVPageSpec kivi4 needs an even head_dim and page_size dividing 4 * head_dim (the "
-                             f"page's per-channel key scales are spread over its token rows): {self}")
+        if self.storage_format == "kivi4" and (self.head_dim % 2 or (4 * self.head_dim) % self.page_size
+                                               or self.head_dim % min(self.head_dim, KIVI_VALUE_GROUP)):
+            raise ValueError(f"KVPageSpec kivi4 needs an even head_dim divisible by its value group, and a "
+                             f"page_size dividing 4 * head_dim (the page's per-channel key scales are spread "
+                             f"over its token rows): {self}")
 
     @property
     def layers_end(self) -> int:
@@ -85,9 +87,19 @@ class KVPageSpec:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+KIVI_VALUE_GROUP = 32  # kivi4 values: one scale/zero per token, head and group of this many channels
+
+
+def kivi_layout(head_dim: int, page_size: int) -> tuple[int, int, int, int]:
+    """kivi4 cell layout (`kivi.py`): (cell bytes, K cell key-metadata bytes, V cell key-metadata bytes,
+    value-metadata bytes). A cell is head_dim / 2 packed nibbles plus an equal share of the token's
+    metadata: its value scales/zeros (4 bytes per value group) and its 1/page_size of the page's
+    per-channel key scale/zero (4 * head_dim / page_size bytes); the V cell holds all its value metadata."""
+    kmeta, vmeta = 4 * head_dim // page_size, 4 * -(-head_dim // KIVI_VALUE_GROUP)
+    c = max(-(-(kmeta + vmeta) // 2), vmeta)
+    a = min(c, kmeta)
+    return head_dim // 2 + c, a, kmeta - a, vmeta
+
+
 def kivi_cell_bytes(head_dim: int, page_size: int) -> int:
-    """Bytes of one (token, head) kivi4 cell, K and V alike (layout in `kivi.py`): head_dim / 2 packed nibbles
-    plus an equal share of the token's metadata -- its value scale/zero (4 bytes) and its 1/page_size of the
-    page's per-channel key scale/zero (4 * head_dim / page_size bytes), at least the 4 value bytes."""
-    meta = 4 * head_dim // page_size
-    return head_dim // 2 + max(-(-(meta + 4) // 2), 4)
+    return kivi_layout(head_dim, page_size)[0]
