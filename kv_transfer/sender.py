@@ -182,6 +182,10 @@ class KVSender:
         if desc.kv_start and self.llm.will_evict(request_id):
             raise FailedPrecondition("this prefill evicts KV, which cannot fill a reservation on shared cached "
                                      f"prefix pages (kv_start {desc.kv_start})")
+        ps = self.llm.kv_spec.page_size
+        if self.llm.kv_spec.storage_format == "kivi4" and desc.num_tokens % ps:  # (engine/kv_cache/kivi.py)
+            raise FailedPrecondition(f"kivi4 ships whole pages only: a {desc.num_tokens}-token prompt ends inside a "
+                                     f"{ps}-token page, whose tokens are in full-precision staging, not in cells")
         if not self._hooked and not self.parallel:
             self.llm.runner.add_layer_hook(self._on_layer)
             self._hooked = True
@@ -270,12 +274,16 @@ class KVSender:
             # decode side may lack some of them -- the gap [kv_start, cached prefix) is read by slot here.
             start = ob.published[layer - self.layout.layer_start]
             stop = s.num_cached + len(s.token_ids)
+            if self.llm.kv_spec.storage_format == "kivi4":  # a page leaves once sealed (its last slot written)
+                stop -= stop % self.llm.kv_spec.page_size
             if stop > start:
                 ob.publish(layer, start, stop, *export_kv(self.llm.backend, layer, s.pages, start, stop))
 
     def _publish_cached(self, ob: Outbound, held: bool) -> None:
         table = self.llm.tables.get(ob.request_id)
         n, a = min(table.num_slots, ob.desc.num_tokens), ob.desc.kv_start
+        if self.llm.kv_spec.storage_format == "kivi4":  # sealed pages only; the rest follows per layer
+            n -= n % self.llm.kv_spec.page_size
         if n <= a:
             return
         if self.parallel:  # ranks answer one caller at a time: read them here, on the engine thread
