@@ -26,9 +26,10 @@ is published per layer (which tokens survive is known only then); once HELD, the
 compacted to the front of its pages -- are shipped like a HELD request's, and the Finish frame says how
 many (`num_slots`), so the decode side adopts that many slots and frees the rest of its reservation.
 Tensor/pipeline-parallel prefill (`llm.backend is None`: the pages live in the rank processes, which run
-no layer hooks): nothing is published per layer; once the prefill is HELD, the engine thread reads every
-layer's KV out of the ranks with `engine.parallel.kv_io.export_heads` (one chunk per layer and distinct
-KV-head group, or per stage's layers) and queues them addressed by global KV heads. The transfer is
+no layer hooks): nothing is published per layer; after each step (`poll()`), the engine thread reads the
+tokens that step computed, every layer, out of the ranks with `engine.parallel.kv_io.export_heads` (one
+piece per layer and distinct KV-head group, or per stage's layers) and queues them addressed by global KV
+heads, so a chunked prefill's chunks leave as they are computed; the rest once it is HELD. The transfer is
 described in the replica's whole layout (`llm.kv_spec`: every layer and KV head, tp 0 of 1), so its
 signature is the model-level one and a decode replica of another layout takes it and maps heads and
 layers to its own ranks (`KVReceiver`); a shard's spec has another signature and is refused.
@@ -220,6 +221,8 @@ class KVSender:
                     ob.finish(req.output_token_ids[0], self.llm.tables.get(rid).num_slots if ob.evicts else 0)
                 elif req.status == RequestStatus.HELD:
                     ob.finish(req.output_token_ids[0])
+                elif self.parallel and not ob.evicts and req.status == RequestStatus.RUNNING:
+                    self._publish_ranks(ob, req.num_computed)  # chunked prefill: this step's chunk leaves now
             deadline = self.config.deadline_s
             if deadline is not None and not ob.ended and now - ob.started_at >= deadline:
                 ob.abort(f"deadline of {deadline}s exceeded", ErrorCode.DEADLINE_EXCEEDED)
@@ -286,15 +289,26 @@ class KVSender:
             n -= n % self.llm.kv_spec.page_size
         if n <= a:
             return
-        if self.parallel:  # ranks answer one caller at a time: read them here, on the engine thread
-            for c in export_heads(self.llm, list(self.llm.kv_spec.local_layers), list(table.pages), a, n):
-                ob.publish(c.layer, a, n, memoryview(c.k), memoryview(c.v), c.heads)
+        if self.parallel:
+            self._publish_ranks(ob, n)
             return
         if held:  # pages frozen until we release them: let the push thread read them, layer by layer
             ob.publish_held(self.llm.backend, list(table.pages), n, a)
             return
         for layer in self.llm.kv_spec.local_layers:  # still running (chunked prefill): copy now
             ob.publish(layer, a, n, *export_kv(self.llm.backend, layer, table.pages, a, n))
+
+    def _publish_ranks(self, ob: Outbound, stop: int) -> None:
+        """Parallel prefill: tokens [queued so far, stop) of every layer, read out of the ranks here, on the
+        engine thread (they answer one caller at a time), after each step of a prefill still running (chunk
+        i is on the wire while chunk i + 1 computes) and once it is HELD."""
+        table = self.llm.tables.get(ob.request_id)
+        a = min(ob.published)  # every layer is queued together, from desc.kv_start on
+        n = min(stop, table.num_slots if table is not None else 0, ob.desc.num_tokens)
+        if n <= a:
+            return
+        for c in export_heads(self.llm, list(self.llm.kv_spec.local_layers), list(table.pages), a, n):
+            ob.publish(c.layer, a, n, memoryview(c.k), memoryview(c.v), c.heads)
 
     def _push(self, ob: Outbound) -> None:
         """Push thread: run the transport; every outcome ends the transfer (once)."""

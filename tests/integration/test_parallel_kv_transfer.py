@@ -50,6 +50,19 @@ def alone(model_dir, prompts, params) -> list[list[int]]:
         return [o.token_ids for o in llm.generate(prompts, params)]
 
 
+def _spy_on_rank_reads(tx) -> dict[str, list[int]]:
+    """Tokens queued after each read of a parallel prefill's ranks, by request."""
+    queued: dict[str, list[int]] = {}
+    inner = tx._publish_ranks
+
+    def spy(ob, stop):
+        inner(ob, stop)
+        if not queued.get(ob.request_id) or queued[ob.request_id][-1] != min(ob.published):
+            queued.setdefault(ob.request_id, []).append(min(ob.published))
+    tx._publish_ranks = spy
+    return queued
+
+
 def over_grpc(model_dir, src: dict, dst: dict, prompts, params) -> list[list[int]]:
     """Prefill on a replica of layout `src`, ship over gRPC, decode on one of layout `dst` (other page size);
     checks both engines empty, every transfer DONE and every rank process reaped."""
@@ -60,11 +73,15 @@ def over_grpc(model_dir, src: dict, dst: dict, prompts, params) -> list[list[int
         rx = KVReceiver(dec, ReceiverConfig())
         address = rx.serve(rx_t)
         tx = KVSender(pre, tx_t, SenderConfig(chunk_bytes=1024))
+        queued = _spy_on_rank_reads(tx)
         descs = [rx.reserve(len(p), params) for p in prompts]
         sent = [pre.add_request(p, params, prefill_only=True) for p in prompts]
         for rid, d in zip(sent, descs):
             tx.send(rid, d, address)
         got = decode_all(dec, [d.request_id for d in descs], drive(tx, rx))
+        if pre.model is None:  # a prompt longer than the step budget (16) left chunk by chunk, before HELD
+            for rid, p in zip(sent, prompts):
+                assert queued[rid][-1] == len(p) and (len(p) <= 16 or queued[rid][0] < len(p)), (rid, queued)
         assert all(rx.status(d.reservation_id).state == TransferState.DONE for d in descs)
         assert all(tx.status(rid).state == TransferState.DONE and tx.status(rid).bytes for rid in sent)
         close_all(tx, rx, tx_t, [pre, dec])
