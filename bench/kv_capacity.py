@@ -9,6 +9,9 @@ is admitted when the decode side can reserve pages for its whole prompt (the res
 the prefill runs; after an eviction the surplus returns at commit). Reported per config: pages, peak
 running requests on the decode side, decode preemptions, KV bytes shipped per prompt token vs raw, and
 wall time. The ratio of peaks vs raw is the capacity gain.
+kivi4 (engine/kv_cache/kivi.py) ships whole pages only (keep `--prompt` a multiple of the page size, 16)
+and keeps a full-precision staging copy of the page each running sequence is filling, outside the page
+budget: `staging_mb` reports its high-water mark on the decode side.
 Run:  .venv/bin/python bench/kv_capacity.py [--configs raw,int8,snapkv:0.3+int8] [--budget-mb 32]
 """
 from __future__ import annotations
@@ -74,6 +77,8 @@ def run(name: str, a) -> dict:
     assert not failed and done == a.requests, (done, failed[:3])
     return {"pages": num_pages, "peak_running": peak, "finished": done,
             "preemptions": dec.scheduler.stats.num_preemptions,
+            "staging_mb": getattr(dec.backend, "staging_rows", 0) * dec.kv_spec.page_size * 2 * dec.config.num_layers
+            * dec.config.num_kv_heads * dec.config.head_dim * dec.kv_spec.itemsize / 2**20,
             "bytes_per_prompt_token_vs_raw_bf16": sum(sent_bytes) / (len(sent_bytes) * a.prompt * raw),
             "seconds": time.perf_counter() - t0}
 
