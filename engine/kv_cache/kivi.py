@@ -51,8 +51,13 @@ quantized per channel already give each outlier channel its own grid, which is w
 
 Quantize (4 bits, asymmetric): zero = min, scale = (max - min) / 15, both rounded to float16 first;
 q = round((x - zero) / scale) clamped to [0, 15]; dequantize q * scale + zero in float32.
-Not supported (typed errors elsewhere): eviction (compaction would move cells across key groups),
-shipping an unsealed page (`page_io` raises KVFormatError: the decode side could not read it exactly).
+Transfer (prefill -> decode): sealed pages travel as stored and the decode side marks them sealed
+(`page_io.import_kv`), so shipped KV equals local KV bit for bit; the sender publishes only up to the last
+sealed page (a chunk ending inside a page leaves that page for a later step). A prompt ending inside a
+page would need its full-precision tail on the wire, which the transfer format has no room for: the
+sender refuses it at send() (FailedPrecondition), `page_io.export_kv` of an unsealed page raises
+KVFormatError. Not supported either: eviction (compaction would move cells across key groups; LLM and
+the YAML refuse it) and tensor/pipeline parallelism (rank processes have no allocator hook).
 """
 from __future__ import annotations
 
