@@ -185,9 +185,11 @@ class KIVIBackend(RawKVBackend):
         self._free_rows.extend(range(self._rows + rows - 1, self._rows - 1, -1))
         self._rows += rows
 
-    def _stage(self, pages: torch.Tensor) -> None:
+    def _stage(self, pages: torch.Tensor, offs: torch.Tensor) -> None:
         """Give every page in `pages` without one a staging row (rows keyed by page: <= num_pages)."""
         new = pages[self.stage_of[pages] < 0].unique().tolist()
+        # a page without a row must be filled from its first slot: its earlier tokens exist nowhere else
+        assert set(new) <= set(pages[offs == 0].tolist()), f"kivi4: write inside unstaged pages {new}"
         if len(new) > len(self._free_rows):
             self._grow(max(self._rows, len(new) - len(self._free_rows)))
         for page in new:
@@ -217,7 +219,7 @@ class KIVIBackend(RawKVBackend):
         ps = self.spec.page_size
         pages, offs = slots // ps, slots % ps  # [num_tokens]
         if layer == self.spec.layer_start:  # once per step: rows and seal flags for every layer
-            self._stage(pages)
+            self._stage(pages, offs)
             reopened = pages[(offs != 0) & self.sealed[pages]].unique()  # a rollback rewriting a sealed page
             self.num_reopened += reopened.numel()
             self.sealed[pages] = False
