@@ -190,8 +190,9 @@ class KIVIBackend(RawKVBackend):
         new = pages[self.stage_of[pages] < 0].unique().tolist()
         # a page without a row must be filled from its first slot: its earlier tokens exist nowhere else
         assert set(new) <= set(pages[offs == 0].tolist()), f"kivi4: write inside unstaged pages {new}"
-        if len(new) > len(self._free_rows):
-            self._grow(max(self._rows, len(new) - len(self._free_rows)))
+        need = len(new) - len(self._free_rows)
+        if need > 0:  # double, but never past one row per page (live rows are keyed by page)
+            self._grow(max(need, min(self._rows, self.num_pages - self._rows)))
         for page in new:
             self.stage_of[page] = self._free_rows.pop()
 
