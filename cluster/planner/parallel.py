@@ -6,6 +6,8 @@ Rules (each rejection is kept with its reason, for the planner's error messages)
   - TP stays inside a node and divides the GPUs per node (instances pack into nodes);
   - TP divides the attention heads; it divides the KV heads, or is a multiple of them (each rank then
     holds a replica of one KV head, as vLLM does when TP > KV heads);
+  - TP divides the FFN size (row/column-parallel MLP), and TP and PP are not combined: the engine runs
+    either (`engine/parallel/validate.py`), and the planner emits only what `pdserve serve` can run;
   - PP divides the layers; an instance spans at most max(one node, 2x the smallest instance that fits)
     GPUs (wider pipelines only add bubbles and hops) and never more than the cluster;
   - memory per device: weights / (tp*pp) + an activation reserve <= util x device memory, and what is
@@ -47,6 +49,8 @@ def head_problem(model: ModelSpec, tp: int) -> str | None:
         return f"tp {tp} does not divide {model.heads} attention heads"
     if model.kv_heads % tp and tp % model.kv_heads:
         return f"tp {tp} neither divides nor is a multiple of {model.kv_heads} KV heads"
+    if model.ffn % tp:
+        return f"tp {tp} does not divide the FFN size {model.ffn}"
     return None
 
 
@@ -66,6 +70,9 @@ def instance_configs(model: ModelSpec, hw: Hardware, dtype: str, gpus_per_node: 
         for pp in _divisors(model.layers):
             if tp * pp > total_gpus:
                 break
+            if tp > 1 and pp > 1:  # the engine runs one or the other (engine/parallel/validate.py)
+                rejected.append(f"tp{tp}pp{pp}: tensor and pipeline parallel together are not runnable yet")
+                continue
             mem = instance_memory(model, hw, Parallel(tp, pp), dtype, util)
             if mem.kv_tokens < max_len:
                 rejected.append(f"tp{tp}pp{pp}: {mem.weights_per_gpu / GIB:.1f} GiB of weights per device leaves "
