@@ -163,6 +163,20 @@ def test_prefix_caching_shares_sealed_pages(tiny_dir):
     assert cached.prefix_stats()["hit_tokens"] >= 32
 
 
+def test_prefix_caching_with_rollbacks(tiny_dir):
+    """Cached sealed pages shared while drafts are rejected and pages reopened: still the plain tokens."""
+    system = list(range(100, 117))
+    prompts = [system + [3, 4, 5], system + [9], system + [7, 7, 7, 7, 7]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    want = run(make(tiny_dir), prompts, params)
+    opts = {"futures": {tuple(p): o for p, o in zip(prompts, want)}}
+    llm = make(tiny_dir, enable_prefix_caching=True,
+               speculative={"proposer": "always_wrong", "max_draft": 3, "gate": False, "proposer_options": opts})
+    got = [run(llm, [p], params)[0] for p in prompts]
+    assert_greedy_equal(want, got)
+    assert llm.prefix_stats()["hit_tokens"] >= 32 and llm.backend.num_reopened > 0
+
+
 def test_eviction_is_refused_with_kivi4(tiny_dir):
     with pytest.raises(InvalidRequestError, match="kivi4"):
         make(tiny_dir, kv_eviction={"method": "streaming", "budget": 0.5, "min_prompt": 8})
