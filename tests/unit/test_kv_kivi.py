@@ -194,6 +194,14 @@ def test_yaml_pool_takes_kivi4_but_not_with_eviction():
     assert KVPages(storage="kivi4").storage == "kivi4"
     with pytest.raises(ValidationError, match="kivi4"):
         KVPages(storage="kivi4", eviction={"method": "snapkv", "budget": 0.3})
+    # disaggregated pools would refuse every prompt that ends inside a page (15 of 16 lengths): a spec error
+    from cluster.spec import parse_spec
+    from cluster.spec_errors import SpecError
+
+    kv = {"kv": {"storage": "kivi4"}}
+    assert parse_spec({"model": "m", "mode": "colocated", "pools": {"colocated": kv}}).pools.colocated.kv.storage == "kivi4"
+    with pytest.raises(SpecError, match="pools.prefill.kv.storage.*colocated"):
+        parse_spec({"model": "m", "pools": {"prefill": kv, "decode": kv}})
 
 
 def test_shipped_over_the_fake_transport_equals_local_and_unaligned_prompts_are_refused(tiny_dir):
