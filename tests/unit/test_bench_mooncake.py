@@ -84,7 +84,9 @@ def test_sessions_keep_whole_conversations(tmp_path):
 def test_mooncake_trace_sessions_and_errors(tmp_path):
     w = load_workload("mooncake:sessions=3", 50)
     assert len(w) >= 6 and w.block_ids is not None and len(w.block_ids) == len(w)
-    assert block_hit_rate(w.block_ids) > 0.3  # conversations repeat their earlier turns
+    # conversations repeat their earlier turns: several times the reuse of a contiguous slice as long
+    # (full trace: 0.34 vs 0.04; the 200-row slice under tests/data: 0.27 vs 0.07)
+    assert block_hit_rate(w.block_ids) > 3 * block_hit_rate(load_workload("mooncake", len(w)).block_ids)
     plain = load_workload("mooncake", 20)
     assert plain.block_ids is not None and plain.at_rate(1.0)[0].block_ids[0] == 0
     assert load_workload("azure-code", 5).block_ids is None
