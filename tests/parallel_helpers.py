@@ -15,6 +15,20 @@ PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10,
 BATCHING = dict(max_num_batched_tokens=16, max_num_seqs=4, page_size=4, num_pages=96)
 
 
+def tiny_8q_2kv(tmp_path_factory, name: str):
+    """A 3-layer random Llama with 8 query / 2 KV heads: TP 1, 2, 4 and PP 3 all split it."""
+    from tests.tiny_models import write_tiny
+
+    return write_tiny("llama", tmp_path_factory.mktemp(name) / "l82", num_hidden_layers=3, num_attention_heads=8,
+                      num_key_value_heads=2, initializer_range=0.1)
+
+
+def reshard_engine(model_dir, tp: int = 1, pp: int = 1, page_size: int = 4) -> LLM:
+    """An engine of the resharding tests: float32, small pool, 16-token chunks."""
+    return LLM(model=str(model_dir), dtype="float32", page_size=page_size, num_pages=64,
+               max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
 def assert_ranks_gone(llm: LLM) -> None:
     procs = llm.runner.ranks.procs
     assert all(p.returncode is not None for p in procs), "a rank process is still running"

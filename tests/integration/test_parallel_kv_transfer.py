@@ -19,7 +19,6 @@ import time
 import pytest
 
 from engine import SamplingParams
-from engine.llm import LLM
 from engine.parallel.shard import shard_kv_spec
 from engine.parallel.stages import stage_kv_spec
 from kv_transfer.config import ReceiverConfig, SenderConfig
@@ -28,21 +27,17 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, decode_all, drive
-from tests.parallel_helpers import PROMPTS, assert_ranks_gone
-from tests.tiny_models import write_tiny
+from tests.parallel_helpers import PROMPTS, assert_ranks_gone, reshard_engine, tiny_8q_2kv
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def tiny82(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("rsx") / "l82", num_hidden_layers=3, num_attention_heads=8,
-                      num_key_value_heads=2, initializer_range=0.1)
+    return tiny_8q_2kv(tmp_path_factory, "rsx")
 
 
-def engine(model_dir, tp: int = 1, pp: int = 1, page_size: int = 4) -> LLM:
-    return LLM(model=str(model_dir), dtype="float32", page_size=page_size, num_pages=64,
-               max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+engine = reshard_engine
 
 
 def alone(model_dir, prompts, params) -> list[list[int]]:
