@@ -275,10 +275,11 @@ class ClusterSpec(_Section):
             problems.append(Problem("pools.decode.kv.storage", f"{dec.kv.storage!r} differs from pools.prefill.kv."
                                     f"storage {pre.kv.storage!r}: KV pages travel in their storage format, so "
                                     f"both pools must use the same one"))
-        if self.mode == "disaggregated" and pre is not None and pre.kv.storage == "kivi4":
-            problems.append(Problem("pools.prefill.kv.storage", "kivi4 ships sealed (full) pages only, so a prompt "
-                                    "ending inside a page cannot be handed over yet: use kivi4 in colocated mode, "
-                                    "or int8/fp8 between prefill and decode"))
+        if self.mode == "disaggregated" and pre and dec and pre.kv.storage == "kivi4" and (
+                pre.kv.page_size != dec.kv.page_size):
+            problems.append(Problem("pools.decode.kv.page_size", f"{dec.kv.page_size} differs from pools.prefill.kv."
+                                    f"page_size {pre.kv.page_size}: kivi4 cells carry a share of their page's key "
+                                    f"scales (a page is one key group), so both pools need the same page size"))
         _fail_if(problems + self._deadline_problems() + prefix_problems(self))
         return self
 

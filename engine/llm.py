@@ -177,27 +177,37 @@ class LLM:
 
     def add_prefilled_request(self, prompt_token_ids: list[int], first_token_id: int, reservation_id: str,
                               params: SamplingParams | None = None, request_id: str | None = None,
-                              num_slots: int | None = None) -> str:
+                              num_slots: int | None = None, num_computed: int | None = None) -> str:
         """Join a request whose prompt KV is already in the reserved pages; decoding starts next step.
         `num_slots`: the prefill side evicted KV and the pages hold only that many (kept) tokens, at the
-        front; the reservation's surplus pages go back to the pool."""
+        front; the reservation's surplus pages go back to the pool. `num_computed`: the pages hold the KV of
+        the first that many prompt tokens only (kivi4 ships whole pages, `kv_cache/kivi.py`); the next step
+        computes the rest of the prompt with the first token, into the reservation's pages."""
         req = self._new_request(prompt_token_ids, params, request_id)
         tok = self._tokens([first_token_id])[0]
         if num_slots is not None and not 0 < num_slots <= req.num_prompt:
             raise InvalidRequestError("num_slots", f"{num_slots} for a {req.num_prompt}-token prompt")
+        if num_computed is not None and (num_slots is not None or not 0 <= num_computed <= req.num_prompt):
+            raise InvalidRequestError("num_computed", f"{num_computed} for a {req.num_prompt}-token prompt"
+                                      + (" (not with num_slots)" if num_slots is not None else ""))
         shared = self.allocator.get_reservation(reservation_id).num_shared
         if num_slots is not None and shared:
             raise InvalidRequestError("num_slots", "evicted KV cannot join a reservation on cached prefix pages")
+        if num_computed is not None and num_computed < shared * self.kv_spec.page_size:
+            raise InvalidRequestError("num_computed", f"{num_computed} is inside the {shared} cached prefix pages "
+                                                      "shared into the reservation (nothing may write them)")
         if shared and self.prefix_cache is not None:
             self.prefix_cache.stats.shared_received_pages += shared  # pages no one had to ship
         pages = self.allocator.commit(reservation_id, seq_owner(req.request_id))
         self.tables.adopt(req.request_id, pages, req.num_prompt)
         if num_slots is not None:
             self.tables.truncate(req.request_id, num_slots)
+        if num_computed is not None:  # the tail's slots are not written yet; its page stays (next step fills it)
+            self.tables.get(req.request_id).num_slots = num_computed
         req.token_ids.append(tok)
         if req.params.logprobs is not None:  # the prefill side holds its logprob; keep outputs aligned
             req.output_logprobs.append(SampledToken(tok))
-        req.num_computed = req.num_prompt
+        req.num_computed = req.num_prompt if num_computed is None else num_computed
         req.first_token_time = self.clock()
         self.requests[req.request_id] = req
         self.scheduler.add_running(req)

@@ -5,7 +5,8 @@ Owned by `kv_transfer.receiver.KVReceiver`, always touched under its lock. Track
 token) cells have arrived -- one bytearray per local layer, [tokens * heads] cells -- so a duplicated
 chunk is recognised and ignored and a partly overlapping one refused, the byte budget of the stream,
 the chunk writes in flight (pages stay pinned until they land), whether pump() picked it for commit,
-and what the `Finish` frame brought (first token).
+and what the `Finish` frame brought (first token). A kivi4 reservation expects only the prompt's whole
+pages (`num_shipped`; the decode engine recomputes the tail, `engine/kv_cache/kivi.py`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Inbound:
     committing: bool = False  # picked by pump() for commit: transport threads leave it alone
     covered: int = 0
     num_slots: int | None = None  # tokens of KV the finish frame announced (< num_tokens after eviction)
+    num_shipped: int | None = None  # tokens [kv_start, num_shipped) arrive (kivi4: whole pages); None = all
     _cells: list[bytearray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -47,9 +49,13 @@ class Inbound:
     @property
     def total_cells(self) -> int:
         """Cells to receive: every prompt token from `desc.kv_start` on (the ones before it are in shared
-        cached pages already), or the `num_slots` the finish frame announced."""
-        tokens = self.desc.num_tokens - self.desc.kv_start if self.num_slots is None else self.num_slots
+        cached pages already) up to `shipped`, or the `num_slots` the finish frame announced."""
+        tokens = self.shipped - self.desc.kv_start if self.num_slots is None else self.num_slots
         return self.layout.num_local_layers * tokens * self.layout.num_heads
+
+    @property
+    def shipped(self) -> int:
+        return self.desc.num_tokens if self.num_shipped is None else self.num_shipped
 
     def covers_prefix(self, num_slots: int) -> bool:
         """Exactly the cells of tokens [0, num_slots) of every layer were received (after eviction)."""
@@ -87,9 +93,9 @@ class Inbound:
         heads = self.layout.num_heads
         for i, cells in enumerate(self._cells):
             got = cells.count(1)
-            if got != (self.desc.num_tokens - self.desc.kv_start) * heads:
+            if got != (self.shipped - self.desc.kv_start) * heads:
                 return (f"layer {self.layout.layer_start + i} has {got // heads if heads else 0} of "
-                        f"{self.desc.num_tokens - self.desc.kv_start} tokens from token {self.desc.kv_start} "
+                        f"{self.shipped - self.desc.kv_start} tokens from token {self.desc.kv_start} "
                         f"({self.total_cells - self.covered} cells missing in all)")
         return "nothing"
 

@@ -28,6 +28,8 @@ whole layout (global KV heads and layers, the model-level signature), so a prefi
 may fill it; each chunk is written with `engine.parallel.kv_io.import_heads` into every rank holding one
 of its heads (the stage holding its layer), from the transport thread like any other chunk (the rank
 processes serialize callers: a write waits for a running step, and lands in pinned pages it never reads).
+kivi4: only the prompt's whole (sealed) pages arrive (`kivi.shipped_tokens`; a chunk past them is refused);
+the commit tells the engine to recompute the tail of a prompt ending inside a page (`num_computed`).
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import time
 from collections import OrderedDict
 
 from engine.errors import InvalidRequestError, ReservationError
+from engine.kv_cache.kivi import shipped_tokens
 from engine.kv_cache.page_io import import_kv, stored_token_head_bytes
 from engine.parallel.errors import RankFailedError
 from engine.parallel.kv_io import HeadChunk, import_heads
@@ -101,7 +104,7 @@ class KVReceiver:
                                   self.llm.fingerprint, self.llm.kv_spec.signature(), num_tokens, start)
         cap = int(self.layout.transfer_bytes(num_tokens - start) * self.config.stream_bytes_factor)
         ib = Inbound(desc, self.layout, list(res.pages), params, res.expires_at,
-                     cap + self.config.max_chunk_bytes)
+                     cap + self.config.max_chunk_bytes, num_shipped=shipped_tokens(self.llm.kv_spec, num_tokens))
         with self._lock:
             self._live[res.reservation_id] = ib
         return desc
@@ -221,6 +224,9 @@ class KVReceiver:
     def _accept_chunk(self, ib: Inbound, msg, payload) -> None:
         header = codec.check_chunk(msg, self.layout, ib.desc.num_tokens, self.config.max_chunk_bytes,
                                    ib.desc.kv_start)
+        if header.token_end > ib.shipped:  # kivi4: a page not sealed on the sender has no cells to ship
+            raise InvalidFrame(f"chunk tokens [{header.token_start}, {header.token_end}) pass the {ib.shipped} "
+                               f"tokens of whole {self.llm.kv_spec.storage_format} pages this reservation takes")
         self._pace(header.byte_length)
         with self._lock:
             self._check_live(ib)
@@ -358,7 +364,8 @@ class KVReceiver:
         """Engine thread: hand the filled reservation to the engine as a running request."""
         try:
             rid = self.llm.add_prefilled_request(ib.prompt, ib.first_token, ib.desc.reservation_id,
-                                                 ib.params, ib.desc.request_id, num_slots=ib.num_slots)
+                                                 ib.params, ib.desc.request_id, num_slots=ib.num_slots,
+                                                 num_computed=ib.num_shipped if ib.num_slots is None else None)
         except (InvalidRequestError, ReservationError) as e:  # raised before any page changes hands
             with self._lock:
                 self._end(ib, TransferState.FAILED, f"commit refused: {e}", ErrorCode.FAILED_PRECONDITION)

@@ -183,10 +183,7 @@ class KVSender:
         if desc.kv_start and self.llm.will_evict(request_id):
             raise FailedPrecondition("this prefill evicts KV, which cannot fill a reservation on shared cached "
                                      f"prefix pages (kv_start {desc.kv_start})")
-        ps = self.llm.kv_spec.page_size
-        if self.llm.kv_spec.storage_format == "kivi4" and desc.num_tokens % ps:  # (engine/kv_cache/kivi.py)
-            raise FailedPrecondition(f"kivi4 ships whole pages only: a {desc.num_tokens}-token prompt ends inside a "
-                                     f"{ps}-token page, whose tokens are in full-precision staging, not in cells")
+        # kivi4 ships whole (sealed) pages only; the decode side recomputes a tail ending inside a page (kivi.py)
         if not self._hooked and not self.parallel:
             self.llm.runner.add_layer_hook(self._on_layer)
             self._hooked = True

@@ -54,10 +54,17 @@ q = round((x - zero) / scale) clamped to [0, 15]; dequantize q * scale + zero in
 Transfer (prefill -> decode): sealed pages travel as stored and the decode side marks them sealed
 (`page_io.import_kv`), so shipped KV equals local KV bit for bit; the sender publishes only up to the last
 sealed page (a chunk ending inside a page leaves that page for a later step). A prompt ending inside a
-page would need its full-precision tail on the wire, which the transfer format has no room for: the
-sender refuses it at send() (FailedPrecondition), `page_io.export_kv` of an unsealed page raises
-KVFormatError. Not supported either: eviction (compaction would move cells across key groups; LLM and
-the YAML refuse it) and tensor/pipeline parallelism (rank processes have no allocator hook).
+page leaves its tail (< page_size tokens, `shipped_tokens`) behind: the decode side recomputes it over
+the received pages, in its first step, together with the first token (`LLM.add_prefilled_request(...,
+num_computed=)`; the receiver expects only the sealed tokens). Why recompute rather than ship the tail's
+full-precision staging: the wire carries one fixed-size cell per (token, head) (`token_head_bytes`), and a
+staging row (head_dim values in the compute dtype) is ~3x a kivi4 cell -- shipping it would need a second
+chunk kind in the codec and receiver; recomputing needs no wire change, is at most page_size - 1 tokens
+of work folded into a step the decode worker runs anyway, and is exact by the read rule above: the tail's
+queries read the pages before theirs from the same (shipped, bit-equal) cells and their own page from
+staging, whether computed on the prefill side or here. `page_io.export_kv` of an unsealed page still
+raises KVFormatError. Not supported: eviction (compaction would move cells across key groups; LLM and the
+YAML refuse it) and tensor/pipeline parallelism (rank processes have no allocator hook).
 """
 from __future__ import annotations
 
@@ -76,6 +83,12 @@ ROTATE_K, ROTATE_V = False, False  # see the module map (measured there)
 
 class KVFormatError(ValueError):
     """KV cannot move in this storage format as asked (e.g. an unsealed kivi4 page)."""
+
+
+def shipped_tokens(spec: KVPageSpec, num_tokens: int) -> int:
+    """Prompt tokens whose KV crosses the wire: all of them, or for kivi4 the sealed (whole) pages only;
+    the decode side recomputes the rest (module map, "Transfer")."""
+    return num_tokens - num_tokens % spec.page_size if spec.storage_format == "kivi4" else num_tokens
 
 
 def _layout(hd: int, ps: int) -> tuple[int, int, int, int]:

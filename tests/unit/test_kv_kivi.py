@@ -1,7 +1,8 @@
 """KIVI-style 4-bit pages ("kivi4", engine/kv_cache/kivi.py) on a tiny model: the codec's error bounds, a
 page sealing when its last slot is written, the read rule (own page from full-precision staging, earlier
 pages from cells) making chunked, single-step and speculative runs agree, rollback into a page sealed in
-the same step, shipping sealed pages by page_io equal to local decoding (unsealed pages refused, typed),
+the same step, shipping sealed pages by page_io equal to local decoding (unsealed pages refused, typed;
+the sender and receiver: test_kv_kivi_transfer.py),
 prefix caching composing, eviction refused -- and every test ending with no staging row held."""
 from __future__ import annotations
 
@@ -194,44 +195,13 @@ def test_yaml_pool_takes_kivi4_but_not_with_eviction():
     assert KVPages(storage="kivi4").storage == "kivi4"
     with pytest.raises(ValidationError, match="kivi4"):
         KVPages(storage="kivi4", eviction={"method": "snapkv", "budget": 0.3})
-    # disaggregated pools would refuse every prompt that ends inside a page (15 of 16 lengths): a spec error
+    # colocated and disaggregated (whole pages ship; the decode side recomputes a tail: test_kv_kivi_transfer.py)
     from cluster.spec import parse_spec
-    from cluster.spec_errors import SpecError
 
     kv = {"kv": {"storage": "kivi4"}}
     assert parse_spec({"model": "m", "mode": "colocated", "pools": {"colocated": kv}}).pools.colocated.kv.storage == "kivi4"
-    with pytest.raises(SpecError, match="pools.prefill.kv.storage.*colocated"):
-        parse_spec({"model": "m", "pools": {"prefill": kv, "decode": kv}})
+    assert parse_spec({"model": "m", "pools": {"prefill": kv, "decode": kv}}).pools.decode.kv.storage == "kivi4"
+    from cluster.spec_errors import SpecError
 
-
-def test_shipped_over_the_fake_transport_equals_local_and_unaligned_prompts_are_refused(tiny_dir):
-    """The real sender and receiver: pages leave as they seal (chunks of 7 end inside pages), the decode
-    side continues exactly like one engine; a prompt ending inside a page is refused at send(), typed."""
-    from kv_transfer.config import ReceiverConfig, SenderConfig
-    from kv_transfer.contract import FailedPrecondition
-    from kv_transfer.fake_transport import FakeTransport
-    from kv_transfer.receiver import KVReceiver
-    from kv_transfer.sender import KVSender
-    from tests.kv_helpers import close_all, ship_all
-
-    prompts = [list(range(20, 44)), list(range(60, 68)), [5, 9, 33, 7, 81, 4, 4, 19]]  # 6, 2, 2 pages
-    local = run(make(tiny_dir), prompts)
-    pre, dec = make(tiny_dir, max_num_batched_tokens=7), make(tiny_dir)
-    got, _, rest = ship_all(pre, dec, prompts, GREEDY)
-    assert_greedy_equal(local, got)
-    close_all(*rest, [pre, dec])
-    assert pre.backend.num_staged == dec.backend.num_staged == 0
-    pre, dec = make(tiny_dir), make(tiny_dir)
-    transport = FakeTransport()
-    rx = KVReceiver(dec, ReceiverConfig())
-    address = rx.serve(transport)
-    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=1024))
-    desc = rx.reserve(len(PROMPTS[0]), GREEDY)  # 11 tokens: the third page would stay in staging
-    rid = pre.add_request(PROMPTS[0], GREEDY, prefill_only=True)
-    with pytest.raises(FailedPrecondition, match="whole pages"):
-        tx.send(rid, desc, address)
-    pre.abort(rid)
-    rx.cancel(desc.reservation_id)
-    rx.pump()
-    close_all(tx, rx, transport, [pre, dec])
-    assert pre.backend.num_staged == dec.backend.num_staged == 0
+    with pytest.raises(SpecError, match="pools.decode.kv.page_size.*same page size"):
+        parse_spec({"model": "m", "pools": {"prefill": kv, "decode": {"kv": {"storage": "kivi4", "page_size": 32}}}})
