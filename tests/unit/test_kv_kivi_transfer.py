@@ -43,16 +43,24 @@ def prompt_of(n: int) -> list[int]:
     return [(7 * i + 3) % 250 + 2 for i in range(n)]
 
 
-def test_shipped_equals_local_for_prompts_on_and_off_page_boundaries(tiny_dir):
+@pytest.mark.parametrize("proposer", [None, "oracle", "always_wrong"])
+def test_shipped_equals_local_for_prompts_on_and_off_page_boundaries(tiny_dir, proposer):
+    """Also with draft-verify on the decode side: the tail chunk runs as a plain step, then verify steps
+    (all drafts accepted, or all rolled back into pages) give the plain tokens."""
     prompts = [prompt_of(n) for n in LENGTHS]
     local_llm = make(tiny_dir)
     local = [o.token_ids for o in local_llm.generate(prompts, GREEDY)]
-    pre, dec = make(tiny_dir, max_num_batched_tokens=7), make(tiny_dir)  # chunks of 7 end inside pages
+    spec = None if proposer is None else {"proposer": proposer, "max_draft": 3, "gate": False, "proposer_options":
+                                          {"futures": {tuple(p): o for p, o in zip(prompts, local)}}}
+    pre, dec = make(tiny_dir, max_num_batched_tokens=7), make(tiny_dir, speculative=spec)  # chunks end in pages
     got, descs, (tx, rx, transport) = ship_all(pre, dec, prompts, GREEDY)
     assert_greedy_equal(local, got)
     for d, n in zip(descs, LENGTHS):  # only whole pages crossed the wire
         st = rx.status(d.reservation_id)
         assert st.state == TransferState.DONE and st.bytes == rx.layout.transfer_bytes(n - n % PS), (n, st)
+    if proposer is not None:
+        st = dec.spec.stats
+        assert st.num_drafted > 0 and st.num_accepted == (st.num_drafted if proposer == "oracle" else 0), st
     close_all(tx, rx, transport, [pre, dec, local_llm])
     assert pre.backend.num_staged == dec.backend.num_staged == local_llm.backend.num_staged == 0
 
