@@ -30,6 +30,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--workload", help="a trace: Azure CSV (ContextTokens, GeneratedTokens) or Mooncake JSONL")
     w.add_argument("--input-len", help="prompt lengths: N, uniform:LO:HI or exp:MEAN (with --output-len)")
     p.add_argument("--output-len", help="output lengths: N, uniform:LO:HI or exp:MEAN")
+    p.add_argument("--input-scale", type=float, default=1.0,
+                   help="--workload: prompt length factor (as `pdserve bench --input-scale`; bench's default 0.25)")
+    p.add_argument("--output-scale", type=float, default=1.0, help="--workload: output length factor (bench: 0.5)")
+    p.add_argument("--max-input", type=int, help="--workload: prompt length cap after scaling (bench: 1024)")
+    p.add_argument("--max-output", type=int, help="--workload: output length cap after scaling (bench: 256)")
     p.add_argument("--rate", type=float, required=True, help="requests per second the plan must sustain")
     p.add_argument("--ttft-ms", type=float, required=True)
     p.add_argument("--tpot-ms", type=float, required=True)

@@ -16,7 +16,7 @@ from cluster.planner.metrics import SLO
 from cluster.planner.models import load_model
 from cluster.planner.profiles import load_profile
 from cluster.planner.search import PlanRequest, SearchResult, search
-from cluster.planner.workload import clamp, distribution_lengths, subsample, trace_lengths
+from cluster.planner.workload import clamp, distribution_lengths, scale_lengths, subsample, trace_lengths
 
 
 def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
@@ -30,6 +30,11 @@ def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
         raise PlannerError("--rate, --ttft-ms and --tpot-ms must be > 0 and --attainment in (0, 1]")
     if args.workload:
         pairs, workload = trace_lengths(args.workload), args.workload
+        scaling = (args.input_scale, args.output_scale, args.max_input, args.max_output)
+        if scaling != (1.0, 1.0, None, None):  # the lengths `pdserve bench` sends with the same options
+            pairs = scale_lengths(pairs, *scaling)
+            workload += (f" (lengths x{args.input_scale:g} in, x{args.output_scale:g} out, capped at "
+                         f"{args.max_input or '-'} / {args.max_output or '-'})")
     else:
         if not args.output_len:
             raise PlannerError("--input-len needs --output-len (or give --workload TRACE)")

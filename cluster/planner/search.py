@@ -185,7 +185,7 @@ def search(req: PlanRequest) -> SearchResult:
     checked = list({_key(p): p for p in verify(req, plans)}.values())  # trims can meet twice
     ok = [p for p in checked if p.attainment is not None and p.attainment >= req.slo.attainment]
     if not ok:
-        raise _rate_error(req, phases)
+        raise _rate_error(req, phases, checked)
     ranked = sorted(ok, key=_rank) + sorted((p for p in checked if p not in ok), key=_rank)
     seen = {_key(p) for p in checked}
     ranked += sorted((p for p in plans if _key(p) not in seen), key=_rank)
@@ -204,7 +204,7 @@ def _rank(p: Plan) -> tuple[int, float]:
     return p.gpus, -p.per_gpu_goodput
 
 
-def _rate_error(req: PlanRequest, phases: dict[str, list[PhaseChoice]]) -> InfeasibleSLOError:
+def _rate_error(req: PlanRequest, phases: dict[str, list[PhaseChoice]], checked: list[Plan] = ()) -> InfeasibleSLOError:
     best_c = max(phases["colocated"], key=lambda c: c.per_gpu, default=None)
     ideal = [(best_c.per_gpu, f"colocated {best_c.parallel}")] if best_c else []
     if phases["prefill"] and phases["decode"]:
@@ -213,6 +213,16 @@ def _rate_error(req: PlanRequest, phases: dict[str, list[PhaseChoice]]) -> Infea
         ideal.append((1 / (1 / p.per_gpu + 1 / d.per_gpu), f"disaggregated {p.parallel} + {d.parallel}"))
     per_gpu, how = max(ideal)
     need = math.ceil(req.rate / per_gpu)
+    if need <= req.total_gpus and checked:
+        # Per-instance goodputs say it fits, but no whole plan did in the simulation (whole replicas at a
+        # fixed ratio, queueing between pools): say so, and offer what the best simulated plan reached.
+        best = max(checked, key=lambda p: (p.attainment or 0.0, p.goodput))
+        return InfeasibleSLOError(
+            f"{req.rate:g} req/s at the SLO: per-instance estimates allow it on {need} GPUs ({how}, "
+            f"{per_gpu:.2f} req/s per GPU), but no whole plan on {req.total_gpus} GPUs reached "
+            f"{req.slo.attainment:.0%} attainment in the simulation (best: {best.describe()}, "
+            f"{(best.attainment or 0.0):.1%})", f"--rate {min(best.goodput, req.rate) * 0.8:.2f} on {req.total_gpus} GPUs, "
+            f"or --nodes {req.nodes + 1}")
     return InfeasibleSLOError(
         f"{req.rate:g} req/s at the SLO needs about {need} GPUs ({how}, {per_gpu:.2f} req/s per GPU); "
         f"{req.total_gpus} are given", f"--rate {per_gpu * req.total_gpus * 0.95:.2f} on {req.total_gpus} GPUs, "

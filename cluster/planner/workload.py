@@ -88,6 +88,17 @@ def clamp(pairs: list[tuple[int, int]], max_len: int) -> list[tuple[int, int]]:
     return out
 
 
+def scale_lengths(pairs: list[tuple[int, int]], input_scale: float = 1.0, output_scale: float = 1.0,
+                  max_input: int | None = None, max_output: int | None = None) -> list[tuple[int, int]]:
+    """Trace lengths as `pdserve bench` replays them (its --input-scale/--output-scale/--max-input/--max-output:
+    rounded, at least 4 prompt and 1 output token, then capped), so a plan and a bench see one workload."""
+    if input_scale <= 0 or output_scale <= 0:
+        raise PlannerError(f"length scales must be > 0 (got input {input_scale}, output {output_scale})")
+    big = 1 << 62
+    return [(min(max(4, round(i * input_scale)), max_input or big), min(max(1, round(o * output_scale)), max_output or big))
+            for i, o in pairs]
+
+
 def subsample(pairs: list[tuple[int, int]], n: int = 4000, seed: int = 0) -> list[tuple[int, int]]:
     """At most `n` pairs drawn without replacement (seeded): what the simulations sample from."""
     return pairs if len(pairs) <= n else random.Random(seed).sample(pairs, n)

@@ -75,6 +75,34 @@ def test_workload_trace_is_read(tmp_path, prof, capsys):
     assert load_spec(tmp_path / "cluster.yaml").mode in ("disaggregated", "colocated")
 
 
+def test_trace_lengths_scale_as_the_bench_replays_them(tmp_path, prof, capsys):
+    from cluster.bench.workload import TraceScaling
+    from cluster.planner.workload import scale_lengths
+
+    pairs = [(1, 1), (10, 3), (999, 77), (5000, 900), (4097, 1)]
+    bench = TraceScaling(input_scale=0.25, output_scale=0.5, max_input=1024, max_output=256)
+    assert scale_lengths(pairs, 0.25, 0.5, 1024, 256) == [(bench.input(i), bench.output(o)) for i, o in pairs]
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(f"t,{4000 + i},{400}\n" for i in range(20)))
+    args = plan_args(tmp_path, prof, "--input-scale", "0.25", "--output-scale", "0.5", "--max-input", "512",
+                     "--max-output", "30", "--report", str(tmp_path / "r"))
+    args[args.index("--rate") + 1] = "0.5"
+    k = args.index("--input-len")
+    args[k:k + 4] = ["--workload", str(trace)]
+    assert main(args) == 0
+    assert "x0.25 in, x0.5 out, capped at 512 / 30" in (tmp_path / "r" / "report.md").read_text()
+    args[args.index("--input-scale") + 1] = "0"
+    assert main(args) == 2 and "length scales must be > 0" in capsys.readouterr().err
+    # 512-token prompts at 1.5 req/s: per-instance goodputs fit 2 GPUs but no whole plan does; the
+    # message says that instead of "needs 2 GPUs; 2 are given", and offers a lower rate
+    args[args.index("--input-scale") + 1], args[args.index("--rate") + 1] = "0.25", "1.5"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "no whole plan on 2 GPUs reached 90% attainment" in err and "closest feasible: --rate " in err
+    suggested = float(err.split("closest feasible: --rate ")[1].split()[0])
+    assert 0 < suggested < 1.5
+
+
 def test_multi_node_gpu_spec_binds_kv_beyond_loopback_with_a_token(tmp_path):
     from cluster.planner.latency import Parallel
     from cluster.planner.plans import PhaseChoice, Plan
