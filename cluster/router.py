@@ -26,7 +26,8 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"):
      `clock`) does not end the requests it harmed: they are re-placed elsewhere and resume where their
      stream stopped (`cluster/recovery.py`); the ledger there counts how every admitted request ended.
 Colocated: step 2 is `add_request` on the replica with the least load; every event is a decode delta.
-Timelines: the router marks its own events; workers' `times` (prefill, transfer, decode) are folded in.
+Timelines: the router marks its own events; workers' `times` (prefill, transfer, decode) are folded in,
+and the decode worker's per-request KV figures (`DecodeDelta.kv`: kv_bytes, kv_pages -- counts, not times).
 """
 from __future__ import annotations
 
@@ -210,6 +211,8 @@ class ClusterRouter(RecoveryMixin):
             return None  # a late event of a placement the flight left (a lost worker): already re-run
         for event, t in (getattr(item, "times", None) or {}).items():  # worker-side timeline events
             f.timeline.setdefault(event, t)
+        for name, n in (getattr(item, "kv", None) or {}).items():  # the placement that finished it counts
+            f.timeline[name] = float(n)
         if isinstance(item, PrefillEvent):
             return self._on_prefill(f, item)
         assert isinstance(item, DecodeDelta), item

@@ -19,6 +19,9 @@ from typing import AsyncIterator, Protocol
 from engine.errors import PdserveError
 from engine.sampling_params import SamplingParams
 
+# Timeline entries that are counts, not unix times (cluster router, from the decode worker): KV payload
+# bytes shipped for the request, and the most KV pages it held on its decode (or colocated) worker at once.
+TIMELINE_COUNTS = ("kv_bytes", "kv_pages")
 
 class OverloadedError(PdserveError):
     """The queue limit is reached; the client should retry later (HTTP 429)."""
@@ -52,7 +55,8 @@ class GenerateDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None  # new tokens only
-    timeline: dict[str, float] | None = None  # event -> unix time (queued, first_token, finish, ...)
+    timeline: dict[str, float] | None = None  # event -> unix time (queued, first_token, finish, ...); and
+    # the TIMELINE_COUNTS (kv_bytes, kv_pages) where the backend reports them
 
 
 @dataclass

@@ -27,6 +27,9 @@ Timeline (unix seconds, in the first `DecodeDelta.times` of a request): transfer
 handed the filled pages to the engine) and decode_admitted (the engine step that produced its first output here
 began); colocated replicas also stamp prefill_start (the step that first computed the prompt) and
 prefill_end (its first token), so queue and prefill time separate there too. `stats()` counts KV bytes received.
+Per request, the last `DecodeDelta` carries `kv`: kv_pages (the most KV pages it held here at once, from
+its reservation on: `BlockTables.peak_pages`) and, for a request whose KV came over the wire, kv_bytes
+(payload bytes of its committed transfer); the router folds both into the request's timeline.
 
 Prefix caching (`engine_kwargs["enable_prefix_caching"]`): `reserve` hands the prompt to the receiver, which
 shares the engine's cached prefix pages into the reservation; the descriptor's `kv_start` tells the prefill
@@ -71,6 +74,7 @@ class DecodeDelta:
     num_preemptions: int = 0
     error: str | None = None  # finish_reason "error": why (a failed transfer)
     times: dict[str, float] | None = None  # timeline events (first delta of a request; see the module map)
+    kv: dict[str, int] | None = None  # last delta: kv_pages (peak held here), kv_bytes (received; disaggregated)
 
 
 @dataclass
@@ -112,6 +116,7 @@ class _Entry:
     params: SamplingParams
     reservation_id: str | None = None  # None once it runs here (committed, recomputed or colocated)
     times: dict[str, float] | None = None  # timeline events not yet reported (None once reported)
+    kv_bytes: int | None = None  # payload bytes of its committed transfer (None: none committed)
 
 
 class DecodeWorker:
@@ -257,6 +262,9 @@ class DecodeWorker:
         elif status.state == TransferState.DONE:  # (committed, on the engine thread inside pump())
             self.kv_bytes_received += status.bytes
             self.transfers_committed += 1
+            e = self._entries.get(self._by_reservation.get(reservation_id, ""))
+            if e is not None:
+                e.kv_bytes = status.bytes
 
     def _handle_failures(self) -> None:
         with self._failed_lock:
@@ -290,11 +298,15 @@ class DecodeWorker:
             if self.receiver is None:  # colocated: the first output ends the prefill
                 times.setdefault("prefill_start", self._step_start)
                 times["prefill_end"] = time.time()
+        kv = None
         if out.finished:
             self._entries.pop(out.request_id, None)
+            kv = {"kv_pages": self.llm.tables.peak_pages(out.request_id)}
+            if e is not None and e.kv_bytes is not None:
+                kv["kv_bytes"] = e.kv_bytes
         logprobs = None
         if out.logprobs is not None:
             k = len(out.new_token_ids)
             logprobs = [(t.token_id, t.logprob, list(t.top_logprobs or [])) for t in out.logprobs[-k:]] if k else []
         return DecodeDelta(out.request_id, list(out.new_token_ids), out.new_text, len(out.token_ids), len(out.text),
-                           out.finished, out.finish_reason, logprobs, out.num_preemptions, times=times)
+                           out.finished, out.finish_reason, logprobs, out.num_preemptions, times=times, kv=kv)

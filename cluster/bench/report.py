@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cluster.bench.metrics import RatePoint, attainment, goodput_from_points, request_metrics
 from cluster.bench.runner import BenchResult, RateRun, TargetResult
+from cluster.serving_api import TIMELINE_COUNTS
 
 
 def _clean(x):
@@ -48,9 +49,13 @@ def record_json(r) -> dict:
            "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
            "chunk_ms": [round(1000.0 * (t - r.sent_s), 2) for t in r.chunk_s] if r.sent_s is not None else [],
            "chunk_tokens": r.chunk_tokens}
-    if r.timeline and r.sent_unix is not None:
-        out["timeline_ms"] = {k: round(1000.0 * (v - r.sent_unix), 2) for k, v in sorted(r.timeline.items(),
+    times = {k: v for k, v in (r.timeline or {}).items() if k not in TIMELINE_COUNTS}
+    if times and r.sent_unix is not None:
+        out["timeline_ms"] = {k: round(1000.0 * (v - r.sent_unix), 2) for k, v in sorted(times.items(),
                                                                                            key=lambda kv: kv[1])}
+    counts = {k: int(r.timeline[k]) for k in TIMELINE_COUNTS if r.timeline and k in r.timeline}
+    if counts:
+        out["kv"] = counts  # per-request KV bytes shipped / peak pages held (pdserve cluster)
     return out
 
 

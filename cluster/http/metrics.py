@@ -10,7 +10,10 @@ colocated cluster: queued, engine_added, first_token, finish (cluster: also deco
 produced the first token). Disaggregated: queued, reserved, prefill_submitted (router); prefill_start =
 transfer_start, prefill_end, transfer_done (prefill worker); transfer_commit, decode_admitted (decode
 worker); first_token, finish (router). `PHASES` turns event pairs into phase durations; "handoff" is
-the part of the transfer that layer-wise streaming did not hide behind the prefill.
+the part of the transfer that layer-wise streaming did not hide behind the prefill. Two entries are counts,
+not times (`serving_api.TIMELINE_COUNTS`, cluster backends): kv_bytes (KV payload bytes shipped prefill ->
+decode for the request) and kv_pages (the most KV pages it held at once on its decode or colocated
+worker); they feed the histograms pdserve_request_kv_bytes and pdserve_request_kv_pages.
 Gauges read `BackendStats` at scrape time: queued, running, pages; `preemptions` is a running total
 turned into a counter; `extra["kv_transfer_bytes"]` / `extra["kv_transfer_seconds"]` (backend totals) feed
 the transfer gauges and every other `extra` key becomes `pdserve_backend_stat{name=...}`.
@@ -36,6 +39,8 @@ PHASES = {  # phase -> (start event, end event)
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+_KV_BYTES_BUCKETS = (1e3, 1e4, 1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8, 3e8, 1e9, 4e9)  # SmolLM2 bf16: ~23 KB/token
+_KV_PAGES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 _EXTRA_NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -65,6 +70,10 @@ class FrontendMetrics:
                                     "total)", registry=r)
         self.transfer_seconds = Gauge("pdserve_kv_transfer_seconds", "Time spent moving KV (backend total)",
                                       registry=r)
+        self.kv_bytes = Histogram("pdserve_request_kv_bytes", "KV payload bytes shipped prefill -> decode per "
+                                  "request (timeline kv_bytes)", registry=r, buckets=_KV_BYTES_BUCKETS)
+        self.kv_pages = Histogram("pdserve_request_kv_pages", "Most KV pages a request held at once on its decode "
+                                  "worker (timeline kv_pages)", registry=r, buckets=_KV_PAGES_BUCKETS)
         self.extra = Gauge("pdserve_backend_stat", "Other backend statistics (BackendStats.extra)", ["name"],
                            registry=r)
         self._preemptions_seen = 0
@@ -87,6 +96,10 @@ class FrontendMetrics:
             self.e2e.observe(max(0.0, t["finish"] - t["queued"]))
         if "first_token" in t and "finish" in t and completion_tokens > 1:
             self.tpot.observe(max(0.0, t["finish"] - t["first_token"]) / (completion_tokens - 1))
+        if "kv_bytes" in t:
+            self.kv_bytes.observe(t["kv_bytes"])
+        if "kv_pages" in t:
+            self.kv_pages.observe(t["kv_pages"])
 
     def count_error(self, status: int) -> None:
         self.errors.labels(str(status)).inc()

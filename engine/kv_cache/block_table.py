@@ -5,10 +5,13 @@ pages in order (slot i is offset i % page_size of page i // page_size). Physical
 positions: after eviction a sequence keeps fewer slots than it has positions, which is why the runner
 takes positions separately. `truncate` rolls back slots (rejected draft tokens) and frees whole pages
 left unused. `share_prefix` starts a table on full pages someone else holds (prefix cache hits); the
-sequence only ever writes past them, into pages of its own.
+sequence only ever writes past them, into pages of its own. Each table remembers the most pages it held
+at once (`peak_pages`, drafts and shared prefix pages included), kept a while after `free` (the last
+`_REMEMBER` sequences; a preempted sequence that comes back continues from it) for per-request metrics.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.kv_cache.allocator import PageAllocator
@@ -22,6 +25,10 @@ def seq_owner(seq_id: str) -> str:
 class BlockTable:
     pages: list[int] = field(default_factory=list)
     num_slots: int = 0
+    peak_pages: int = 0  # the most pages held at once
+
+
+_REMEMBER = 4096  # freed sequences whose peak stays readable
 
 
 class BlockTables:
@@ -29,6 +36,7 @@ class BlockTables:
         self.allocator = allocator
         self.page_size = page_size
         self._tables: dict[str, BlockTable] = {}
+        self._peaks: OrderedDict[str, int] = OrderedDict()  # freed sequences' peak_pages, the last _REMEMBER
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._tables
@@ -50,25 +58,34 @@ class BlockTables:
 
     def append(self, seq_id: str, new_slots: int) -> BlockTable:
         """Grow the sequence by `new_slots` slots, allocating pages (OutOfPagesError if none)."""
-        t = self._tables.setdefault(seq_id, BlockTable())
+        t = self._tables.get(seq_id) or self._new(seq_id, [], 0)
         extra = self.extra_pages_needed(seq_id, new_slots)
         if extra:
             t.pages.extend(self.allocator.allocate(seq_owner(seq_id), extra))
+            t.peak_pages = max(t.peak_pages, len(t.pages))
         t.num_slots += new_slots
         return t
+
+    def _new(self, seq_id: str, pages: list[int], num_slots: int) -> BlockTable:
+        t = self._tables[seq_id] = BlockTable(list(pages), num_slots, max(len(pages), self._peaks.pop(seq_id, 0)))
+        return t
+
+    def peak_pages(self, seq_id: str) -> int:
+        """The most pages `seq_id` held at once (live, or freed lately; 0 if unknown)."""
+        t = self._tables.get(seq_id)
+        return t.peak_pages if t is not None else self._peaks.get(seq_id, 0)
 
     def adopt(self, seq_id: str, pages: list[int], num_slots: int) -> None:
         """Take pages the allocator already assigned to `seq_owner(seq_id)` (committed reservation)."""
         assert seq_id not in self._tables, f"{seq_id} already has a block table"
         assert len(pages) == self.pages_for(num_slots), (len(pages), num_slots)
-        self._tables[seq_id] = BlockTable(list(pages), num_slots)
+        self._new(seq_id, pages, num_slots)
 
     def share_prefix(self, seq_id: str, pages: list[int]) -> BlockTable:
         """Start `seq_id`'s table on full `pages` already held elsewhere (cached prefix), one reference each."""
         assert seq_id not in self._tables, f"{seq_id} already has a block table"
         self.allocator.share(seq_owner(seq_id), pages)
-        t = self._tables[seq_id] = BlockTable(list(pages), len(pages) * self.page_size)
-        return t
+        return self._new(seq_id, pages, len(pages) * self.page_size)
 
     def truncate(self, seq_id: str, num_slots: int) -> None:
         t = self._tables[seq_id]
@@ -81,6 +98,9 @@ class BlockTables:
     def free(self, seq_id: str) -> None:
         t = self._tables.pop(seq_id, None)
         if t is not None:
+            self._peaks[seq_id] = t.peak_pages
+            while len(self._peaks) > _REMEMBER:
+                self._peaks.popitem(last=False)
             # Last page first: a cache keeps pages in release order, so a prefix's tail is evicted before
             # its head (a head page without its tail still serves a shorter prefix; the reverse serves none).
             self.allocator.release(seq_owner(seq_id), t.pages[::-1])

@@ -75,7 +75,8 @@ class FakeServer:
                 if opts.get("return_token_ids"):
                     choice["token_ids"] = ids
                 if opts.get("timeline") and choice["finish_reason"]:
-                    choice["timeline"] = {"queued": time.time() - 0.001, "finish": time.time()}
+                    choice["timeline"] = {"queued": time.time() - 0.001, "finish": time.time(),
+                                          "kv_bytes": 4096.0, "kv_pages": 3.0}  # (counts, not times)
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n"
                 if kind == 2:
                     yield 'data: {"error": {"message": "worker died"}}\n\n'
@@ -121,7 +122,7 @@ def test_open_loop_records_tokens_usage_and_timelines(fake):
     assert recs[2].chunk_tokens == [2, 2, 2]  # token ids counted, not chunks
     assert all(r.sent_s >= r.arrival_s for r in recs)
     assert recs[0].chunk_s[0] > recs[1].sent_s  # answered after the later request was sent
-    assert all(r.timeline and set(r.timeline) == {"queued", "finish"} for r in recs)
+    assert all(r.timeline and set(r.timeline) == {"queued", "finish", "kv_bytes", "kv_pages"} for r in recs)
     assert all(r.finish_reason == "length" and r.prompt_tokens == 8 for r in recs)
     ms = [request_metrics(r) for r in recs]
     assert all(m.ok and m.ttft_s > 0 and m.tpot_s > 0 for m in ms)
@@ -179,6 +180,7 @@ def test_report_from_fake_runs(fake, tmp_path):
     assert doc["compare"]["ratio"] == 1.0 and len(doc["compare"]["slo_scale_sweep"]) == len(cfg.slo_scales)
     req = doc["targets"][0]["runs"][0]["requests"][0]
     assert req["output_tokens"] == 4 and set(req["timeline_ms"]) == {"queued", "finish"}
+    assert req["kv"] == {"kv_bytes": 4096, "kv_pages": 3}  # the timeline's counts, apart from its times
     for name in ("attainment_vs_rate", "ttft_cdf", "tpot_cdf", "goodput_vs_slo_scale"):
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = files["markdown"].read_text()

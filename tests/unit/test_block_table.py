@@ -112,3 +112,22 @@ def test_adopt_committed_reservation():
         t.adopt("u", pages[:1], 10)  # page count does not cover the slots
     t.free("s")
     assert_tables_empty(t)
+
+
+def test_peak_pages_counts_drafts_and_outlives_the_table():
+    """The most pages held at once: rolled-back drafts count, a freed sequence's peak stays readable, and
+    a sequence that comes back (preempted, recomputed) continues from it."""
+    a = PageAllocator(16)
+    t = BlockTables(a, 4)
+    t.append("s", 6)  # 2 pages
+    t.append("s", 5)  # drafts: 3 pages
+    t.truncate("s", 7)  # rolled back to 2
+    assert len(t.get("s").pages) == 2 and t.peak_pages("s") == 3
+    t.free("s")
+    assert t.peak_pages("s") == 3 and t.peak_pages("never") == 0
+    t.append("s", 2)  # recomputed: 1 page, the peak stays
+    assert t.peak_pages("s") == 3
+    t.append("s", 14)  # 4 pages
+    t.free("s")
+    assert t.peak_pages("s") == 4
+    assert_tables_empty(t)

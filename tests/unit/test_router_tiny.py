@@ -9,12 +9,15 @@ import asyncio
 
 import pytest
 
+from cluster.http.metrics import FrontendMetrics
 from cluster.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError, GenerateRequest
 from cluster.worker_loop import start_local
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
+from engine.kv_cache.spec import KVPageSpec
 from engine.llm import LLM
+from engine.loader import load_config
 from engine.tokenizer import Tokenizer
 from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.fake_transport import FakeTransport
@@ -109,6 +112,7 @@ def test_colocated_router_is_greedy_equal(tiny_dir, reference):
                 t = deltas[-1].timeline
                 order = ["queued", "prefill_start", "prefill_end", "first_token", "finish"]  # (engine_added races)
                 assert [t[e] for e in order] == sorted(t[e] for e in order), t
+                assert "kv_bytes" not in t and t["kv_pages"] > 0  # nothing crossed a wire
             await assert_cluster_empty(router)
         finally:
             await router.shutdown()
@@ -179,7 +183,8 @@ def test_a_request_that_ends_at_its_first_token_frees_its_decode_reservation(tin
 
 
 def test_timelines_and_transfer_totals_cover_both_workers(tiny_dir, reference):
-    """Every phase of a disaggregated request is stamped, in causal order; KV totals reach the stats."""
+    """Every phase of a disaggregated request is stamped, in causal order; KV totals reach the stats; each
+    request's KV bytes shipped and peak pages held reach its timeline and the frontend's histograms."""
     chains = [["queued", "reserved", "prefill_end", "first_token", "finish"],
               ["reserved", "prefill_start", "prefill_end", "transfer_done", "finish"],
               ["prefill_end", "transfer_commit", "decode_admitted", "finish"]]  # (threads race across chains)
@@ -190,8 +195,16 @@ def test_timelines_and_transfer_totals_cover_both_workers(tiny_dir, reference):
             results = await asyncio.gather(*(collect(router, f"r{i}", p, return_timeline=True)
                                              for i, p in enumerate(PROMPTS)))
             assert_greedy_equal(reference, [toks for toks, _ in results])
-            for _, deltas in results:
+            m = load_config(tiny_dir)
+            per_token = m.num_layers * KVPageSpec(m.num_layers, m.num_kv_heads, m.head_dim, PAGE,
+                                                  "float32").bytes_per_token_layer()
+            metrics = FrontendMetrics()
+            for (toks, deltas), prompt in zip(results, PROMPTS):
                 t = deltas[-1].timeline
+                # KV of the whole prompt (raw pages); a page per 4 tokens of prompt + outputs but the last
+                assert t["kv_bytes"] == per_token * len(prompt), (t["kv_bytes"], len(prompt))
+                assert t["kv_pages"] == -(-(len(prompt) + len(toks) - 1) // PAGE), (t["kv_pages"], len(prompt))
+                metrics.observe_finished("length", len(prompt), len(toks), t)
                 assert {e for c in chains for e in c} | {"transfer_start", "prefill_submitted"} <= set(t), sorted(t)
                 for c in chains:
                     assert [t[e] for e in c] == sorted(t[e] for e in c), {e: t[e] for e in c}
@@ -203,6 +216,12 @@ def test_timelines_and_transfer_totals_cover_both_workers(tiny_dir, reference):
             assert p.kv_bytes_sent == d.kv_bytes_received > 0 and p.kv_transfer_seconds > 0
             extra = (await router.stats()).extra
             assert extra["kv_transfer_bytes"] == p.kv_bytes_sent
+            per_request = [d[-1].timeline for _, d in results]
+            assert sum(t["kv_bytes"] for t in per_request) == p.kv_bytes_sent
+            text = metrics.render().decode()
+            assert f"pdserve_request_kv_bytes_count {float(len(PROMPTS))}" in text
+            assert f"pdserve_request_kv_bytes_sum {float(p.kv_bytes_sent)}" in text
+            assert f"pdserve_request_kv_pages_sum {float(sum(t['kv_pages'] for t in per_request))}" in text
         finally:
             await router.shutdown()
     run(main())
