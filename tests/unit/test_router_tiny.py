@@ -2,7 +2,8 @@
 own `WorkerLoop` thread and KV moves over the in-process fake transport. Disaggregated (two decode workers)
 and colocated output is greedy-equal to one `engine.LLM`; a decode worker short of pages preempts and
 recomputes without losing or repeating a streamed token; a failed transfer is recomputed or ends with a
-typed error per policy; deadline and disconnect free both sides. Every test ends with every worker empty."""
+typed error per policy; deadline and disconnect free both sides; per-request KV bytes and peak pages reach
+timelines and histograms; kivi4 pools equal one kivi4 engine. Every test ends with every worker empty."""
 from __future__ import annotations
 
 import asyncio
@@ -45,9 +46,9 @@ def reference(tiny_dir):
 
 
 def cluster(tiny_dir, mode="disaggregated", decode_pages=64, n_decode=2, policy="fail", fault=None,
-            timeout_s=60.0, max_model_len=256):
+            timeout_s=60.0, max_model_len=256, storage="raw"):
     transport = FakeTransport(fault)
-    kw = dict(model=str(tiny_dir), dtype="float32", page_size=PAGE, max_model_len=max_model_len)
+    kw = dict(model=str(tiny_dir), dtype="float32", page_size=PAGE, max_model_len=max_model_len, kv_storage=storage)
     pools = {}
     if mode == "disaggregated":
         pools["prefill"] = [start_local("prefill", "prefill-0", lambda: PrefillWorker(
@@ -222,6 +223,29 @@ def test_timelines_and_transfer_totals_cover_both_workers(tiny_dir, reference):
             assert f"pdserve_request_kv_bytes_count {float(len(PROMPTS))}" in text
             assert f"pdserve_request_kv_bytes_sum {float(p.kv_bytes_sent)}" in text
             assert f"pdserve_request_kv_pages_sum {float(sum(t['kv_pages'] for t in per_request))}" in text
+        finally:
+            await router.shutdown()
+    run(main())
+
+
+def test_kivi4_disaggregated_equals_kivi4_on_one_engine(tiny_dir):
+    """kivi4 pools: whole pages ship, each decode worker recomputes the tail of a prompt ending inside a
+    page; the output equals one kivi4 engine's, and each request's kv_bytes counts its whole pages only."""
+    alone = LLM(model=str(tiny_dir), dtype="float32", num_pages=128, page_size=PAGE, kv_storage="kivi4")
+    want = [o.token_ids for o in alone.generate(PROMPTS, GREEDY)]
+    m = load_config(tiny_dir)
+    per_token = m.num_layers * KVPageSpec(m.num_layers, m.num_kv_heads, m.head_dim, PAGE,
+                                          "float32", "kivi4").bytes_per_token_layer()
+
+    async def main():
+        router = cluster(tiny_dir, storage="kivi4")
+        try:
+            results = await asyncio.gather(*(collect(router, f"r{i}", p, return_timeline=True)
+                                             for i, p in enumerate(PROMPTS)))
+            assert_greedy_equal(want, [toks for toks, _ in results])
+            for (_, deltas), prompt in zip(results, PROMPTS):
+                assert deltas[-1].timeline["kv_bytes"] == per_token * (len(prompt) - len(prompt) % PAGE)
+            await assert_cluster_empty(router)
         finally:
             await router.shutdown()
     run(main())
