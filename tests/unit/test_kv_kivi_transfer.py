@@ -21,7 +21,7 @@ from kv_transfer.fake_transport import FakeTransport
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
-from tests.kv_helpers import close_all, prefill_held, ship_all, wire
+from tests.kv_helpers import close_all, decode_all, drive, prefill_held, ship_all, wire
 from tests.tiny_models import write_tiny
 
 PS = 4
@@ -140,3 +140,25 @@ def test_num_computed_is_checked(tiny_dir):
         dec.add_prefilled_request(prompt_of(8), 5, res.reservation_id, GREEDY, num_computed=9)
     dec.allocator.cancel(res.reservation_id, "test")
     close_all(llms=[dec])
+
+
+def test_decode_side_prefix_cache_shares_whole_pages_and_the_tail_is_still_recomputed(tiny_dir):
+    """The second time a prompt comes, the decode side's cached pages cover its whole pages (kv_start =
+    whole pages): nothing but the finish crosses the wire, and the tail is recomputed as before."""
+    prompt = prompt_of(13)  # 3 whole pages + 1
+    local_llm = make(tiny_dir)
+    want = [o.token_ids for o in local_llm.generate([prompt, prompt], GREEDY)]
+    pre, dec, transport = make(tiny_dir), make(tiny_dir, enable_prefix_caching=True), FakeTransport()
+    rx = KVReceiver(dec, ReceiverConfig())
+    address = rx.serve(transport)
+    tx = KVSender(pre, transport, SenderConfig(chunk_bytes=1024))
+    got = []
+    for _ in range(2):
+        desc = rx.reserve(len(prompt), GREEDY, token_ids=prompt)
+        tx.send(pre.add_request(prompt, GREEDY, prefill_only=True), desc, address)
+        got += decode_all(dec, [desc.request_id], drive(tx, rx))
+    assert desc.kv_start == 12 and rx.status(desc.reservation_id).bytes == 0
+    assert_greedy_equal(want, got)
+    dec.reset_prefix_cache()
+    close_all(tx, rx, transport, [pre, dec, local_llm])
+    assert pre.backend.num_staged == dec.backend.num_staged == 0
