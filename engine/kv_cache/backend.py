@@ -8,7 +8,9 @@ full-precision staging copy of pages being filled and wants `release_pages` when
 unchanged.
 
 Masks come from slot counts in the `AttentionContext` (built by `engine.attention_context`), never from
-positions, so a cache whose evicted tokens were compacted away still attends correctly.
+positions, so a cache whose evicted tokens were compacted away still attends correctly. `attend` runs one
+SDPA per attention group (a group is a contiguous token range, or a length bucket of decode rows picked by
+`token_rows`); a group's pages are gathered into a workspace kept across layers and steps.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ class RawKVBackend:
     """Pages hold K and V in the compute dtype, unchanged."""
 
     storage_format = "raw"
+    _ws: dict[int, torch.Tensor] | None = None  # gather workspaces (K, V), made on first use
 
     def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
         self.spec = spec
@@ -68,21 +71,42 @@ class RawKVBackend:
 
     def attend(self, layer: int, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """q: [num_tokens, q_heads, head_dim] (packed, RoPE applied) -> same shape."""
-        if len(ctx.groups) == 1:
+        if len(ctx.groups) == 1 and ctx.groups[0].token_rows is None:
             return self._attend_group(layer, q, ctx.groups[0], ctx)
         out = torch.empty_like(q)
         for g in ctx.groups:
-            out[g.token_start:g.token_end] = self._attend_group(layer, q[g.token_start:g.token_end], g, ctx)
+            if g.token_rows is None:
+                out[g.token_start:g.token_end] = self._attend_group(layer, q[g.token_start:g.token_end], g, ctx)
+            else:  # a length bucket of decode rows (attention_context._decode_buckets)
+                out.index_copy_(0, g.token_rows, self._attend_group(layer, q.index_select(0, g.token_rows), g, ctx))
         return out
 
     def _load(self, layer: int, g: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V a group attends to, as stored: [B, ctx, kv_heads, cell] (subclasses decode them)."""
+        """K and V a group attends to, as stored: [B, ctx, kv_heads, cell] (subclasses decode them). The
+        gathered copy lives in a workspace reused by every layer and step: valid until the next `_load`."""
         n = max(g.ctx_lens)
         if g.contiguous_from is not None:  # one sequence on consecutive pages: a view, no gather
             lo = g.contiguous_from
             return self._flat(self.k[layer])[lo:lo + n].unsqueeze(0), self._flat(self.v[layer])[lo:lo + n].unsqueeze(0)
-        k, v = self.read_pages(layer, g.page_index)  # [B, pages * page_size, kv_heads, cell]
-        return k[:, :n], v[:, :n]
+        b, p = g.page_index.shape
+        flat = g.page_index.view(-1)
+        kt, vt = self.k[layer], self.v[layer]
+        shape = (b, p * self.spec.page_size, self.spec.num_kv_heads, kt.shape[-1])
+        k = torch.index_select(kt, 0, flat, out=self._workspace(0, flat.numel(), kt)).view(shape)
+        v = torch.index_select(vt, 0, flat, out=self._workspace(1, flat.numel(), vt)).view(shape)
+        return k[:, :n], v[:, :n]  # [B, ctx, kv_heads, cell]
+
+    def _workspace(self, slot: int, pages: int, like: torch.Tensor) -> torch.Tensor:
+        """A [pages, *page shape] buffer for gathered pages, grown as needed and kept. Why: a fresh
+        multi-MB tensor per gather is fresh memory from the OS each time (page faults); gathering into a
+        kept, cache-warm buffer took ~0.65x the time in an isolated test (batch 16, context 300, bf16)."""
+        if self._ws is None:
+            self._ws = {}
+        per_page = like[0].numel()
+        buf = self._ws.get(slot)
+        if buf is None or buf.dtype != like.dtype or buf.numel() < pages * per_page:
+            buf = self._ws[slot] = torch.empty(pages * per_page, dtype=like.dtype, device=like.device)
+        return buf[:pages * per_page].view(pages, *like.shape[1:])
 
     def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
         b, ql = g.batch, g.q_len
@@ -92,7 +116,7 @@ class RawKVBackend:
         if g.observe is not None:
             ctx.observe_attention(layer, g, qh, kh)
         o = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=g.mask, is_causal=g.is_causal, scale=ctx.scale,
+            qh, kh, vh, attn_mask=g.mask_bias(qh.dtype), is_causal=g.is_causal, scale=ctx.scale,
             enable_gqa=qh.shape[1] != kh.shape[1],
         )
         return o.transpose(1, 2).reshape(b * ql, *q.shape[1:])
