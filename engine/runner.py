@@ -70,7 +70,9 @@ class ModelRunner:
     def finish(self, batch: StepBatch, hidden: torch.Tensor, rows: list[int], ctx: AttentionContext) -> StepOutput:
         """Logits at the asked-for rows of the final hidden states, then sampling."""
         dev = self.device
-        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)]) if rows else None
+        if rows and rows != list(range(hidden.shape[0])):  # (plain decode wants every row: no gather)
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]
+        logits = self.model.logits(hidden) if rows else None
         return StepOutput(self._results(batch, logits), ctx.observations)
 
     def _results(self, batch: StepBatch, logits: torch.Tensor | None) -> list[SeqResult]:
