@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -47,6 +48,9 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     rates.add_argument("--rate", type=float, help="one request rate (req/s); default: a trace's own, else 1")
     rates.add_argument("--rates", type=_floats, help="rates to measure, then bisect for goodput: 0.5,1,2")
     b.add_argument("--num-requests", type=int, default=50, help="requests per rate (default %(default)s)")
+    b.add_argument("--min-probe-s", type=float, default=0.0,
+                   help="each probe sends at least this many seconds of arrivals (max(--num-requests, rate x S) "
+                        "requests); ~3x the TTFT SLO lets a growing queue show before a fast probe ends")
     b.add_argument("--duration", type=float, help="send only requests arriving within this many seconds")
     b.add_argument("--seed", type=int, default=0, help="synthetic workload seed (default %(default)s)")
     b.add_argument("--ttft-ms", default="3x", help="TTFT target: ms, or Nx the unloaded p90 (default %(default)s)")
@@ -156,8 +160,11 @@ def _bench(args: argparse.Namespace) -> int:
         ttft, tpot = SLOSetting.parse(args.ttft_ms), SLOSetting.parse(args.tpot_ms)
         scaling = TraceScaling(args.input_scale, args.output_scale, max_input=args.max_input,
                                max_output=args.max_output)
-        workload = load_workload(args.workload, args.num_requests, args.seed, scaling, args.trace_start,
-                                 args.trace_stride)
+        if args.min_probe_s < 0:
+            raise ValueError("--min-probe-s must be >= 0")
+        top_rate = max([r for r in (args.rates or [args.rate]) if r] or [1.0]) * (4 if args.bisect else 1)
+        n_load = max(args.num_requests, math.ceil(top_rate * args.min_probe_s))  # enough for the top probe
+        workload = load_workload(args.workload, n_load, args.seed, scaling, args.trace_start, args.trace_stride)
     except (ValueError, WorkloadError) as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 2
@@ -169,6 +176,7 @@ def _bench(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = BenchConfig(rates, ttft, tpot, target_attainment=args.attainment, bisect_steps=args.bisect,
                       expand=2 if args.bisect else 0, duration_s=args.duration, warmup=args.warmup,
+                      num_requests=args.num_requests, min_probe_s=args.min_probe_s,
                       unloaded_requests=args.unloaded_requests, slo_scales=args.slo_scales,
                       progress=not args.no_progress, early_stop=not args.no_early_stop, timeout_s=args.timeout,
                       out_dir=out_dir)

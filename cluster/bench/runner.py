@@ -10,7 +10,8 @@ SLO-reference target first, so SLOs are fixed before any loaded run:
                   requests of the workload, spread over it, one at a time; reference = p90 TTFT and p90
                   TPOT of those, so a scale of 1x is what ~90% of requests meet with no load at all
     load          metrics.find_goodput over the rates: each probe replays the workload at that rate
-                  (open loop, all `num_requests`, or those arriving within `duration_s`)
+                  (open loop, all `num_requests`, or those arriving within `duration_s`; with
+                  `min_probe_s` a probe at rate r sends max(num_requests, r x min_probe_s) requests)
                   pdserve targets: /metrics scraped before and after, the change kept (server_stats.py)
                   early stop (default on): once more requests have certainly missed the LOOSEST SLO of
                   the scale sweep (max(declared, max scale x reference)) than the attainment target
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +74,8 @@ class BenchConfig:
     bisect_steps: int = 3
     expand: int = 2
     duration_s: float | None = None
+    num_requests: int | None = None  # per probe, when the workload holds more (see min_probe_s)
+    min_probe_s: float = 0.0  # a probe at rate r sends max(num_requests, r * min_probe_s) requests
     warmup: int = 2
     unloaded_requests: int = 8
     slo_scales: list[float] = field(default_factory=lambda: [1.5, 2, 3, 4, 5, 6, 8, 10])
@@ -187,6 +191,10 @@ def hopeless(ttft_s: float, tpot_s: float, target: float, n: int):
 def _probe(cfg: BenchConfig, workload: Workload, prompt_of, target: Target, rate: float | None,
            label: str, slo: "SLO", round_no: int = 0) -> RateRun:
     reqs = workload.at_rate(rate, cfg.duration_s, round_no)
+    if cfg.num_requests is not None and rate is not None:
+        # A short probe at a high rate ends before an overloaded queue has grown past the TTFT target
+        # (32 requests at 2 req/s last 16 s): longer probes at higher rates keep attainment honest.
+        reqs = reqs[:max(cfg.num_requests, math.ceil(rate * cfg.min_probe_s))]
     desc = f"{label} @ {'trace' if rate is None else f'{rate:g}'} req/s"
     stop = None
     if cfg.early_stop:

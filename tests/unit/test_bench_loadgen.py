@@ -226,6 +226,19 @@ def test_hopeless_counts_finished_misses_and_overdue_first_tokens():
     assert check([fine, slow_tpot, waiting, failed], now=0.2)
 
 
+def test_min_probe_seconds_send_more_requests_at_higher_rates(fake, tmp_path):
+    from cluster.bench.runner import BenchConfig, BenchTarget, SLOSetting, run_bench
+    from cluster.bench.workload import load_workload
+
+    wl = load_workload("random:input=8,output=2", 12)  # loaded long enough for the top probe
+    cfg = BenchConfig([10.0, 20.0], SLOSetting(60000, False), SLOSetting(60000, False), bisect_steps=0, expand=0,
+                      warmup=0, num_requests=3, min_probe_s=0.3, progress=False, out_dir=tmp_path)
+    bt = BenchTarget("fake", target=Target(fake.url, "fake", timeout_s=30.0), reference=True)
+    [tr] = run_bench(cfg, wl, lambda s: [0] * s.input_len, [bt]).targets
+    # 10 req/s x 0.3 s = 3 (= num_requests); 20 req/s x 0.3 s = 6
+    assert [(r.rate, r.summary.requests, r.summary.completed) for r in tr.runs] == [(10.0, 3, 3), (20.0, 6, 6)]
+
+
 def test_run_bench_on_an_endpoint_and_after_ctrl_c(fake, tmp_path):
     from cluster.bench.runner import BenchConfig, BenchTarget, SLOSetting, run_bench
     from cluster.bench.workload import load_workload
