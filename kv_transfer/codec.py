@@ -31,6 +31,8 @@ ALLOWED_FORMATS = frozenset(STORAGE_FORMATS)  # every engine format: cells are s
 _U32 = (1 << 32) - 1
 _CHUNK_TAG = bytes([(2 << 3) | 2])  # Frame.chunk: field 2, length-delimited
 _PAYLOAD_TAG = bytes([(12 << 3) | 2])  # Chunk.payload: field 12, length-delimited
+_MIB = 1 << 20
+CHUNK_SLACK = 64  # a planned chunk may exceed the target by 1/64 (see plan_token_ranges)
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,18 @@ def open_frame(desc: TransferDescriptor, layout: TransferLayout, prompt_token_id
 def plan_token_ranges(start: int, stop: int, layout: TransferLayout, target_bytes: int,
                       num_heads: int | None = None) -> list[tuple[int, int]]:
     """Split tokens [start, stop) of one layer (all local heads, or `num_heads` of them) into chunks of
-    about `target_bytes`."""
+    about `target_bytes`: token counts spread evenly, none over `target_bytes` + 1/64 (`CHUNK_SLACK`), nor
+    over 1 MiB (receivers' default `max_chunk_bytes`) unless the target itself is.
+
+    Why the slack: a layer is rarely a whole number of target-sized chunks, and cutting at exactly the
+    target leaves a tail chunk of a few tokens (2,048 SmolLM2 tokens at 512 KiB: 682 + 682 + 682 + 2),
+    a third more chunks -- each a gRPC message with its own per-message cost -- for the same bytes."""
     per_token = layout.payload_bytes(1, layout.num_heads if num_heads is None else num_heads)
-    step = max(1, target_bytes // per_token)
+    limit = target_bytes + target_bytes // CHUNK_SLACK
+    limit = min(limit, max(target_bytes, _MIB))
+    max_step = max(1, limit // per_token)
+    count = -(-(stop - start) // max_step)  # fewest chunks within the limit ...
+    step = -(-(stop - start) // count)  # ... with their tokens spread evenly
     return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
