@@ -16,10 +16,10 @@ child and an end stamped here measure one interval. Per dtype (bfloat16, float32
            as soon as the previous one committed. Run with the receiver's decode priority
            (`paced_bytes_per_s`, --paced-mb-s) and without                            target <= 1.2x
 Runs of different kinds are interleaved (socket, grpc, full, socket, ...; alone, sending, alone, ...) so
-that load from other processes on this shared machine hits each side alike; best-of is reported, with
-medians beside it.
-Run:   .venv/bin/python bench/kv_transfer_bench.py [--tokens 2048] [--reps 3] [--dtypes bfloat16,float32]
-Writes bench/out/kv_transfer.json (or --out PATH).
+load from other processes hits each alike; best-of is reported, medians beside it, and CPU ms per transfer
+(every thread, sender + receiver process), which background load barely moves.
+Run: .venv/bin/python bench/kv_transfer_bench.py [--reps 3] [--dtypes bfloat16,float32] [--parts throughput,
+overlap,p99]; writes bench/out/kv_transfer.json (or --out PATH).
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender  # noqa: E402
 
 CHUNK = 512 << 10
+LEASE_S = 600.0  # a loaded machine can stretch a float32 prefill past the default 30 s lease
 ONE = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)  # >1: a prefill must end HELD
 
 
@@ -82,10 +83,10 @@ class Child:
     def op_socket(self, port: int, nbytes: int) -> dict:
         data = memoryview(os.urandom(nbytes))
         with socket.create_connection(("127.0.0.1", port)) as s:
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), time.process_time()
             for off in range(0, nbytes, CHUNK):
                 s.sendall(data[off:off + CHUNK])
-        return {"t_start": t0}
+        return {"t_start": t0, "cpu_s": time.process_time() - c0}
 
     def op_bare(self, address: str, nbytes: int) -> dict:
         """Frames made before the clock starts: what is timed is gRPC streaming alone."""
@@ -94,9 +95,9 @@ class Child:
                                            payload=os.urandom(min(CHUNK, nbytes - off)))).SerializeToString()
                    for off in range(0, nbytes, CHUNK)]
         frames.append(pb.Frame(finish=pb.Finish(num_chunks=len(frames) - 1)).SerializeToString())
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         self.transport.push(address, iter(frames), SenderConfig(chunk_bytes=CHUNK))
-        return {"t_start": t0}
+        return {"t_start": t0, "cpu_s": time.process_time() - c0}
 
     def _fresh_pages(self) -> None:
         """Every measured prefill gets ascending consecutive pages: releasing a request's pages reverses
@@ -110,6 +111,11 @@ class Child:
         while self.llm.requests[rid].first_token_time is None:
             self.tx.step()
 
+    def _drain(self) -> None:  # until every transfer ended
+        while self.tx.num_live:
+            self.tx.poll()
+            time.sleep(0.005)
+
     def op_hold(self) -> dict:
         self.salt += 1
         self._fresh_pages()
@@ -118,35 +124,25 @@ class Child:
         return {"rid": rid, "first": self.llm.requests[rid].output_token_ids[0]}
 
     def op_send(self, rid: str, desc: dict, address: str) -> dict:
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         self.tx.send(rid, TransferDescriptor(**desc), address)
-        while self.tx.num_live:
-            self.tx.poll()
-            time.sleep(0.005)
-        return {"t_start": t0, "state": self.tx.status(rid).state.value}
+        self._drain()
+        return {"t_start": t0, "cpu_s": time.process_time() - c0, "state": self.tx.status(rid).state.value}
 
-    def op_prefill_alone(self) -> dict:
+    def op_prefill(self, desc: dict | None = None, address: str | None = None) -> dict:
+        """Prefill alone (desc None; released at once) or while sending it into `desc`, layer by layer."""
         self.salt += 1
         self._fresh_pages()
         t0 = time.monotonic()
         rid = self.llm.add_request(prompt_ids(self.tokens, self.salt), ONE, prefill_only=True)
-        self._prefill(rid)
-        seconds = time.monotonic() - t0
-        self.llm.release_held(rid)
-        return {"seconds": seconds}
-
-    def op_prefill_send(self, desc: dict, address: str) -> dict:
-        self.salt += 1
-        self._fresh_pages()
-        t0 = time.monotonic()
-        rid = self.llm.add_request(prompt_ids(self.tokens, self.salt), ONE, prefill_only=True)
-        self.tx.send(rid, TransferDescriptor(**desc), address)
+        if desc is not None:
+            self.tx.send(rid, TransferDescriptor(**desc), address)
         self._prefill(rid)
         t_held = time.monotonic()
-        while self.tx.num_live:
-            self.tx.poll()
-            time.sleep(0.005)
-        return {"t_start": t0, "prefill_s": t_held - t0, "state": self.tx.status(rid).state.value}
+        if desc is None:
+            self.llm.release_held(rid)
+        self._drain()
+        return {"t_start": t0, "prefill_s": t_held - t0, "state": self.tx.status(rid).state.value if desc else None}
 
     def op_replay(self, rid: str, first: int, desc: dict, address: str) -> dict:
         """Push a HELD request's cache again (the engine is idle meanwhile, so reading its pages off the
@@ -206,33 +202,36 @@ class NullSink:
     """Bare gRPC: take each frame's bytes as gRPC hands them over, nothing else."""
 
     def handle_push(self, frames, token) -> PushResult:
-        n = 0
-        for f in frames:
-            n += len(f)
+        n = sum(map(len, frames))
         self.t_end = time.monotonic()
         return PushResult("done", bytes_accepted=n)
 
 
-def time_socket(remote: Remote, nbytes: int) -> float:
+# time_*: (seconds, sender CPU seconds, receiver CPU seconds) of one transfer. CPU time (every thread of
+# each process) is what the transfer costs whatever else runs: far less noisy than wall time on a busy machine.
+def time_socket(remote: Remote, nbytes: int) -> tuple[float, float, float]:
     with socket.create_server(("127.0.0.1", 0)) as srv:
         remote.start("socket", port=srv.getsockname()[1], nbytes=nbytes)
         conn, _ = srv.accept()
-        buf, got = memoryview(bytearray(nbytes)), 0
+        c0, buf, got = time.process_time(), memoryview(bytearray(nbytes)), 0
         with conn:
             while got < nbytes:
                 got += conn.recv_into(buf[got:], min(CHUNK, nbytes - got))
-        t_end = time.monotonic()
-    return t_end - remote.result()["t_start"]
+        t_end, cpu = time.monotonic(), time.process_time() - c0
+    reply = remote.result()
+    return t_end - reply["t_start"], reply["cpu_s"], cpu
 
 
-def time_bare(remote: Remote, nbytes: int) -> float:
+def time_bare(remote: Remote, nbytes: int) -> tuple[float, float, float]:
     sink, transport = NullSink(), make_transport("grpc")
     server = transport.serve(sink, ReceiverConfig())
     try:
-        t0 = remote.call("bare", address=server.address, nbytes=nbytes)["t_start"]
+        c0 = time.process_time()
+        reply = remote.call("bare", address=server.address, nbytes=nbytes)
+        cpu = time.process_time() - c0
     finally:
         server.stop()
-    return sink.t_end - t0
+    return sink.t_end - reply["t_start"], reply["cpu_s"], cpu
 
 
 def until_committed(rx: KVReceiver, desc) -> float:
@@ -247,29 +246,31 @@ def until_committed(rx: KVReceiver, desc) -> float:
         rx.wait_for_work(0.05)
 
 
-def time_full(remote: Remote, rx: KVReceiver, address: str, tokens: int) -> float:
+def time_full(remote: Remote, rx: KVReceiver, address: str, tokens: int) -> tuple[float, float, float]:
     held = remote.call("hold")
-    desc = rx.reserve(tokens, ONE)
+    desc = rx.reserve(tokens, ONE, lease_s=LEASE_S)
+    c0 = time.process_time()
     remote.start("send", rid=held["rid"], desc=desc.__dict__, address=address)
-    t_end = until_committed(rx, desc)
+    t_end, cpu = until_committed(rx, desc), time.process_time() - c0  # left to right: CPU until the commit
     reply = remote.result()
     assert reply["state"] == "done", reply
-    return t_end - reply["t_start"]
+    return t_end - reply["t_start"], reply["cpu_s"], cpu
 
 
 def bench_overlap(remote: Remote, rx: KVReceiver, address: str, tokens: int, reps: int) -> dict:
     """Prefill alone and prefill while sending, interleaved (background load hits both alike)."""
     alone, shipped, prefill_while_sending = [], [], []
     for _ in range(reps):
-        alone.append(remote.call("prefill_alone")["seconds"])
-        desc = rx.reserve(tokens, ONE)
-        remote.start("prefill_send", desc=desc.__dict__, address=address)
+        alone.append(remote.call("prefill")["prefill_s"])
+        desc = rx.reserve(tokens, ONE, lease_s=LEASE_S)
+        remote.start("prefill", desc=desc.__dict__, address=address)
         t_end = until_committed(rx, desc)
         reply = remote.result()
         shipped.append(t_end - reply["t_start"])
         prefill_while_sending.append(reply["prefill_s"])
     return {"prefill_alone_s": min(alone), "start_to_committed_s": min(shipped),
-            "prefill_while_sending_s": min(prefill_while_sending), "ratio": min(shipped) / min(alone)}
+            "prefill_while_sending_s": min(prefill_while_sending), "ratio": min(shipped) / min(alone),
+            "median_ratio": statistics.median(shipped) / statistics.median(alone)}
 
 
 def timed_step(rx: KVReceiver) -> float:
@@ -293,7 +294,7 @@ def bench_p99(remote: Remote, rx: KVReceiver, address: str, tokens: int, transfe
     idle, loaded = [], []
     for _ in range(transfers):
         idle += [timed_step(rx) for _ in range(6)]
-        desc = rx.reserve(tokens, ONE)
+        desc = rx.reserve(tokens, ONE, lease_s=LEASE_S)
         remote.start("replay", rid=held["rid"], first=held["first"], desc=desc.__dict__, address=address)
         while rx.status(desc.reservation_id).state not in (TransferState.DONE, TransferState.FAILED):
             loaded.append(timed_step(rx))
@@ -312,32 +313,41 @@ def bench_p99(remote: Remote, rx: KVReceiver, address: str, tokens: int, transfe
             "loaded_steps": len(loaded), "idle_steps": len(idle), "ratio": p99(loaded) / p99(idle)}
 
 
+def bench_throughput(remote: Remote, rx: KVReceiver, address: str, tokens: int, nbytes: int, reps: int) -> dict:
+    """Socket, bare gRPC and the full path, interleaved (background load hits all three alike)."""
+    runs = {"socket": lambda: time_socket(remote, nbytes), "grpc": lambda: time_bare(remote, nbytes),
+            "full": lambda: time_full(remote, rx, address, tokens)}
+    times, out = {name: [] for name in runs}, {}
+    for _ in range(reps):
+        for name, fn in runs.items():
+            times[name].append(fn())
+    for name, runs_of in times.items():
+        ts, tx, rx_ = zip(*runs_of)
+        out[name] = {"best_s": min(ts), "median_s": statistics.median(ts), "gb_per_s": nbytes / min(ts) / 1e9,
+                     "all_s": ts, "sender_cpu_s": statistics.median(tx), "receiver_cpu_s": statistics.median(rx_)}
+    out["full_vs_socket"] = out["full"]["gb_per_s"] / out["socket"]["gb_per_s"]
+    out["full_vs_grpc"] = out["full"]["gb_per_s"] / out["grpc"]["gb_per_s"]
+    return out
+
+
 def bench_dtype(dtype: str, args) -> dict:
     remote = Remote()
     remote.call("load", dtype=dtype, tokens=args.tokens)
     dec = LLM(model="smollm2-135m", dtype=dtype, page_size=32, num_pages=(8 * 700 + 2 * args.tokens) // 32 + 64)
     nbytes = args.tokens * dec.kv_spec.bytes_per_token_layer() * dec.config.num_layers
-    transport = make_transport("grpc")
-    rx = KVReceiver(dec, ReceiverConfig())
+    transport, rx = make_transport("grpc"), KVReceiver(dec, ReceiverConfig())
     address = rx.serve(transport)
     out = {"dtype": dtype, "tokens": args.tokens, "mb": nbytes / 1e6, "chunk_kib": CHUNK >> 10}
-    runs = {"socket": lambda: time_socket(remote, nbytes), "grpc": lambda: time_bare(remote, nbytes),
-            "full": lambda: time_full(remote, rx, address, args.tokens)}
-    times = {name: [] for name in runs}
-    for _ in range(args.reps):  # interleaved: background load hits all three alike
-        for name, fn in runs.items():
-            times[name].append(fn())
-    for name, ts in times.items():
-        out[name] = {"best_s": min(ts), "median_s": statistics.median(ts), "gb_per_s": nbytes / min(ts) / 1e9,
-                     "all_s": ts}
-    out["full_vs_socket"] = out["full"]["gb_per_s"] / out["socket"]["gb_per_s"]
-    out["full_vs_grpc"] = out["full"]["gb_per_s"] / out["grpc"]["gb_per_s"]
-    out["overlap"] = bench_overlap(remote, rx, address, args.tokens, args.reps)
-    paced = int(args.paced_mb_s * 1e6) if args.paced_mb_s else None
-    out["p99"] = bench_p99(remote, rx, address, args.tokens, args.transfers, paced)
-    out["p99_unpaced"] = bench_p99(remote, rx, address, args.tokens, args.transfers, None)
-    out["receiver_leaks"] = dec.kv_usage()
-    out["sender_leaks"] = remote.call("close")["usage"]
+    parts = args.parts.split(",")
+    if "throughput" in parts:
+        out.update(bench_throughput(remote, rx, address, args.tokens, nbytes, args.reps))
+    if "overlap" in parts:
+        out["overlap"] = bench_overlap(remote, rx, address, args.tokens, args.reps)
+    if "p99" in parts:
+        paced = int(args.paced_mb_s * 1e6) if args.paced_mb_s else None
+        out["p99"] = bench_p99(remote, rx, address, args.tokens, args.transfers, paced)
+        out["p99_unpaced"] = bench_p99(remote, rx, address, args.tokens, args.transfers, None)
+    out["receiver_leaks"], out["sender_leaks"] = dec.kv_usage(), remote.call("close")["usage"]
     rx.close()
     transport.close()
     remote.proc.join(30)
@@ -348,14 +358,23 @@ def table(results: list[dict]) -> str:
     rows = ["| dtype | MB | socket GB/s | bare gRPC GB/s | full GB/s | full/socket (>=0.5) | full/gRPC (>=0.85) "
             "| overlap (<=1.05) | decode P99 loaded/idle (<=1.2) |", "|" + "---|" * 9]
     for r in results:
-        o, p, u = r["overlap"], r["p99"], r["p99_unpaced"]
-        med = r["grpc"]["median_s"] / r["full"]["median_s"]
-        paced = f"paced {p['paced_mb_s']:.0f} MB/s" if p["paced_mb_s"] else "unpaced"
-        rows.append(f"| {r['dtype']} | {r['mb']:.1f} | {r['socket']['gb_per_s']:.2f} | {r['grpc']['gb_per_s']:.2f} | "
-                    f"{r['full']['gb_per_s']:.2f} | {r['full_vs_socket']:.2f}x | {r['full_vs_grpc']:.2f}x "
-                    f"(medians {med:.2f}x) | {o['ratio']:.3f}x ({o['start_to_committed_s']:.2f} s / "
-                    f"{o['prefill_alone_s']:.2f} s) | {p['ratio']:.2f}x {paced} ({p['loaded_p99_ms']:.0f} / "
-                    f"{p['idle_p99_ms']:.0f} ms); {u['ratio']:.2f}x unpaced |")
+        cells = [r["dtype"], f"{r['mb']:.1f}"] + ["-"] * 7
+        if "full" in r:
+            cells[2:7] = [f"{r['socket']['gb_per_s']:.2f}", f"{r['grpc']['gb_per_s']:.2f}",
+                          f"{r['full']['gb_per_s']:.2f}", f"{r['full_vs_socket']:.2f}x",
+                          f"{r['full_vs_grpc']:.2f}x (medians {r['grpc']['median_s'] / r['full']['median_s']:.2f}x; CPU ms sender+receiver "
+                          + ", ".join(f"{k} {1e3 * r[k]['sender_cpu_s']:.0f}+{1e3 * r[k]['receiver_cpu_s']:.0f}"
+                                      for k in ("grpc", "full")) + ")"]
+        if "overlap" in r:
+            o = r["overlap"]
+            cells[7] = (f"{o['ratio']:.3f}x ({o['start_to_committed_s']:.2f} s / {o['prefill_alone_s']:.2f} s; "
+                        f"medians {o['median_ratio']:.3f}x)")
+        if "p99" in r:
+            p, u = r["p99"], r["p99_unpaced"]
+            paced = f"paced {p['paced_mb_s']:.0f} MB/s" if p["paced_mb_s"] else "unpaced"
+            cells[8] = (f"{p['ratio']:.2f}x {paced} ({p['loaded_p99_ms']:.0f} / {p['idle_p99_ms']:.0f} ms); "
+                        f"{u['ratio']:.2f}x unpaced")
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -367,6 +386,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--paced-mb-s", type=float, default=100.0,
                     help="receiver decode priority during the P99 run: MB/s taken while stepping (0: off)")
+    ap.add_argument("--parts", default="throughput,overlap,p99", help="measurements to run (comma-separated)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "kv_transfer.json"))
     args = ap.parse_args()
     results = [bench_dtype(d, args) for d in args.dtypes.split(",")]
