@@ -134,8 +134,9 @@ def _check_sealed(backend, pages: Sequence[int]) -> None:
         from engine.kv_cache.kivi import KVFormatError
 
         raise KVFormatError(f"kivi4 pages {unsealed} are not sealed (partly filled: their tokens are in "
-                            f"full-precision staging, not in cells); kivi4 ships whole pages only -- use a "
-                            f"prompt length that is a multiple of page_size {backend.spec.page_size}, or int8")
+                            f"full-precision staging, not in cells); kivi4 exports whole pages only (page_size "
+                            f"{backend.spec.page_size}): a transfer ships kivi.shipped_tokens() and the decode "
+                            f"side recomputes the tail")
 
 
 def _clip_edges(runs: Runs, lo: int, hi: int) -> Runs:
