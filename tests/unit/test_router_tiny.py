@@ -67,6 +67,11 @@ async def collect(router, rid, prompt, params=GREEDY, **kw):
     return await collect_stream(router, rid, prompt, params, "tiny", **kw)
 
 
+async def collect_all(router, prompts=PROMPTS, **kw):
+    """Every prompt at once (ids r0, r1, ...): [(token ids, deltas)] in prompt order."""
+    return await asyncio.gather(*(collect(router, f"r{i}", p, **kw) for i, p in enumerate(prompts)))
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -75,7 +80,7 @@ def test_disaggregated_router_is_greedy_equal_and_spreads_over_decode_workers(ti
     async def main():
         router = cluster(tiny_dir)
         try:
-            results = await asyncio.gather(*(collect(router, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            results = await collect_all(router)
             assert_greedy_equal(reference, [toks for toks, _ in results])
             for toks, deltas in results:
                 assert "".join(d.new_text for d in deltas) == router.tokenizer().decode(toks)
@@ -92,7 +97,7 @@ def test_decode_preemption_recomputes_without_losing_or_repeating_tokens(tiny_di
     async def main():  # 14 pages of 4 tokens: the six requests need ~50 pages at their longest
         router = cluster(tiny_dir, decode_pages=14, n_decode=1, max_model_len=56)
         try:
-            results = await asyncio.gather(*(collect(router, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+            results = await collect_all(router)
             assert_greedy_equal(reference, [toks for toks, _ in results])
             stats = await assert_cluster_empty(router)
             assert stats["decode-0"].num_preemptions > 0
@@ -106,8 +111,7 @@ def test_colocated_router_is_greedy_equal(tiny_dir, reference):
     async def main():
         router = cluster(tiny_dir, mode="colocated")
         try:
-            results = await asyncio.gather(*(collect(router, f"r{i}", p, return_timeline=True)
-                                             for i, p in enumerate(PROMPTS)))
+            results = await collect_all(router, return_timeline=True)
             assert_greedy_equal(reference, [toks for toks, _ in results])
             for _, deltas in results:  # queue and prefill separate on a colocated replica too
                 t = deltas[-1].timeline
@@ -130,7 +134,7 @@ def test_failed_transfer_is_recomputed_on_the_decode_worker(tiny_dir, reference)
     async def main():
         router = cluster(tiny_dir, policy="recompute", fault=_corrupt_first_chunk)
         try:
-            results = await asyncio.gather(*(collect(router, f"r{i}", p) for i, p in enumerate(PROMPTS[:3])))
+            results = await collect_all(router, PROMPTS[:3])
             assert_greedy_equal(reference[:3], [toks for toks, _ in results])
             stats = await assert_cluster_empty(router)
             assert sum(s.num_transfer_failures for n, s in stats.items() if n.startswith("decode")) == 3
@@ -193,8 +197,7 @@ def test_timelines_and_transfer_totals_cover_both_workers(tiny_dir, reference):
     async def main():
         router = cluster(tiny_dir, n_decode=1)
         try:
-            results = await asyncio.gather(*(collect(router, f"r{i}", p, return_timeline=True)
-                                             for i, p in enumerate(PROMPTS)))
+            results = await collect_all(router, return_timeline=True)
             assert_greedy_equal(reference, [toks for toks, _ in results])
             m = load_config(tiny_dir)
             per_token = m.num_layers * KVPageSpec(m.num_layers, m.num_kv_heads, m.head_dim, PAGE,
@@ -240,8 +243,7 @@ def test_kivi4_disaggregated_equals_kivi4_on_one_engine(tiny_dir):
     async def main():
         router = cluster(tiny_dir, storage="kivi4")
         try:
-            results = await asyncio.gather(*(collect(router, f"r{i}", p, return_timeline=True)
-                                             for i, p in enumerate(PROMPTS)))
+            results = await collect_all(router, return_timeline=True)
             assert_greedy_equal(want, [toks for toks, _ in results])
             for (_, deltas), prompt in zip(results, PROMPTS):
                 assert deltas[-1].timeline["kv_bytes"] == per_token * (len(prompt) - len(prompt) % PAGE)
