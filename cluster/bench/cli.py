@@ -162,7 +162,8 @@ def _bench(args: argparse.Namespace) -> int:
                                max_output=args.max_output)
         if args.min_probe_s < 0:
             raise ValueError("--min-probe-s must be >= 0")
-        top_rate = max([r for r in (args.rates or [args.rate]) if r] or [1.0]) * (4 if args.bisect else 1)
+        expand = 2 if args.bisect else 0  # doublings of the top rate the goodput search may probe
+        top_rate = max([r for r in (args.rates or [args.rate]) if r] or [1.0]) * 2 ** expand
         n_load = max(args.num_requests, math.ceil(top_rate * args.min_probe_s))  # enough for the top probe
         workload = load_workload(args.workload, n_load, args.seed, scaling, args.trace_start, args.trace_stride)
     except (ValueError, WorkloadError) as e:
@@ -175,7 +176,7 @@ def _bench(args: argparse.Namespace) -> int:
     out_dir = Path(args.out or f"bench/out/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = BenchConfig(rates, ttft, tpot, target_attainment=args.attainment, bisect_steps=args.bisect,
-                      expand=2 if args.bisect else 0, duration_s=args.duration, warmup=args.warmup,
+                      expand=expand, duration_s=args.duration, warmup=args.warmup,
                       num_requests=args.num_requests, min_probe_s=args.min_probe_s,
                       unloaded_requests=args.unloaded_requests, slo_scales=args.slo_scales,
                       progress=not args.no_progress, early_stop=not args.no_early_stop, timeout_s=args.timeout,
