@@ -72,19 +72,25 @@ class CostModel:
 
 
 def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas: list[float],
-                   margin: float, draft_cost_per_token: float = 0.0) -> tuple[list[int], float]:
+                   margin: float, draft_cost_per_token: float = 0.0,
+                   rows: int | None = None) -> tuple[list[int], float]:
     """Draft tokens to verify per request (all 0: do not speculate) and the estimated cost ratio
     t(step with them) / t(plain step) (when refused: with every available draft). base_tokens: tokens of the step without drafts; drafts: the
     available draft length per drafting request (each emits 1 token without drafts); alphas: their
     acceptance estimates. The j-th draft of request i adds alpha_i^j expected tokens and costs one more
     token of forward (the cost model's slope) plus proposer time; with a linear cost, taking drafts in
-    order of decreasing gain while the batch's tokens/s still rises maximizes it (SmartSpec's goodput)."""
+    order of decreasing gain while the batch's tokens/s still rises maximizes it (SmartSpec's goodput).
+    rows: tokens the whole step emits without drafts (every sampled row, drafting or not; default: one
+    per drafting request). The baseline is the batch's rate, not the drafting requests' share of it:
+    counting only those (an earlier version did) made a draft look worth a/k of the step's fixed cost a
+    with k drafters in a batch of n > k rows, and at batch 16 the gate verified drafts that cost more
+    than they brought (chat-16 below 0.97x)."""
     t_plain = cost.predict(base_tokens)
     lens = [0] * len(drafts)
     if not drafts:
         return lens, 1.0
     step = cost.predict(base_tokens + 1) - t_plain + draft_cost_per_token  # one more token (linear model)
-    tokens, t = float(len(drafts)), t_plain
+    tokens, t = float(len(drafts) if rows is None else max(rows, 1)), t_plain
     heap = [(-al, i) for i, al in enumerate(alphas) if drafts[i] > 0]
     heapq.heapify(heap)
     while heap:
@@ -96,7 +102,8 @@ def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas:
         lens[i] += 1
         if lens[i] < drafts[i]:
             heapq.heappush(heap, (-gain * alphas[i], i))
-    if tokens / t <= (len(drafts) / t_plain) * (1.0 + margin):  # refused: report what all drafts would cost
+    base_rate = (len(drafts) if rows is None else max(rows, 1)) / t_plain
+    if tokens / t <= base_rate * (1.0 + margin):  # refused: report what all drafts would cost
         full = sum(drafts)
         return [0] * len(drafts), (cost.predict(base_tokens + full) + draft_cost_per_token * full) / t_plain
     return lens, t / t_plain

@@ -118,7 +118,8 @@ class SpecDecoder:
                     req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids)
                 groups[name].append(DraftState(req.request_id, req.token_ids, req.num_prompt, k, sampling))
         base = sum(c.num_tokens for c in sched.chunks)
-        if self.cfg.gate and groups and not self._pays(base, [s for ss in groups.values() for s in ss]):
+        rows = sum(c.sample for c in sched.chunks)  # tokens the step emits without drafts
+        if self.cfg.gate and groups and not self._pays(base, rows, [s for ss in groups.values() for s in ss]):
             self.stats.num_gated += 1  # not even the planned lengths pay: do not spend proposer time
             return {}
         drafts = self._propose(groups)
@@ -128,7 +129,7 @@ class SpecDecoder:
             rids = list(drafts)
             lens, self.stats.verify_cost_ratio = choose_lengths(
                 self.cost, base, [len(drafts[r]) for r in rids], [self.trackers[r].alpha for r in rids],
-                self.cfg.gate_margin, self.draft_cost)
+                self.cfg.gate_margin, self.draft_cost, rows)
             drafts = {r: drafts[r][:n] for r, n in zip(rids, lens) if n}
             if not drafts:
                 self.stats.num_gated += 1
@@ -138,10 +139,10 @@ class SpecDecoder:
             self.stats.verify_cost_ratio = self.cost.predict(base + n) / self.cost.predict(base)
         return self._reserve_slots(cands, drafts, self.llm.scheduler.cfg.max_num_batched_tokens - base)
 
-    def _pays(self, base: int, states: list[DraftState]) -> bool:
+    def _pays(self, base: int, rows: int, states: list[DraftState]) -> bool:
         lens, self.stats.verify_cost_ratio = choose_lengths(
             self.cost, base, [s.max_draft for s in states], [self.trackers[s.request_id].alpha for s in states],
-            self.cfg.gate_margin, self.draft_cost)
+            self.cfg.gate_margin, self.draft_cost, rows)
         return any(lens)
 
     def _propose(self, groups: dict[str, list[DraftState]]) -> dict[str, list[int]]:

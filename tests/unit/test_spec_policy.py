@@ -73,6 +73,17 @@ def test_gate_drafts_less_under_load_and_more_where_drafts_land():
     assert mixed[0] == mixed[1] > mixed[2] == mixed[3]
 
 
+def test_gate_weighs_drafts_against_the_whole_batch_rate():
+    cm = _cost(0.030, 0.002)  # a 16-row step: 62 ms; a draft token: 2 ms
+    # Two drafters alone: an accepted token is worth a/2 + b = 17 ms, a draft at 0.4 pays (0.4 x 17 > 2).
+    assert choose_lengths(cm, 2, [4, 4], [0.4, 0.4], margin=0.02)[0] != [0, 0]
+    # The same two among 16 rows: worth a/16 + b = 3.9 ms, 0.4 x 3.9 < 2: plain decoding.
+    lens, ratio = choose_lengths(cm, 16, [4, 4], [0.4, 0.4], margin=0.02, rows=16)
+    assert lens == [0, 0] and ratio > 1.0
+    # Drafts that land often still pay at batch 16 (0.9 x 3.9 > 2).
+    assert choose_lengths(cm, 16, [4, 4], [0.9, 0.9], margin=0.02, rows=16)[0][0] > 0
+
+
 def test_stats_ratios():
     st = SpecStats(num_steps=10, num_spec_steps=4, num_verifies=8, num_drafted=20, num_accepted=10, num_emitted=18)
     d = st.as_dict()
