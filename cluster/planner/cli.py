@@ -63,6 +63,10 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
                    help="cpu: this process's CPU time (robust on a shared machine); wall: wall-clock")
     p.add_argument("--name", help="profile name (default: the --out file's stem)")
+    p.add_argument("--corun-rounds", type=int, default=5,
+                   help="rounds of the co-run interference measurement (two processes, ~15-30 s a round; 0: skip)")
+    p.add_argument("--corun-only", action="store_true",
+                   help="only measure co-run interference and add it to the existing profile --out")
     p.set_defaults(func=_profile)
 
 

@@ -11,16 +11,19 @@ Placements (DistServe's two algorithms):
                prefill and `b` decode instances whose stage segments fit one node), KV moves over
                NVLink; the choice when cross-node links are slow;
   colocated    replicas doing both phases (no KV moves).
-Replicas: n = ceil(rate / goodput) per pool; stages are packed into nodes first-fit decreasing.
+Replicas: n = ceil(rate / goodput) per pool; stages are packed into nodes first-fit decreasing. The
+whole-plan simulation puts each instance on its node the same way, so instances sharing a node's memory
+bus slow each other by the profile's co-run factors (`bus.py`; none on GPUs unless a profile says so).
 """
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING
 
+from cluster.planner.bus import Sharing, pack_nodes
 from cluster.planner.goodput import VERIFY, Precision, lifetime
 from cluster.planner.plans import PhaseChoice, Plan
-from cluster.planner.profiles import latency_model
+from cluster.planner.profiles import corun_of, latency_model
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
 from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
 from cluster.planner.workload import poisson_requests
@@ -109,13 +112,28 @@ def simulate_plan(req: "PlanRequest", plan: Plan, rate: float, prec: Precision =
     first = plan.pools[0][0]
     n = prec.size(rate, lifetime(lm(first), list(req.pairs)))
     reqs = poisson_requests(list(req.pairs), rate, n, req.seed + 1)  # a fresh draw, not the search's
+    sharing = plan_sharing(req, plan)
     if plan.mode == "colocated":
         c, k = plan.pools[0]
-        return simulate_colocated(reqs, [ColocSetup(lm(c), c.kv_tokens, c.token_budget, c.max_seqs)] * k)
+        return simulate_colocated(reqs, [ColocSetup(lm(c), c.kv_tokens, c.token_budget, c.max_seqs)] * k, sharing)
     (p, n_p), (d, n_d) = plan.pools
     link = Link(req.model.kv_bytes_per_token(req.dtype), plan.link_bw, req.model.layers)
     return simulate_disaggregated(reqs, [PrefillSetup(lm(p), p.token_budget, p.max_seqs)] * n_p,
-                                  [DecodeSetup(lm(d), d.kv_tokens, d.max_seqs)] * n_d, link)
+                                  [DecodeSetup(lm(d), d.kv_tokens, d.max_seqs)] * n_d, link, sharing)
+
+
+def plan_sharing(req: "PlanRequest", plan: Plan) -> Sharing | None:
+    """Which node each of the plan's instances sits on (pools in order, first-fit decreasing by size; an
+    instance wider than a node counts on its first node). None: no co-run factors to apply."""
+    corun = corun_of(req.profile)
+    if corun.is_none:
+        return None
+    sizes = [min(c.parallel.gpus, req.gpus_per_node) for c, n in plan.pools for _ in range(n)]
+    for count in range(req.nodes, req.nodes + len(sizes) + 1):  # verified plans pack into req.nodes
+        nodes = pack_nodes(sizes, count, req.gpus_per_node)
+        if nodes is not None:
+            return Sharing(corun, nodes)
+    raise AssertionError("one instance per node always packs")
 
 
 def _bump(req: "PlanRequest", plan: Plan, result) -> Plan | None:

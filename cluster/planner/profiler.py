@@ -6,7 +6,9 @@ ignored), time the first `step()` (one prefill batch: all prompts fit the token 
 `DECODE_STEPS` steps (decode batches of that size, context growing by one per sequence per step). Fit
 prefill t = a + b*T + c*SQ and decode t = a + b*C + c*B (`fit`), print the fit error, write the profile
 (coefficients under TP 1, the fit error, the raw points) that `pdserve plan --profile` reads.
-Timings are this process's CPU time by default (`--clock cpu`: one torch thread, so CPU time is what
+Then (unless `--corun-rounds 0`) `corun.measure_corun` times steps beside a neighbour process on the
+other core and records the slowdown factors under `corun` (`--corun-only`: just that, into an existing
+profile, keeping its fit). Timings are this process's CPU time by default (`--clock cpu`: one torch thread, so CPU time is what
 the step would take on an idle core; wall-clock on a shared machine mostly measures the neighbours);
 `--clock wall` measures wall-clock instead. Either way the machine's other load adds noise (notes say so).
 """
@@ -90,9 +92,44 @@ def _engine_for(spec_path: str, grid: str):
     return spec, llm
 
 
+def _corun(spec, rounds: int) -> dict:
+    from cluster.planner.corun import measure_corun
+
+    print(f"co-run interference: {rounds} rounds (decode and prefill steps beside an idle core, decode, prefill)")
+    entry = measure_corun(spec.model, spec.dtype, rounds)
+    for key, f in entry["slowdown"].items():
+        lo, hi = entry["spread"][key]
+        print(f"  {key}: x{f:.3f} (rounds {lo:.2f}-{hi:.2f}; wall x{entry['wall_slowdown'][key]:.3f})")
+    return entry
+
+
+def run_corun_only(args: argparse.Namespace) -> int:
+    """Add (or replace) the `corun` entry of an existing profile."""
+    from cluster.spec import SpecError, load_spec
+
+    out = Path(args.out)
+    try:
+        spec = load_spec(args.spec)
+        profile = json.loads(out.read_text())
+    except SpecError as e:
+        for p in e.problems:
+            print(f"{args.spec}: {p}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"{out}: {e} (--corun-only adds to an existing profile)", file=sys.stderr)
+        return 2
+    profile["corun"] = _corun(spec, args.corun_rounds or 5)
+    profile["corun"]["method"] += f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    print(f"wrote {out} (corun)")
+    return 0
+
+
 def run_profile(args: argparse.Namespace) -> int:
     from cluster.spec import SpecError
 
+    if args.corun_only:
+        return run_corun_only(args)
     try:
         spec, llm = _engine_for(args.spec, args.grid)
     except SpecError as e:
@@ -112,6 +149,7 @@ def run_profile(args: argparse.Namespace) -> int:
         "tp": {"1": {"prefill": list(pf.coeffs), "decode": list(df.coeffs),
                      "fit": {"prefill": pf.as_dict(), "decode": df.as_dict()}}},
         "measurements": {"prefill": [list(p) for p in prefill_pts], "decode": [list(p) for p in decode_pts]},
+        **({"corun": _corun(spec, args.corun_rounds)} if args.corun_rounds else {}),
         "notes": (f"pdserve profile {args.spec} --grid {args.grid} --repeats {args.repeats} --clock {args.clock}; "
                   f"one torch thread; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; took "
                   f"{time.perf_counter() - start:.0f} s; {args.clock} clock on a machine shared with other "

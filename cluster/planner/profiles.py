@@ -7,7 +7,12 @@ efficiency factors, and the raw measurements. Shape:
     {"name": ..., "model": "smollm2-135m", "dtype": "bfloat16", "hardware": "cpu-local",
      "tp": {"1": {"prefill": [a, b, c], "decode": [a, b, c], "fit": {...}}},
      "calibration": {"compute_eff": .., "memory_eff": .., "overhead_s": ..},   (optional)
+     "corun": {"slowdown": {"decode_beside_prefill": 1.1, ...}, ...},          (optional, `corun.py`)
      "measurements": {...}, "notes": "..."}                                     (optional)
+
+`corun.slowdown` keys are `<kind>_beside_<kind>` over prefill/decode: how much slower a step runs while
+an instance on the same node's memory bus is mid-step (`bus.py`); `corun_of` gives the simulators the
+factors (none in the profile: factor 1, as for GPUs with their own HBM each).
 
 `latency_model(...)`: the profile's coefficients for that TP if it has them; else the roofline,
 calibrated from the profile (its explicit calibration, or derived from its TP=1 fit) when there is one.
@@ -18,8 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from cluster.planner.bus import KINDS, Corun
 from cluster.planner.errors import BadConfigError
 from cluster.planner.hardware import Hardware
 from cluster.planner.latency import Coeffs, FittedLatency, LatencyModel, Parallel
@@ -43,6 +49,29 @@ class _CalibrationEntry(BaseModel):
     allreduce_latency_s: float = 10e-6
 
 
+class _CorunEntry(BaseModel):
+    """What `corun.measure_corun` writes; only `slowdown` feeds the model, the rest documents it."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    slowdown: dict[str, float]
+    spread: dict[str, tuple[float, float]] = {}
+    wall_slowdown: dict[str, float] = {}
+    step_ms: dict[str, tuple[float, float]] = {}
+    neighbour_cpu_share: dict[str, float] = {}
+    machine_busy: dict[str, float] = {}
+    method: str = ""
+
+    @field_validator("slowdown")
+    @classmethod
+    def _pairs(cls, v: dict[str, float]) -> dict[str, float]:
+        known = {f"{a}_beside_{b}" for a in KINDS for b in KINDS}
+        bad = sorted(set(v) - known)
+        if bad:
+            raise ValueError(f"unknown pair(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
+        if any(f <= 0 for f in v.values()):
+            raise ValueError("slowdown factors must be > 0 (1: no interference)")
+        return v
+
+
 class _ProfileFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
@@ -51,6 +80,7 @@ class _ProfileFile(BaseModel):
     hardware: str
     tp: dict[int, _TPEntry] = {}
     calibration: _CalibrationEntry | None = None
+    corun: _CorunEntry | None = None
     measurements: dict[str, Any] = {}
     notes: str = ""
 
@@ -64,6 +94,7 @@ class Profile:
     coeffs: dict[int, Coeffs] = field(default_factory=dict)  # TP degree -> fitted coefficients
     calibration: Calibration | None = None
     fit: dict[int, dict[str, Any]] = field(default_factory=dict)
+    corun: Corun = field(default_factory=Corun.none)  # co-run slowdown on one node's memory bus
 
 
 def load_profile(name_or_path: str) -> Profile:
@@ -82,8 +113,15 @@ def load_profile(name_or_path: str) -> Profile:
     if not p.tp and p.calibration is None:
         raise BadConfigError(f"{path}: has neither `tp` coefficients nor a `calibration`; nothing to model")
     cal = Calibration(**p.calibration.model_dump()) if p.calibration else None
+    corun = Corun.from_dict(p.corun.slowdown) if p.corun else Corun.none()
     return Profile(p.name, p.model, p.dtype, p.hardware, {tp: Coeffs(e.prefill, e.decode) for tp, e in p.tp.items()},
-                   cal, {tp: dict(e.fit) for tp, e in p.tp.items()})
+                   cal, {tp: dict(e.fit) for tp, e in p.tp.items()}, corun)
+
+
+def corun_of(profile: Profile | None) -> Corun:
+    """The co-run factors the simulators apply to instances sharing a node: the profile's measured ones;
+    none (factor 1) without a profile or when it has no `corun` entry."""
+    return profile.corun if profile is not None else Corun.none()
 
 
 def latency_model(model: ModelSpec, hw: Hardware, parallel: Parallel, dtype: str = "bfloat16",

@@ -5,7 +5,9 @@ sequence brings one token; the rest of the token budget goes to prompt chunks, F
 requests. A request is admitted (FIFO) when its reserved KV (prompt + output) fits the replica's capacity
 and the sequence cap. Step time = `model.mixed(chunk tokens, chunk SQ, B, C)`; a prompt whose last chunk
 ran gets its first token at the end of that step (TTFT) and decodes from the next step on.
-Requests go to the replica with the fewest outstanding tokens at arrival. Pure Python; called by
+Requests go to the replica with the fewest outstanding tokens at arrival. Replicas on one node's memory
+bus (`Sharing`, `bus.py`) slow each other: a step's prompt-chunk part is scaled by the prefill co-run
+factor and its decode part by the decode factor, both read at the step's start. Pure Python; called by
 `search` and `report` on equal terms with `sim_disagg`.
 """
 from __future__ import annotations
@@ -14,10 +16,11 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
+from cluster.planner.bus import ALONE, Bus, Sharing
 from cluster.planner.events import EventQueue
 from cluster.planner.latency import LatencyModel
 from cluster.planner.metrics import SimResult
-from cluster.planner.sim_disagg import _results, _State
+from cluster.planner.sim_disagg import _results, _scaled, _State
 from cluster.planner.stepping import StepRun
 from cluster.planner.workload import Request
 
@@ -31,8 +34,9 @@ class ColocSetup:
 
 
 class _Replica:
-    def __init__(self, setup: ColocSetup, ev: EventQueue, st: _State):
+    def __init__(self, setup: ColocSetup, ev: EventQueue, st: _State, bus: tuple[Bus, int] = (ALONE, 0)):
         self.s, self.ev, self.st = setup, ev, st
+        self.bus, self.me = bus
         self.waiting: deque[int] = deque()
         self.prefilling: deque[int] = deque()  # admitted, prompt not finished
         self.done_tokens: dict[int, int] = {}  # prompt tokens already computed
@@ -82,14 +86,16 @@ class _Replica:
             self._admit()
             if not self.batch and not self.prefilling:
                 self.stepping = False
+                self.bus.set(self.me, None)
                 return
             self.stepping = True
             if self.prefilling:
                 chunks, tokens, sq = self._plan_chunks()
-                dt = self.s.model.mixed(tokens, sq, self.batch, self.context)
-                self.ev.at(self.ev.now + dt, self._step_done, chunks)
+                self.ev.at(self.ev.now + self._mixed_time(tokens, sq), self._step_done, chunks)
                 return
-            run = StepRun(self.s.model.decode_lines(self.batch), self.context, self.batch)
+            self.bus.set(self.me, "decode")
+            f = self.bus.factor(self.me, "decode")
+            run = StepRun(_scaled(self.s.model.decode_lines(self.batch), f), self.context, self.batch)
             k = run.steps_before(self.ev.next_time() - self.ev.now, self.finishing[0][0] - self.step_no + 1)
             if k == 0:
                 self.ev.at(self.ev.now + run.step_time(0), self._step_done, [])
@@ -98,6 +104,19 @@ class _Replica:
             self.context += (k - 1) * self.batch
             self.step_no += k - 1
             self._finish_step([])
+
+    def _mixed_time(self, tokens: int, sq: float) -> float:
+        """A step carrying prompt chunks: the chunks cost their prefill time, the decode tokens riding
+        along the rest (`LatencyModel.mixed`); each part is slowed by its own co-run factor, and the
+        larger part is what this replica looks like to its neighbours."""
+        model, bus = self.s.model, self.bus
+        total = model.mixed(tokens, sq, self.batch, self.context)
+        pre = model.mixed(tokens, sq, 0, 0)
+        bus.set(self.me, "prefill" if pre >= total - pre else "decode")
+        fp, fd = bus.factor(self.me, "prefill"), bus.factor(self.me, "decode")
+        if fp == fd == 1.0:
+            return total
+        return pre * fp + (total - pre) * fd
 
     def _step_done(self, chunks: list[tuple[int, int]]) -> None:
         self._finish_step(chunks)
@@ -135,10 +154,12 @@ class _Replica:
         self.outstanding -= self.st.reqs[i].output_len
 
 
-def simulate_colocated(requests: list[Request], replicas: list[ColocSetup]) -> SimResult:
+def simulate_colocated(requests: list[Request], replicas: list[ColocSetup], sharing: Sharing | None = None) -> SimResult:
+    """`sharing`: the node of each replica; None: no co-run slowdown."""
     assert replicas and requests
     ev, st = EventQueue(), _State(requests)
-    reps = [_Replica(s, ev, st) for s in replicas]
+    buses = sharing.buses(len(replicas)) if sharing is not None else [(ALONE, k) for k in range(len(replicas))]
+    reps = [_Replica(s, ev, st, b) for s, b in zip(replicas, buses)]
 
     def arrive(i: int) -> None:
         min(reps, key=lambda r: r.outstanding).arrive(i)

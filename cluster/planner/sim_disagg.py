@@ -11,6 +11,8 @@ Life of a request (mirrors DESIGN.md's "Life of a request"):
      reserved KV (prompt + output) fits the instance's capacity and the batch cap, and runs continuous
      batching: each step of B sequences with context C takes `model.decode(B, C)`.
 Instances never share a link model: transfers do not contend (the planner's bandwidths are per device).
+Instances on one node's memory bus (`Sharing`, from `bus.py`) slow each other's steps by the profile's
+measured co-run factors: a prefill batch or a run of decode steps is scaled by `Bus.factor` at its start.
 Who calls: `search` (per-phase goodput and the whole-plan check) and `report`. Pure Python.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
+from cluster.planner.bus import ALONE, Bus, Sharing
 from cluster.planner.events import EventQueue
 from cluster.planner.latency import LatencyModel
 from cluster.planner.metrics import RequestResult, SimResult
@@ -57,9 +60,15 @@ class _State:
         self.done = [0.0] * n
 
 
+def _scaled(lines, f: float):
+    return tuple((a * f, b * f) for a, b in lines) if f != 1.0 else lines
+
+
 class _Prefill:
-    def __init__(self, setup: PrefillSetup, sim: "_Disagg"):
+    def __init__(self, setup: PrefillSetup, sim: "_Disagg", bus: tuple[Bus, int] = (ALONE, 0)):
         self.s, self.sim = setup, sim
+        self.bus, self.me = bus
+        self.inflight = 0  # batches started and not done (PP keeps several in flight)
         self.queue: deque[int] = deque()
         self.queued_tokens = 0
         self.free_at = 0.0  # first stage free
@@ -86,15 +95,25 @@ class _Prefill:
             tokens, sq = tokens + n, sq + n * n
         self.queued_tokens -= tokens
         now = self.sim.ev.now
-        latency = self.s.model.prefill(tokens, sq)
-        self.free_at = now + self.s.model.prefill_interval(tokens, sq)
-        self.sim.ev.at(now + latency, self.sim.prefill_done, batch, tokens, latency)
+        f = self.bus.factor(self.me, "prefill")  # neighbours mid-step on this node's memory bus
+        latency = self.s.model.prefill(tokens, sq) * f
+        self.free_at = now + self.s.model.prefill_interval(tokens, sq) * f
+        self.inflight += 1
+        self.bus.set(self.me, "prefill")
+        self.sim.ev.at(now + latency, self.done, batch, tokens, latency)
         self._kick()
+
+    def done(self, batch: list[int], tokens: int, latency: float) -> None:
+        self.inflight -= 1
+        if not self.inflight:
+            self.bus.set(self.me, None)
+        self.sim.prefill_done(batch, tokens, latency)
 
 
 class _Decode:
-    def __init__(self, setup: DecodeSetup, sim: "_Disagg"):
+    def __init__(self, setup: DecodeSetup, sim: "_Disagg", bus: tuple[Bus, int] = (ALONE, 0)):
         self.s, self.sim = setup, sim
+        self.bus, self.me = bus
         self.waiting: deque[int] = deque()
         self.used = 0  # reserved KV tokens
         self.waiting_need = 0  # KV tokens the waiting requests will reserve
@@ -139,9 +158,12 @@ class _Decode:
             self._admit()
             if not self.batch:
                 self.stepping = False
+                self.bus.set(self.me, None)
                 return
             self.stepping = True
-            run = StepRun(model.decode_lines(self.batch), self.context, self.batch)
+            self.bus.set(self.me, "decode")
+            f = self.bus.factor(self.me, "decode")
+            run = StepRun(_scaled(model.decode_lines(self.batch), f), self.context, self.batch)
             k = run.steps_before(ev.next_time() - ev.now, self.finishing[0][0] - self.step_no + 1)
             if k == 0:
                 ev.at(ev.now + run.step_time(0), self._step_done)
@@ -168,10 +190,12 @@ class _Decode:
 
 
 class _Disagg:
-    def __init__(self, requests, prefill, decode, link):
+    def __init__(self, requests, prefill, decode, link, sharing: Sharing | None = None):
         self.ev, self.st, self.link = EventQueue(), _State(requests), link
-        self.prefill = [_Prefill(s, self) for s in prefill]
-        self.decode = [_Decode(s, self) for s in decode]
+        n = len(prefill) + len(decode)
+        buses = sharing.buses(n) if sharing is not None else [(ALONE, k) for k in range(n)]
+        self.prefill = [_Prefill(s, self, b) for s, b in zip(prefill, buses)]
+        self.decode = [_Decode(s, self, b) for s, b in zip(decode, buses[len(prefill):])]
 
     def arrive(self, i: int) -> None:
         min(self.prefill, key=lambda p: p.queued_tokens).enqueue(i)
@@ -192,19 +216,21 @@ class _Disagg:
 
 
 def simulate_disaggregated(requests: list[Request], prefill: list[PrefillSetup], decode: list[DecodeSetup],
-                           link: Link) -> SimResult:
+                           link: Link, sharing: Sharing | None = None) -> SimResult:
+    """`sharing`: the node of each instance (prefill instances first); None: no co-run slowdown."""
     assert prefill and decode and requests
-    sim = _Disagg(requests, prefill, decode, link)
+    sim = _Disagg(requests, prefill, decode, link, sharing)
     for i, r in enumerate(requests):
         sim.ev.at(r.arrival, sim.arrive, i)
     sim.ev.run()
     return _results(sim.st)
 
 
-def simulate_decode_only(requests: list[Request], decode: list[DecodeSetup]) -> SimResult:
+def simulate_decode_only(requests: list[Request], decode: list[DecodeSetup],
+                         sharing: Sharing | None = None) -> SimResult:
     """The decode pool alone: each request's KV is there at its arrival (its first token too)."""
     assert decode and requests
-    sim = _Disagg(requests, [], decode, Link(1.0, float("inf"), 1))
+    sim = _Disagg(requests, [], decode, Link(1.0, float("inf"), 1), sharing)
     for i, r in enumerate(requests):
         sim.st.first[i] = r.arrival
         if r.output_len <= 1:

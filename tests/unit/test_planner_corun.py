@@ -1,0 +1,106 @@
+"""Co-run interference in the planner (`bus.py`): instances on one node's memory bus slow each other's
+steps by the profile's measured factors. Factor 1 (or no sharing) leaves every prediction unchanged;
+measured factors > 1 slow a step exactly by its factor while a neighbour is mid-step, and lower the
+colocated goodput of a full node; the profile loader rejects unknown pairs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.planner.bus import Bus, Corun, Sharing, pack_nodes
+from cluster.planner.errors import BadConfigError
+from cluster.planner.goodput import COARSE, Fill, coloc_goodput
+from cluster.planner.latency import Coeffs, FittedLatency, Parallel
+from cluster.planner.metrics import SLO
+from cluster.planner.profiles import corun_of, load_profile
+from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
+from cluster.planner.workload import Request, poisson_requests
+
+COEFFS = Coeffs(prefill=(0.010, 2e-5, 1e-9), decode=(0.008, 1e-7, 2e-4))
+LINK = Link(kv_bytes_per_token=1000.0, bandwidth=1e12, layers=10)
+ONES = Corun.from_dict({f"{a}_beside_{b}": 1.0 for a in ("prefill", "decode") for b in ("prefill", "decode")})
+MEASURED = Corun.from_dict({"decode_beside_decode": 1.5, "decode_beside_prefill": 1.3,
+                            "prefill_beside_decode": 1.2, "prefill_beside_prefill": 1.4})
+
+
+def model() -> FittedLatency:
+    return FittedLatency(Parallel(), COEFFS)
+
+
+def coloc_requests(n: int = 300, rate: float = 20.0):
+    pairs = [(200, 40), (600, 10), (100, 120), (900, 5)]
+    return poisson_requests(pairs, rate, n, seed=3)
+
+
+def test_bus_adds_the_excess_of_busy_neighbours_only():
+    bus = Bus(MEASURED)
+    assert bus.factor(0, "decode") == 1.0  # alone on the node
+    bus.set(0, "decode")
+    assert bus.factor(0, "decode") == 1.0  # its own step does not count
+    bus.set(1, "prefill")
+    bus.set(2, "decode")
+    assert bus.factor(0, "decode") == pytest.approx(1 + 0.3 + 0.5)
+    bus.set(1, None)
+    assert bus.factor(0, "prefill") == pytest.approx(1.2)
+    assert Corun.none().factor("decode", "decode") == 1.0 and ONES.is_none and not MEASURED.is_none
+
+
+def test_factor_one_leaves_both_simulators_unchanged():
+    reqs, setup = coloc_requests(), ColocSetup(model(), 20_000, 512, 32)
+    old = simulate_colocated(reqs, [setup] * 2)
+    assert simulate_colocated(reqs, [setup] * 2, Sharing(ONES, (0, 0))) == old
+    assert simulate_colocated(reqs, [setup] * 2, Sharing(Corun.none(), (0, 0))) == old
+    pre, dec = [PrefillSetup(model(), 512, 8)], [DecodeSetup(model(), 20_000, 32)]
+    old = simulate_disaggregated(reqs, pre, dec, LINK)
+    assert simulate_disaggregated(reqs, pre, dec, LINK, Sharing(ONES, (0, 0))) == old
+
+
+def test_prefill_beside_a_decoding_neighbour_takes_its_factor_exactly():
+    m = model()
+    first = Request(0.0, 100, 2000)  # decodes for ~20 s on the decode instance
+    second = Request(5.0, 300, 2)  # its prefill starts while that decode runs
+    pre, dec = [PrefillSetup(m)], [DecodeSetup(m, 100_000)]
+    alone = simulate_disaggregated([first, second], pre, dec, LINK).results
+    shared = simulate_disaggregated([first, second], pre, dec, LINK, Sharing(MEASURED, (0, 0))).results
+    assert alone[0].ttft == shared[0].ttft == pytest.approx(m.prefill(100, 100 ** 2))  # decode was idle
+    assert alone[1].ttft == pytest.approx(m.prefill(300, 300 ** 2))
+    assert shared[1].ttft == pytest.approx(1.2 * m.prefill(300, 300 ** 2))
+    # on separate nodes nothing changes
+    assert simulate_disaggregated([first, second], pre, dec, LINK, Sharing(MEASURED, (0, 1))).results == alone
+
+
+def test_colocated_replicas_on_one_bus_decode_slower_and_lose_goodput():
+    reqs, setup = coloc_requests(), ColocSetup(model(), 20_000, 512, 32)
+    alone = simulate_colocated(reqs, [setup] * 2)
+    shared = simulate_colocated(reqs, [setup] * 2, Sharing(MEASURED, (0, 0)))
+    split = simulate_colocated(reqs, [setup] * 2, Sharing(MEASURED, (0, 1)))
+    assert split == alone
+    mean_tpot = lambda res: sum(r.tpot for r in res.results) / len(res.results)  # noqa: E731
+    assert mean_tpot(shared) > 1.1 * mean_tpot(alone)
+    pairs, slo = [(300, 20), (800, 8)], SLO(ttft_s=0.5, tpot_s=0.05, attainment=0.9)
+    lone = coloc_goodput(setup, pairs, slo, COARSE)
+    assert coloc_goodput(setup, pairs, slo, COARSE, fill=Fill(ONES, 2)).rate == lone.rate  # factor 1: one copy
+    full = coloc_goodput(setup, pairs, slo, COARSE, fill=Fill(MEASURED, 2))
+    assert 0 < full.rate < 0.95 * lone.rate
+
+
+def test_pack_nodes_places_instances_first_fit_decreasing():
+    assert pack_nodes([1, 1, 1], 2, 2) == (0, 0, 1)
+    assert pack_nodes([1, 2, 1], 2, 2) == (1, 0, 1)
+    assert pack_nodes([2, 2, 2], 2, 2) is None
+
+
+def test_profile_corun_entry_loads_and_rejects_unknown_pairs(tmp_path):
+    base = {"name": "t", "model": "smollm2-135m", "hardware": "cpu-local",
+            "tp": {"1": {"prefill": [0.01, 1e-3, 0.0], "decode": [0.05, 1e-5, 1e-3]}}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(base))
+    assert corun_of(load_profile(str(path))).is_none  # no entry: factor 1 (GPUs, old profiles)
+    assert corun_of(None).is_none
+    path.write_text(json.dumps({**base, "corun": {"slowdown": {"decode_beside_decode": 1.25}}}))
+    assert corun_of(load_profile(str(path))).factor("decode", "decode") == 1.25
+    path.write_text(json.dumps({**base, "corun": {"slowdown": {"decode_beside_gpu": 1.25}}}))
+    with pytest.raises(BadConfigError, match="decode_beside_gpu"):
+        load_profile(str(path))
