@@ -10,7 +10,9 @@ unchanged.
 Masks come from slot counts in the `AttentionContext` (built by `engine.attention_context`), never from
 positions, so a cache whose evicted tokens were compacted away still attends correctly. `attend` runs one
 SDPA per attention group (a group is a contiguous token range, or a length bucket of decode rows picked by
-`token_rows`); a group's pages are gathered into a workspace kept across layers and steps.
+`token_rows`); a group's pages are gathered into a workspace kept across layers and steps, except decode
+groups of raw pages that continue from the previous step: those read a dense copy that grows by one slot
+per row and step (`dense_decode.py`).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext, AttnGroup
+from engine.kv_cache.dense_decode import DenseDecode
 from engine.kv_cache.spec import KVPageSpec
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,6 +35,8 @@ class RawKVBackend:
 
     storage_format = "raw"
     _ws: dict[int, torch.Tensor] | None = None  # gather workspaces (K, V), made on first use
+    dense_decode = True  # keep decode groups' K/V dense across steps (raw pages only: see `_dense_for`)
+    _dense: DenseDecode | None = None
 
     def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
         self.spec = spec
@@ -71,6 +76,9 @@ class RawKVBackend:
 
     def attend(self, layer: int, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """q: [num_tokens, q_heads, head_dim] (packed, RoPE applied) -> same shape."""
+        dense = self._dense_for()
+        if dense is not None:
+            dense.plan(ctx)  # once per step: which decode groups continue their dense copy
         if len(ctx.groups) == 1 and ctx.groups[0].token_rows is None:
             return self._attend_group(layer, q, ctx.groups[0], ctx)
         out = torch.empty_like(q)
@@ -80,6 +88,18 @@ class RawKVBackend:
             else:  # a length bucket of decode rows (attention_context._decode_buckets)
                 out.index_copy_(0, g.token_rows, self._attend_group(layer, q.index_select(0, g.token_rows), g, ctx))
         return out
+
+    def _dense_for(self) -> DenseDecode | None:
+        """The dense decode copies, for raw pages only: a subclass that overrides `_load` decodes stored
+        cells (int8, fp8) and one that overrides `_attend_group` never asks (KIVI seals pages later)."""
+        if not self.dense_decode or type(self)._load is not RawKVBackend._load:
+            return None
+        if self._dense is None:
+            kt = self.k[self.spec.local_layers[0]]
+            cell = (self.spec.num_kv_heads, kt.shape[-1])
+            per_slot = 2 * len(self.spec.local_layers) * cell[0] * cell[1] * kt.element_size()
+            self._dense = DenseDecode(self.spec.page_size, cell, per_slot)
+        return self._dense
 
     def _load(self, layer: int, g: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V a group attends to, as stored: [B, ctx, kv_heads, cell] (subclasses decode them). The
@@ -110,7 +130,8 @@ class RawKVBackend:
 
     def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
         b, ql = g.batch, g.q_len
-        k, v = self._load(layer, g)  # [B, ctx, kv_heads, head_dim]
+        kv = None if self._dense is None else self._dense.load(layer, g, self.k[layer], self.v[layer])
+        k, v = self._load(layer, g) if kv is None else kv  # [B, ctx, kv_heads, head_dim]
         qh = q.view(b, ql, *q.shape[1:]).transpose(1, 2)  # [B, q_heads, q_len, head_dim]
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, ctx, head_dim]
         if g.observe is not None:
