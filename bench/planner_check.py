@@ -30,7 +30,8 @@ from cluster.planner.hardware import load_hardware
 from cluster.planner.latency import Parallel
 from cluster.planner.metrics import SLO, SimResult, percentile
 from cluster.planner.models import load_model
-from cluster.planner.profiles import latency_model, load_profile
+from cluster.planner.bus import Sharing
+from cluster.planner.profiles import corun_of, latency_model, load_profile
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
 from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
 from cluster.planner.workload import Request
@@ -58,25 +59,29 @@ class Row:
             e[k] is not None and e[k] <= self.bound[1] for k in ("ttft_p90", "tpot_p90"))
 
 
-def simulate_spec(spec: ClusterSpec, requests: list[Request], profile: str | None, hardware: str) -> SimResult:
+def simulate_spec(spec: ClusterSpec, requests: list[Request], profile: str | None, hardware: str,
+                  corun: str = "cpu") -> SimResult:
     """The spec's pools in the planner's simulator (TP = PP = 1: what `serve` runs today)."""
     model, hw = load_model(spec.model), load_hardware(hardware)
-    prof = load_profile(profile) if profile else None
+    prof = load_profile(profile, corun) if profile else None
     lat = latency_model(model, hw, Parallel(1, 1), spec.dtype, prof)
 
     def kw(pool: str) -> dict:
         return spec.engine_kwargs(pool)
 
     pools = spec.pools_in_use()
+    # every replica runs on this machine: one node, one memory bus (the profile's co-run factors)
+    share = lambda n: Sharing(corun_of(prof), (0,) * n)  # noqa: E731
     if spec.mode == "colocated":
         k = kw("colocated")
         reps = [ColocSetup(lat, k["num_pages"] * k["page_size"], k["max_num_batched_tokens"], k["max_num_seqs"])]
-        return simulate_colocated(requests, reps * pools["colocated"].replicas)
+        n = pools["colocated"].replicas
+        return simulate_colocated(requests, reps * n, share(n))
     p, d = kw("prefill"), kw("decode")
     pre = [PrefillSetup(lat, p["max_num_batched_tokens"], p["max_num_seqs"])] * pools["prefill"].replicas
     dec = [DecodeSetup(lat, d["num_pages"] * d["page_size"], d["max_num_seqs"])] * pools["decode"].replicas
     link = Link(model.kv_bytes_per_token(spec.dtype), hw.intra_node_bw, model.layers)
-    return simulate_disaggregated(requests, pre, dec, link)
+    return simulate_disaggregated(requests, pre, dec, link, share(len(pre) + len(dec)))
 
 
 def requests_of(run: dict) -> list[Request]:

@@ -17,7 +17,10 @@ is scaled by `factor`; a colocated step that carries a prompt chunk scales its p
 prefill factor and its decode part by the decode factor. The factor is fixed at the step's start: a
 neighbour starting or stopping mid-step changes only later steps (one step is short next to a request).
 Several busy neighbours add their excess, 1 + sum(f - 1): bandwidth shares add up to first order.
-Who builds it: `placement.simulate_plan` (whole plans), `goodput` (a node filled with one kind). Pure Python.
+Who builds it: `placement.simulate_plan` (whole plans: the search's check and the report) and
+`bench/planner_check.py`. Per-instance goodputs (`goodput`) stay those of a lone instance: an upper bound
+that the whole-plan check corrects (a node full of instances behind one router also pools their bursts,
+which a "node filled with one kind" measure would mix into the interference). Pure Python.
 """
 from __future__ import annotations
 

@@ -43,6 +43,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", help="directory for report.md, attainment.png, plan.json")
     p.add_argument("--profile", help="a latency profile (deploy/profiles/NAME.json or a path); "
                                      "default: the roofline model of --hardware")
+    p.add_argument("--corun", default="cpu", choices=["cpu", "wall", "off"],
+                   help="the profile's co-run slowdowns of instances sharing a node: cpu (memory bus and cache "
+                        "only), wall (also time lost to other processes on oversubscribed cores), off")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--inter-node-gbs", type=float, help="cross-node GB/s per device (default: the table's)")
     p.add_argument("--max-len", type=int, default=0, help="max_model_len (default: the model's, <= 32768)")

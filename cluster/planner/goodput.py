@@ -9,18 +9,12 @@ rate) for at least `n` requests and at least `LIFETIMES` request lifetimes (at l
 fast rate is a single burst that an instance absorbs before its queue can show the overload. The bracket starts from a capacity estimate and doubles until attainment
 fails; bisection stops at 2% relative width. A setup that misses the SLO even at 1/100 of its capacity
 has goodput 0 (the SLO itself is out of reach for it). Pure Python; called by `search` and `report`.
-
-`Fill(corun, copies)`: on hardware whose devices share a node's memory bus (co-run factors in the
-profile), an instance's goodput is measured with its node full of `copies` instances of its kind, fed
-`copies` times the rate (goodput = per instance): replicas sized from a lone instance would each be
-slower once packed. `Fill()` (one copy, no factors) is the lone instance, as on GPUs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from cluster.planner.bus import Corun, Sharing
 from cluster.planner.latency import LatencyModel, Parallel
 from cluster.planner.metrics import SLO, SimResult
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
@@ -64,23 +58,6 @@ class ZeroLatency(LatencyModel):
 
 
 _FREE_LINK = Link(1.0, float("inf"), 1)
-
-
-@dataclass(frozen=True)
-class Fill:
-    """`copies` instances of the measured kind on one node's memory bus, slowed by `corun`."""
-    corun: Corun = Corun.none()
-    copies: int = 1
-
-    def sharing(self, extra: int = 0) -> Sharing | None:
-        """The copies on node 0; `extra` stand-ins (free phases) each on their own node."""
-        if self.copies == 1 or self.corun.is_none:
-            return None
-        return Sharing(self.corun, (0,) * self.copies + tuple(range(1, extra + 1)))
-
-    @property
-    def n(self) -> int:
-        return self.copies if self.sharing() is not None else 1
 
 
 @dataclass(frozen=True)
@@ -145,8 +122,7 @@ def _batch_capacity(step: Callable[[float, float], float], pairs, budget: int, m
 
 
 def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO, prec: Precision = FINE,
-                  seed: int = 0, warm: float = 0.0, fill: Fill = Fill()) -> Goodput:
-    k = fill.n  # instances simulated together (the node filled); rates below are per instance
+                  seed: int = 0, warm: float = 0.0) -> Goodput:
     if phase == "prefill":
         pairs1 = [(i, 1) for i, _ in pairs]
         guess = 1.0 / _mean(pairs1, lambda i, o: setup.model.prefill_interval(i, i * i))
@@ -154,9 +130,8 @@ def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO
         life = 1.0 / guess
 
         def run(rate: float) -> SimResult:
-            reqs = poisson_requests(pairs1, rate * k, prec.size(rate, life) * k, seed)
-            return simulate_disaggregated(reqs, [setup] * k, [DecodeSetup(ZeroLatency(), 1 << 40)], _FREE_LINK,
-                                          fill.sharing(extra=1))
+            reqs = poisson_requests(pairs1, rate, prec.size(rate, life), seed)
+            return simulate_disaggregated(reqs, [setup], [DecodeSetup(ZeroLatency(), 1 << 40)], _FREE_LINK)
     else:
         batch = max(1, min(setup.max_seqs, setup.kv_tokens // max(1, int(_mean(pairs, lambda i, o: i + o)))))
         step = setup.model.decode(batch, batch * _mean(pairs, lambda i, o: i + o / 2))
@@ -165,21 +140,20 @@ def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO
         life = _mean(pairs, lambda i, o: (o - 1) * setup.model.decode(1, i + o / 2))
 
         def run(rate: float) -> SimResult:
-            reqs = poisson_requests(pairs, rate * k, prec.size(rate, life) * k, seed)
-            return simulate_decode_only(reqs, [setup] * k, fill.sharing())
+            reqs = poisson_requests(pairs, rate, prec.size(rate, life), seed)
+            return simulate_decode_only(reqs, [setup])
     return _goodput(run, slo, guess, prec, warm, cap)
 
 
 def coloc_goodput(setup: ColocSetup, pairs, slo: SLO, prec: Precision = FINE, seed: int = 0,
-                  warm: float = 0.0, fill: Fill = Fill()) -> Goodput:
-    k = fill.n
+                  warm: float = 0.0) -> Goodput:
     per_req = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0)) + \
         _mean(pairs, lambda i, o: (o - 1) * setup.model.decode(32, 32 * (i + o / 2)) / 32)
     life = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0) + (o - 1) * setup.model.decode(1, i + o / 2))
     # a colocated replica cannot take prompts faster than its steps compute them alone
     cap = _batch_capacity(lambda t, sq: setup.model.mixed(t, sq, 0, 0), pairs, setup.token_budget, setup.max_seqs)
-    return _goodput(lambda rate: simulate_colocated(poisson_requests(pairs, rate * k, prec.size(rate, life) * k, seed),
-                                                    [setup] * k, fill.sharing()), slo, 1.0 / per_req, prec, warm, cap)
+    return _goodput(lambda rate: simulate_colocated(poisson_requests(pairs, rate, prec.size(rate, life), seed),
+                                                    [setup]), slo, 1.0 / per_req, prec, warm, cap)
 
 
 def lifetime(model: LatencyModel, pairs) -> float:

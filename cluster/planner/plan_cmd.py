@@ -22,7 +22,7 @@ from cluster.planner.workload import clamp, distribution_lengths, scale_lengths,
 def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
     model = load_model(args.model)
     hw = load_hardware(args.hardware, args.inter_node_gbs)
-    profile = load_profile(args.profile) if args.profile else None
+    profile = load_profile(args.profile, args.corun) if args.profile else None
     for name, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
         if v < 1:
             raise PlannerError(f"{name} must be >= 1 (got {v})")
@@ -45,7 +45,8 @@ def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
                       SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment), args.dtype, profile,
                       max_len, seed=args.seed)
     latency = (f"profile {profile.name} (fitted TP {sorted(profile.coeffs)}; roofline calibrated from it "
-               f"elsewhere)" if profile else f"roofline of {hw.name} (default efficiencies)")
+               f"elsewhere; co-run factors: {args.corun if not profile.corun.is_none else 'none'})"
+               if profile else f"roofline of {hw.name} (default efficiencies)")
     return req, {"command": "pdserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                  "workload": workload, "latency": latency}
 

@@ -12,7 +12,9 @@ efficiency factors, and the raw measurements. Shape:
 
 `corun.slowdown` keys are `<kind>_beside_<kind>` over prefill/decode: how much slower a step runs while
 an instance on the same node's memory bus is mid-step (`bus.py`); `corun_of` gives the simulators the
-factors (none in the profile: factor 1, as for GPUs with their own HBM each).
+factors (none in the profile: factor 1, as for GPUs with their own HBM each). `load_profile(...,
+corun="cpu")` takes the CPU-clock factors (the bus and cache alone); "wall" the wall-clock ones (also the
+time a worker loses to other processes when the node's cores are oversubscribed); "off" none.
 
 `latency_model(...)`: the profile's coefficients for that TP if it has them; else the roofline,
 calibrated from the profile (its explicit calibration, or derived from its TP=1 fit) when there is one.
@@ -50,7 +52,7 @@ class _CalibrationEntry(BaseModel):
 
 
 class _CorunEntry(BaseModel):
-    """What `corun.measure_corun` writes; only `slowdown` feeds the model, the rest documents it."""
+    """What `corun.measure_corun` writes; `slowdown` (CPU clock) or `wall_slowdown` feeds the model."""
     model_config = ConfigDict(extra="forbid", frozen=True)
     slowdown: dict[str, float]
     spread: dict[str, tuple[float, float]] = {}
@@ -60,7 +62,7 @@ class _CorunEntry(BaseModel):
     machine_busy: dict[str, float] = {}
     method: str = ""
 
-    @field_validator("slowdown")
+    @field_validator("slowdown", "wall_slowdown")
     @classmethod
     def _pairs(cls, v: dict[str, float]) -> dict[str, float]:
         known = {f"{a}_beside_{b}" for a in KINDS for b in KINDS}
@@ -97,8 +99,13 @@ class Profile:
     corun: Corun = field(default_factory=Corun.none)  # co-run slowdown on one node's memory bus
 
 
-def load_profile(name_or_path: str) -> Profile:
-    """A path to a profile JSON, or a name under `deploy/profiles/`."""
+CORUN_CLOCKS = ("cpu", "wall", "off")
+
+
+def load_profile(name_or_path: str, corun: str = "cpu") -> Profile:
+    """A path to a profile JSON, or a name under `deploy/profiles/`; `corun`: which co-run factors."""
+    if corun not in CORUN_CLOCKS:
+        raise BadConfigError(f"co-run clock {corun!r}: one of {', '.join(CORUN_CLOCKS)}")
     path = Path(name_or_path)
     if not path.is_file():
         path = deploy_dir() / "profiles" / f"{name_or_path}.json"
@@ -113,7 +120,10 @@ def load_profile(name_or_path: str) -> Profile:
     if not p.tp and p.calibration is None:
         raise BadConfigError(f"{path}: has neither `tp` coefficients nor a `calibration`; nothing to model")
     cal = Calibration(**p.calibration.model_dump()) if p.calibration else None
-    corun = Corun.from_dict(p.corun.slowdown) if p.corun else Corun.none()
+    factors = {"cpu": p.corun.slowdown, "wall": p.corun.wall_slowdown, "off": {}}[corun] if p.corun else {}
+    if p.corun and corun == "wall" and not factors:
+        raise BadConfigError(f"{path}: its `corun` entry has no `wall_slowdown`; use the cpu factors")
+    corun = Corun.from_dict(factors)
     return Profile(p.name, p.model, p.dtype, p.hardware, {tp: Coeffs(e.prefill, e.decode) for tp, e in p.tp.items()},
                    cal, {tp: dict(e.fit) for tp, e in p.tp.items()}, corun)
 

@@ -4,8 +4,7 @@ Order of work:
   1. `parallel.instance_configs`: every TP x PP that fits memory and divides heads/layers (none: a typed
      `NoFeasibleConfigError` naming the smallest deployment that would fit);
   2. per configuration and token budget, the goodput of one instance of each kind by bisection over the
-     rate (`goodput`; with profile co-run factors, per instance of a node full of that kind): prefill
-     (TTFT), decode (TPOT), colocated (both) -- a coarse pass over all, then a
+     rate (`goodput`): prefill (TTFT), decode (TPOT), colocated (both) -- a coarse pass over all, then a
      fine pass over the `top_k` per kind by per-GPU goodput (none meets the SLO at any rate: a typed
      `InfeasibleSLOError` naming the closest SLO that some configuration meets);
   3. `placement`: replica counts meeting the target rate with the fewest GPUs, for pools placed anywhere
@@ -22,14 +21,14 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.planner.errors import InfeasibleSLOError, NoFeasibleConfigError
-from cluster.planner.goodput import COARSE, FINE, Fill, Goodput, Precision, coloc_goodput, phase_goodput
+from cluster.planner.goodput import COARSE, FINE, Goodput, Precision, coloc_goodput, phase_goodput
 from cluster.planner.hardware import GIB, Hardware
 from cluster.planner.metrics import SLO, percentile
 from cluster.planner.models import ModelSpec
 from cluster.planner.parallel import InstanceMemory, instance_configs
 from cluster.planner.placement import candidate_plans, verify
 from cluster.planner.plans import PhaseChoice, Plan
-from cluster.planner.profiles import Profile, corun_of, latency_model
+from cluster.planner.profiles import Profile, latency_model
 from cluster.planner.sim_coloc import ColocSetup
 from cluster.planner.sim_disagg import DecodeSetup, PrefillSetup
 
@@ -106,14 +105,12 @@ def _measure(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec
     # each phase alone at the full attainment target (DistServe's rule); a disaggregated request must
     # pass both, so the whole-plan check (`placement.verify`) adds replicas where the joint rate falls short
     phase_slo = req.slo
-    # instances sharing a node's memory bus (profile co-run factors) are measured on a full node
-    fill = Fill(corun_of(req.profile), max(1, req.gpus_per_node // mem.parallel.gpus))
     if kind == "prefill":
-        g = phase_goodput("prefill", PrefillSetup(lm, budget, pre_seqs), pairs, phase_slo, prec, req.seed, warm, fill)
+        g = phase_goodput("prefill", PrefillSetup(lm, budget, pre_seqs), pairs, phase_slo, prec, req.seed, warm)
     elif kind == "decode":
-        g = phase_goodput("decode", DecodeSetup(lm, mem.kv_tokens, seqs), pairs, phase_slo, prec, req.seed, warm, fill)
+        g = phase_goodput("decode", DecodeSetup(lm, mem.kv_tokens, seqs), pairs, phase_slo, prec, req.seed, warm)
     else:
-        g = coloc_goodput(ColocSetup(lm, mem.kv_tokens, budget, seqs), pairs, req.slo, prec, req.seed, warm, fill)
+        g = coloc_goodput(ColocSetup(lm, mem.kv_tokens, budget, seqs), pairs, req.slo, prec, req.seed, warm)
     max_seqs = pre_seqs if kind == "prefill" else seqs
     return PhaseChoice(kind, mem.parallel, budget, mem.kv_tokens, max_seqs, g.rate, g.binding), g
 

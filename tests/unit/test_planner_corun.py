@@ -1,7 +1,7 @@
 """Co-run interference in the planner (`bus.py`): instances on one node's memory bus slow each other's
 steps by the profile's measured factors. Factor 1 (or no sharing) leaves every prediction unchanged;
 measured factors > 1 slow a step exactly by its factor while a neighbour is mid-step, and lower the
-colocated goodput of a full node; the profile loader rejects unknown pairs."""
+goodput of two colocated replicas on one node; the profile loader rejects unknown pairs and clocks."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import pytest
 
 from cluster.planner.bus import Bus, Corun, Sharing, pack_nodes
 from cluster.planner.errors import BadConfigError
-from cluster.planner.goodput import COARSE, Fill, coloc_goodput
+from cluster.planner.goodput import bisect_rate
 from cluster.planner.latency import Coeffs, FittedLatency, Parallel
 from cluster.planner.metrics import SLO
 from cluster.planner.profiles import corun_of, load_profile
@@ -79,11 +79,17 @@ def test_colocated_replicas_on_one_bus_decode_slower_and_lose_goodput():
     assert split == alone
     mean_tpot = lambda res: sum(r.tpot for r in res.results) / len(res.results)  # noqa: E731
     assert mean_tpot(shared) > 1.1 * mean_tpot(alone)
+    # goodput of the two replicas: one bus with the measured factors vs factor 1 (what the planner predicted)
     pairs, slo = [(300, 20), (800, 8)], SLO(ttft_s=0.5, tpot_s=0.05, attainment=0.9)
-    lone = coloc_goodput(setup, pairs, slo, COARSE)
-    assert coloc_goodput(setup, pairs, slo, COARSE, fill=Fill(ONES, 2)).rate == lone.rate  # factor 1: one copy
-    full = coloc_goodput(setup, pairs, slo, COARSE, fill=Fill(MEASURED, 2))
-    assert 0 < full.rate < 0.95 * lone.rate
+
+    def goodput(corun: Corun) -> float:
+        run = lambda rate: simulate_colocated(poisson_requests(pairs, rate, 600, seed=1), [setup] * 2,  # noqa: E731
+                                              Sharing(corun, (0, 0))).attainment(slo)
+        return bisect_rate(run, slo.attainment, 10.0, rel_tol=0.02)[0]
+
+    old, ones, measured = goodput(Corun.none()), goodput(ONES), goodput(MEASURED)
+    assert ones == old
+    assert 0 < measured < 0.9 * old
 
 
 def test_pack_nodes_places_instances_first_fit_decreasing():
@@ -104,3 +110,16 @@ def test_profile_corun_entry_loads_and_rejects_unknown_pairs(tmp_path):
     path.write_text(json.dumps({**base, "corun": {"slowdown": {"decode_beside_gpu": 1.25}}}))
     with pytest.raises(BadConfigError, match="decode_beside_gpu"):
         load_profile(str(path))
+
+
+def test_profile_corun_clock_picks_cpu_wall_or_no_factors(tmp_path):
+    entry = {"slowdown": {"decode_beside_decode": 1.1}, "wall_slowdown": {"decode_beside_decode": 1.9}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"name": "t", "model": "smollm2-135m", "hardware": "cpu-local",
+                                "tp": {"1": {"prefill": [0.01, 1e-3, 0.0], "decode": [0.05, 1e-5, 1e-3]}},
+                                "corun": entry}))
+    assert load_profile(str(path)).corun.factor("decode", "decode") == 1.1
+    assert load_profile(str(path), "wall").corun.factor("decode", "decode") == 1.9
+    assert load_profile(str(path), "off").corun.is_none
+    with pytest.raises(BadConfigError, match="co-run clock"):
+        load_profile(str(path), "gpu")
