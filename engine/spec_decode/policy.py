@@ -5,8 +5,11 @@ Called by `SpecDecoder` (step.py) every step, pure Python:
       `draft_len(cap)` asks the proposer for position j only while alpha^j >= min_accept (SpecDec++'s
       stopping idea with a geometric acceptance model), and always for one token: whether even that one
       pays is the gate's call, which knows the load.
-  `CostModel` fits step seconds = a + b x tokens (decayed least squares over measured step times; with
-      too little spread in the token counts, b comes from a prior ratio to a).
+  `CostModel` fits step seconds = a + b x tokens (decayed least squares over measured plain decode steps,
+      where tokens = rows; with too little spread in the token counts, b comes from a prior ratio to a).
+  `VerifyScale` learns what a verified draft token costs in units of b from measured drafted steps: a
+      row's cost holds its whole-context attention, a draft token's only its query, but each distinct
+      draft length adds an attention group per layer; the ratio is measured, not assumed.
   `choose_lengths` (SmartSpec's goodput idea): per request, how many of its drafts to verify so that the
       batch's expected tokens/s is highest; none when that does not beat plain decoding.
 """
@@ -52,6 +55,11 @@ class CostModel:
         for i, v in enumerate((1.0, n, n * n, t, n * t)):
             self._s[i] += v
 
+    @property
+    def weight(self) -> float:
+        """Decayed count of observed steps (0: the fit is the unitless prior)."""
+        return self._s[0]
+
     def fit(self) -> tuple[float, float]:
         w, sn, snn, st, snt = self._s
         if w <= 0:
@@ -71,15 +79,36 @@ class CostModel:
         return a + b * num_tokens
 
 
+class VerifyScale:
+    """Seconds per verified draft token, as a multiple of the plain model's slope b: a decayed mean of
+    (measured drafted step - predicted plain step) / (b x draft tokens), starting from the prior 1 (a
+    draft token costs a row). While the gate keeps refusing, no drafted step measures it, so each
+    refusal pulls it back toward the prior a little: a high reading taken under a past load is retried."""
+
+    def __init__(self, prior: float = 1.0, weight: float = 0.15, relax: float = 0.02, cap: float = 8.0):
+        self.prior, self.weight, self.relax, self.cap = prior, weight, relax, cap
+        self.value = prior
+
+    def observe(self, step_seconds: float, plain_seconds: float, slope: float, draft_tokens: int) -> None:
+        if draft_tokens <= 0 or slope <= 0:
+            return
+        ratio = min(max((step_seconds - plain_seconds) / (slope * draft_tokens), 0.0), self.cap)
+        self.value += self.weight * (ratio - self.value)
+
+    def refused(self) -> None:
+        self.value += self.relax * (self.prior - self.value)
+
+
 def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas: list[float],
                    margin: float, draft_cost_per_token: float = 0.0,
-                   rows: int | None = None) -> tuple[list[int], float]:
+                   rows: int | None = None, verify_scale: float = 1.0) -> tuple[list[int], float]:
     """Draft tokens to verify per request (all 0: do not speculate) and the estimated cost ratio
     t(step with them) / t(plain step) (when refused: with every available draft). base_tokens: tokens of the step without drafts; drafts: the
     available draft length per drafting request (each emits 1 token without drafts); alphas: their
     acceptance estimates. The j-th draft of request i adds alpha_i^j expected tokens and costs one more
     token of forward (the cost model's slope) plus proposer time; with a linear cost, taking drafts in
     order of decreasing gain while the batch's tokens/s still rises maximizes it (SmartSpec's goodput).
+    verify_scale: a draft token's forward cost in units of the plain slope (`VerifyScale`).
     rows: tokens the whole step emits without drafts (every sampled row, drafting or not; default: one
     per drafting request). The baseline is the batch's rate, not the drafting requests' share of it:
     counting only those (an earlier version did) made a draft look worth a/k of the step's fixed cost a
@@ -89,7 +118,8 @@ def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas:
     lens = [0] * len(drafts)
     if not drafts:
         return lens, 1.0
-    step = cost.predict(base_tokens + 1) - t_plain + draft_cost_per_token  # one more token (linear model)
+    slope = cost.predict(base_tokens + 1) - t_plain
+    step = slope * verify_scale + draft_cost_per_token  # one more draft token
     tokens, t = float(len(drafts) if rows is None else max(rows, 1)), t_plain
     heap = [(-al, i) for i, al in enumerate(alphas) if drafts[i] > 0]
     heapq.heapify(heap)
@@ -105,7 +135,7 @@ def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas:
     base_rate = (len(drafts) if rows is None else max(rows, 1)) / t_plain
     if tokens / t <= base_rate * (1.0 + margin):  # refused: report what all drafts would cost
         full = sum(drafts)
-        return [0] * len(drafts), (cost.predict(base_tokens + full) + draft_cost_per_token * full) / t_plain
+        return [0] * len(drafts), (t_plain + step * full) / t_plain
     return lens, t / t_plain
 
 
@@ -119,6 +149,7 @@ class SpecStats:
     num_accepted: int = 0
     num_emitted: int = 0  # tokens the verifies produced (accepted + 1 each, before stops)
     verify_cost_ratio: float = 1.0  # last estimate t(step with drafts) / t(step without), from the cost model
+    verify_token_cost: float = 1.0  # measured: a verified draft token's forward cost / a decode row's (VerifyScale)
 
     @property
     def acceptance_rate(self) -> float:

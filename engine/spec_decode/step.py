@@ -26,7 +26,7 @@ from engine.sampler import SampleRequest, sample_batch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.spec_decode.config import PER_REQUEST_PROPOSERS, SpeculativeConfig
-from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, choose_lengths
+from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, VerifyScale, choose_lengths
 from engine.spec_decode.proposers import DraftState, Proposer, ProposerContext, make_proposer
 from engine.spec_decode.verify import accepted_length
 
@@ -42,7 +42,8 @@ class SpecDecoder:
         self.proposers: dict[str, Proposer] = {cfg.proposer: make_proposer(cfg.proposer, self.ctx,
                                                                            **cfg.proposer_options)}
         self.trackers: dict[str, AcceptanceTracker] = {}
-        self.cost = CostModel()
+        self.cost = CostModel()  # plain decode steps: seconds = a + b x rows
+        self.verify_scale = VerifyScale()  # a verified draft token's cost in units of b, measured
         self.draft_cost = 0.0  # seconds per drafted token spent in proposers (decayed average)
         self._t_proposers = 0.0  # proposer seconds of the current step
         self.stats = SpecStats()
@@ -85,9 +86,17 @@ class SpecDecoder:
         outs += [self._commit(c, drafts[c.request.request_id], r) for c, r in zip(verify, out.results[n:])]
         # The gate weighs whole decode steps (forward, sampling every verify row, commits), proposers
         # apart. Steps with prefill chunks are left out: a prompt token costs far less than a verified one
-        # (no LM-head row, no sampling), so they would teach the model a slope too low for drafts.
+        # (no LM-head row, no sampling), so they would teach the model a slope too low for drafts. Plain
+        # steps fit a + b x rows; drafted ones measure the draft tokens' cost on top (`VerifyScale`).
         if all(c.num_tokens == 1 for c in sched.chunks):
-            self.cost.observe(batch.num_tokens, self.timer() - t_start - t_proposers)
+            seconds, base = self.timer() - t_start - t_proposers, len(sched.chunks)
+            if drafts and self.cost.weight >= 2.0:  # (until plain steps were measured: tokens, as one fit)
+                plain_s = self.cost.predict(base)
+                self.verify_scale.observe(seconds, plain_s, self.cost.predict(base + 1) - plain_s,
+                                          batch.num_tokens - base)
+            else:
+                self.cost.observe(batch.num_tokens, seconds)
+        self.stats.verify_token_cost = self.verify_scale.value
         for rid in [r for r in self.trackers if r not in llm.requests]:
             self.release(rid)
         return outs
@@ -121,6 +130,7 @@ class SpecDecoder:
         rows = sum(c.sample for c in sched.chunks)  # tokens the step emits without drafts
         if self.cfg.gate and groups and not self._pays(base, rows, [s for ss in groups.values() for s in ss]):
             self.stats.num_gated += 1  # not even the planned lengths pay: do not spend proposer time
+            self.verify_scale.refused()
             return {}
         drafts = self._propose(groups)
         if not drafts:
@@ -129,20 +139,23 @@ class SpecDecoder:
             rids = list(drafts)
             lens, self.stats.verify_cost_ratio = choose_lengths(
                 self.cost, base, [len(drafts[r]) for r in rids], [self.trackers[r].alpha for r in rids],
-                self.cfg.gate_margin, self.draft_cost, rows)
+                self.cfg.gate_margin, self.draft_cost, rows, self.verify_scale.value)
             drafts = {r: drafts[r][:n] for r, n in zip(rids, lens) if n}
             if not drafts:
                 self.stats.num_gated += 1
+                self.verify_scale.refused()
                 return {}
         else:
             n = sum(map(len, drafts.values()))
-            self.stats.verify_cost_ratio = self.cost.predict(base + n) / self.cost.predict(base)
+            t_plain = self.cost.predict(base)
+            slope = self.cost.predict(base + 1) - t_plain
+            self.stats.verify_cost_ratio = 1.0 + slope * self.verify_scale.value * n / t_plain
         return self._reserve_slots(cands, drafts, self.llm.scheduler.cfg.max_num_batched_tokens - base)
 
     def _pays(self, base: int, rows: int, states: list[DraftState]) -> bool:
         lens, self.stats.verify_cost_ratio = choose_lengths(
             self.cost, base, [s.max_draft for s in states], [self.trackers[s.request_id].alpha for s in states],
-            self.cfg.gate_margin, self.draft_cost, rows)
+            self.cfg.gate_margin, self.draft_cost, rows, self.verify_scale.value)
         return any(lens)
 
     def _propose(self, groups: dict[str, list[DraftState]]) -> dict[str, list[int]]:

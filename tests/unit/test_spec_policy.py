@@ -6,7 +6,8 @@ import pytest
 from engine import InvalidRequestError, SamplingParams
 from engine.llm import LLM
 from engine.spec_decode import SpeculativeConfig
-from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, choose_lengths, expected_tokens
+from engine.spec_decode.policy import (AcceptanceTracker, CostModel, SpecStats, VerifyScale, choose_lengths,
+                                      expected_tokens)
 from tests.conftest import assert_engine_empty
 from tests.tiny_models import write_tiny
 
@@ -131,3 +132,20 @@ def test_engine_gate_turns_speculation_off_when_it_does_not_pay(tmp_path):
     assert llm.spec_stats()["num_spec_steps"] > 0
     assert_engine_empty(plain)
     assert_engine_empty(llm)
+
+
+def test_verify_scale_learns_draft_token_cost_and_relaxes_when_refused():
+    vs = VerifyScale()
+    for _ in range(40):  # drafted steps: 8 draft tokens cost 24 ms over a 100 ms plain step, b = 1 ms
+        vs.observe(0.124, 0.100, 0.001, 8)
+    assert vs.value == pytest.approx(3.0, rel=0.01)
+    cm = _cost(0.030, 0.001)
+    # At 3 rows' cost per draft token, a draft at 0.5 no longer pays at batch 16 (0.5 x 2.9 ms < 3 ms)...
+    assert choose_lengths(cm, 16, [4] * 16, [0.5] * 16, margin=0.02, rows=16, verify_scale=vs.value)[0] == [0] * 16
+    # ...while at the prior (a draft token costs a row) it did.
+    assert any(choose_lengths(cm, 16, [4] * 16, [0.5] * 16, margin=0.02, rows=16)[0])
+    for _ in range(200):
+        vs.refused()
+    assert vs.value == pytest.approx(1.0, abs=0.1)  # retried after a long refusal
+    vs.observe(0.05, 0.100, 0.001, 8)  # a faster-than-plain reading counts as free, not negative
+    assert vs.value >= 0.0
