@@ -92,6 +92,10 @@ def run_plan(args: argparse.Namespace) -> int:
     for mode, per_gpu in summary.get("whole_plan_goodput_per_gpu", {}).items():
         print(f"  whole-plan simulated goodput, best {mode}: {summary['whole_plan_goodput'][mode]:.2f} req/s "
               f"= {per_gpu:.2f} per GPU")
+    if summary.get("equal_gpus"):
+        e = summary["equal_gpus"]
+        print(f"  on equal GPUs ({e['gpus']}): colocated x{e['replicas']} {e['colocated']:.2f} req/s vs "
+              f"disaggregated {e['disaggregated']:.2f} req/s (whole plans simulated)")
     if summary:
         print(f"  why: {summary['why']}")
     print(f"  total {time.perf_counter() - start:.1f} s")

@@ -2,7 +2,10 @@
 
 Reads a `SearchResult` (plans, per-instance goodputs, rejections) and the `PlanRequest`; simulates the
 chosen plan and the best plan of the other mode over a range of rates (0.25x-2x the target) for the
-plot; says which constraint binds and why the winning mode wins. matplotlib (Agg) is imported here only.
+plot; says which constraint binds and why the winning mode wins. When the best colocated plan uses fewer GPUs
+than the best disaggregated one, it is also simulated scaled up to the same GPUs (`equal_gpus`): on a
+node whose instances share a memory bus (co-run factors) per-GPU goodput of a plan that leaves devices
+idle is not what a full node gets. matplotlib (Agg) is imported here only.
 """
 from __future__ import annotations
 
@@ -37,6 +40,20 @@ class PlanProbe:
 
     def curve(self) -> list[tuple[float, float]]:
         return [(self.req.rate * f, self.attainment(self.req.rate * f)) for f in RATE_FACTORS]
+
+
+def equal_gpus(req: PlanRequest, best_d: Plan | None, best_c: Plan | None, whole: dict[str, float]) -> dict:
+    """The best colocated replica kind scaled to the best disaggregated plan's GPUs, simulated whole
+    ({} when not comparable: a mode missing, not simulated, or sizes that do not divide)."""
+    if best_d is None or best_c is None or "disaggregated" not in whole or best_c.gpus >= best_d.gpus:
+        return {}
+    c, _ = best_c.pools[0]
+    if best_d.gpus % c.parallel.gpus:
+        return {}
+    k = best_d.gpus // c.parallel.gpus
+    scaled = Plan("colocated", "colocated", ((c, k),), best_d.gpus)
+    return {"gpus": best_d.gpus, "replicas": k, "colocated": PlanProbe(req, scaled).goodput(),
+            "disaggregated": whole["disaggregated"]}
 
 
 def binding_constraint(req: PlanRequest, plan: Plan, whole: float | None = None) -> str:
@@ -128,9 +145,13 @@ def write_report(out_dir: str | Path, req: PlanRequest, res: SearchResult, input
               for k, p in probes.items()}
     _plot(out / "attainment.png", req, curves)
     whole_by_mode = {probes[k].plan.mode: g for k, g in whole.items()}
+    equal = equal_gpus(req, best_d, best_c, whole_by_mode)
     md = _markdown(req, res, inputs, spec_path, best_d, best_c, curves, whole_by_mode)
+    if equal:
+        md += (f"\nOn equal GPUs ({equal['gpus']}): colocated x{equal['replicas']} {equal['colocated']:.2f} req/s vs "
+               f"disaggregated {equal['disaggregated']:.2f} req/s (whole plans simulated, co-run slowdown included).\n")
     (out / "report.md").write_text(md)
-    summary = _summary(req, res, inputs, best_d, best_c, whole_by_mode)
+    summary = _summary(req, res, inputs, best_d, best_c, whole_by_mode) | ({"equal_gpus": equal} if equal else {})
     (out / "plan.json").write_text(json.dumps(summary, indent=2))
     return out / "report.md", summary
 

@@ -123,3 +123,28 @@ def test_profile_corun_clock_picks_cpu_wall_or_no_factors(tmp_path):
     assert load_profile(str(path), "off").corun.is_none
     with pytest.raises(BadConfigError, match="co-run clock"):
         load_profile(str(path), "gpu")
+
+
+@pytest.mark.parametrize("clock", ["off", "cpu"])
+def test_plan_report_compares_modes_on_equal_gpus_with_the_slowdown(tmp_path, clock, capsys):
+    from cluster.cli import main
+
+    profile = {"name": "synthetic-cpu", "model": "smollm2-135m", "dtype": "bfloat16", "hardware": "cpu-local",
+               "tp": {"1": {"prefill": [0.02, 1.1e-3, 1e-8], "decode": [0.03, 2e-7, 2e-3]}},
+               "corun": {"slowdown": {f"{a}_beside_{b}": 2.0 for a in ("prefill", "decode")
+                                      for b in ("prefill", "decode")}}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    args = ["plan", "--model", "smollm2-135m", "--hardware", "cpu-local", "--nodes", "1", "--gpus-per-node", "2",
+            "--input-len", "uniform:100:300", "--output-len", "20", "--rate", "0.5", "--ttft-ms", "1500",
+            "--tpot-ms", "150", "--profile", str(path), "--corun", clock, "--out", str(tmp_path / "c.yaml"),
+            "--report", str(tmp_path / "r")]
+    assert main(args) == 0
+    assert "on equal GPUs (2): colocated x2" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "r" / "plan.json").read_text())
+    one, two = summary["whole_plan_goodput"]["colocated"], summary["equal_gpus"]["colocated"]
+    assert summary["chosen"]["gpus"] == 1 and summary["equal_gpus"]["replicas"] == 2
+    if clock == "off":  # two replicas behind one router serve at least twice one
+        assert two >= 1.9 * one
+    else:  # every step of one replica beside a busy one takes twice as long
+        assert two < 1.5 * one
