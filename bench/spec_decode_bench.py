@@ -9,7 +9,8 @@ the same tokens, up to near-ties in bfloat16 (column `same`), and tokens/s count
 For each cell the plain and the speculative engine run interleaved (plain, spec, plain, spec, ...
 --repeats times): output tokens/s and TPOT (time per output token after the first) as the median of
 the ratios of adjacent runs, tokens per CPU-second of this process (robust to other processes' load), and the speculation counters of the spec runs: acceptance rate, tokens per verify, share of steps
-speculated, the gate's last cost estimate. `verify` measures the forward cost the gate learns: one
+speculated, the gate's last cost estimate (`gate cost`) and its measured cost of one verified draft token
+in units of one decode row (`draft tok`). `verify` measures the forward cost the gate learns: one
 decode step at batch B with k + 1 tokens per sequence against 1 token (context ~300).
 
 Run:   .venv/bin/python bench/spec_decode_bench.py [--dtype bfloat16] [--proposer ngram] [--repeats 2]
@@ -99,6 +100,7 @@ def run_cell(llm: LLM, prompts: list[list[int]], new: int) -> dict:
                                                       "num_drafted", "num_accepted", "num_emitted")} if after else {}
     if spec:
         spec["verify_cost_ratio"] = after["verify_cost_ratio"]
+        spec["verify_token_cost"] = after.get("verify_token_cost", 1.0)
     return {"tok_s": n_out / wall, "tok_cpu_s": n_out / cpu, "tpot_ms": 1000 * tpot,
             "tokens": [tokens[i] for i in ids], "spec": spec}
 
@@ -119,14 +121,15 @@ def measure_cell(plain: LLM, spec: LLM, kind: str, conc: int, new: int, repeats:
     agg: dict = {}
     for r in runs["spec"]:
         for k, v in r["spec"].items():
-            agg[k] = agg.get(k, 0) + v if k != "verify_cost_ratio" else v
+            agg[k] = agg.get(k, 0) + v if k not in ("verify_cost_ratio", "verify_token_cost") else v
     same = sum(a == b for a, b in zip(runs["plain"][0]["tokens"], runs["spec"][0]["tokens"]))
     return {"workload": kind, "concurrency": conc, "plain": med["plain"], "spec": med["spec"],
             "tok_s_ratio": ratio("tok_s"), "tok_cpu_s_ratio": ratio("tok_cpu_s"), "tpot_ratio": ratio("tpot_ms"),
             "acceptance": agg["num_accepted"] / agg["num_drafted"] if agg.get("num_drafted") else 0.0,
             "tokens_per_verify": agg["num_emitted"] / agg["num_verifies"] if agg.get("num_verifies") else 0.0,
             "spec_share": agg["num_spec_steps"] / agg["num_steps"] if agg.get("num_steps") else 0.0,
-            "gate_cost_ratio": agg.get("verify_cost_ratio", 1.0), "identical_outputs": f"{same}/{conc}"}
+            "gate_cost_ratio": agg.get("verify_cost_ratio", 1.0), "draft_token_cost": agg.get("verify_token_cost", 1.0),
+            "identical_outputs": f"{same}/{conc}"}
 
 
 def measure_verify(llm: LLM, batch: int, k: int, ctx: int = 300, reps: int = 7) -> dict:
@@ -171,7 +174,7 @@ def main(argv=None) -> int:
     cells = [("copy", c) for c in (1, 4)] + [("chat", c) for c in ((1, 4) if a.quick else (1, 4, 16))]
     rows, verify = [], []
     print(f"{'workload':8} {'conc':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'cpu ratio':>9} {'TPOT ratio':>10} "
-          f"{'accept':>6} {'tok/verify':>10} {'spec share':>10} {'gate cost':>9} {'same':>6}")
+          f"{'accept':>6} {'tok/verify':>10} {'spec share':>10} {'gate cost':>9} {'draft tok':>9} {'same':>6}")
     for kind, conc in cells:
         if kind not in a.only or (a.cells and f"{kind}:{conc}" not in a.cells):
             continue
@@ -179,7 +182,8 @@ def main(argv=None) -> int:
         rows.append(r)
         print(f"{kind:8} {conc:>4} {r['plain']['tok_s']:>11.1f} {r['spec']['tok_s']:>10.1f} {r['tok_s_ratio']:>5.2f}x "
               f"{r['tok_cpu_s_ratio']:>8.2f}x {r['tpot_ratio']:>9.2f}x {r['acceptance']:>6.2f} {r['tokens_per_verify']:>10.2f} "
-              f"{r['spec_share']:>10.2f} {r['gate_cost_ratio']:>9.2f} {r['identical_outputs']:>6}", flush=True)
+              f"{r['spec_share']:>10.2f} {r['gate_cost_ratio']:>9.2f} {r['draft_token_cost']:>9.2f} {r['identical_outputs']:>6}",
+              flush=True)
     if "verify" in a.only:
         for b in (1, 4, 16):
             v = measure_verify(plain, b, a.max_draft)

@@ -100,6 +100,7 @@ class DecodeStats:
     spec_acceptance_rate: float = 0.0
     spec_tokens_per_verify: float = 0.0  # tokens one request's verify produced, on average
     spec_verify_cost_ratio: float = 1.0  # last estimate: step time with drafts / without
+    spec_draft_token_cost: float = 1.0  # measured: a verified draft token's cost / a decode row's
     # prefix caching (0 when off): cached prefix pages shared into reservations instead of being shipped,
     # and this engine's own lookups (recomputes after preemption or a failed transfer; colocated prompts)
     prefix_shared_received_pages: int = 0
@@ -230,7 +231,7 @@ class DecodeWorker:
             out.spec_steps, out.spec_share = int(sp["num_steps"]), sp["spec_share"]
             out.spec_drafted, out.spec_accepted = int(sp["num_drafted"]), int(sp["num_accepted"])
             out.spec_acceptance_rate, out.spec_tokens_per_verify = sp["acceptance_rate"], sp["tokens_per_verify"]
-            out.spec_verify_cost_ratio = sp["verify_cost_ratio"]
+            out.spec_verify_cost_ratio, out.spec_draft_token_cost = sp["verify_cost_ratio"], sp["verify_token_cost"]
         px = self.llm.prefix_stats()
         if px:
             out.prefix_shared_received_pages, out.kv_bytes_not_received = (int(px["shared_received_pages"]),
