@@ -37,6 +37,7 @@ class RawKVBackend:
     _ws: dict[int, torch.Tensor] | None = None  # gather workspaces (K, V), made on first use
     dense_decode = True  # keep decode groups' K/V dense across steps (raw pages only: see `_dense_for`)
     _dense: DenseDecode | None = None
+    _written: tuple | None = None  # (layer, slots, k, v) of the last `write`
 
     def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
         self.spec = spec
@@ -55,8 +56,10 @@ class RawKVBackend:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, kv_heads, head_dim]; slots: [num_tokens] flat slot ids."""
-        self._flat(self.k[layer]).index_copy_(0, slots, k.to(self.k[layer].dtype))
-        self._flat(self.v[layer]).index_copy_(0, slots, v.to(self.v[layer].dtype))
+        k, v = k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)
+        self._flat(self.k[layer]).index_copy_(0, slots, k)
+        self._flat(self.v[layer]).index_copy_(0, slots, v)
+        self._written = (layer, slots, k, v)  # dense decode copies append these rows (see `attend`)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at the given flat slots: each [*slots.shape, kv_heads, head_dim]."""
@@ -130,7 +133,11 @@ class RawKVBackend:
 
     def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
         b, ql = g.batch, g.q_len
-        kv = None if self._dense is None else self._dense.load(layer, g, self.k[layer], self.v[layer])
+        kv = None
+        if self._dense is not None:
+            w = self._written  # this layer's new rows, when they are this step's (same slots tensor)
+            new = w[2:] if w is not None and w[0] == layer and w[1] is ctx.write_slots else None
+            kv = self._dense.load(layer, g, self.k[layer], self.v[layer], new)
         k, v = self._load(layer, g) if kv is None else kv  # [B, ctx, kv_heads, head_dim]
         qh = q.view(b, ql, *q.shape[1:]).transpose(1, 2)  # [B, q_heads, q_len, head_dim]
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, ctx, head_dim]

@@ -114,9 +114,11 @@ class DenseDecode:
             return {}
         return self.spares.pop(min(fits, key=sizes.__getitem__))
 
-    def load(self, layer: int, g: AttnGroup, k_pool: torch.Tensor, v_pool: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """K, V [B, ctx, kv_heads, cell] from the group's copy, or None when the group has none."""
+    def load(self, layer: int, g: AttnGroup, k_pool: torch.Tensor, v_pool: torch.Tensor,
+             written: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K, V [B, ctx, kv_heads, cell] from the group's copy, or None when the group has none.
+        `written`: this layer's K, V of this step's packed tokens [num_tokens, kv_heads, cell] as just
+        written to the pages (saves reading the new slots back from the pool), or None."""
         m = self._by_group.get(id(g))
         if m is None:
             return None
@@ -125,14 +127,23 @@ class DenseDecode:
         if bk is None or bk[0].numel() < m.numel * h * c:
             bk = m.bufs[layer] = (k_pool.new_empty(m.numel * h * c), v_pool.new_empty(m.numel * h * c))
         out = []
-        for pool, buf in zip((k_pool, v_pool), bk):
+        for i, (pool, buf) in enumerate(zip((k_pool, v_pool), bk)):
             dense = buf[:m.numel * h * c]
             if m.fill_index is not None:  # [num_pages, ps, h, c] -> B rows of cap slots
                 torch.index_select(pool, 0, m.fill_index, out=dense.view(-1, self.page_size, h, c))
             else:
-                dense.view(-1, h, c).index_copy_(0, m.append_dst, pool.view(-1, h, c).index_select(0, m.append_src))
+                dense.view(-1, h, c).index_copy_(0, m.append_dst, _new_rows(g, pool, m.append_src, written, i))
             out.append(dense.view(b, m.cap, h, c)[:, :max(g.ctx_lens)])
         return out[0], out[1]
+
+
+def _new_rows(g: AttnGroup, pool: torch.Tensor, slots: torch.Tensor, written, i: int) -> torch.Tensor:
+    """This step's K (i = 0) or V (1) of the group's rows, in row order: [B, kv_heads, cell]."""
+    if written is None:
+        return pool.view(-1, *pool.shape[2:]).index_select(0, slots)
+    if g.token_rows is None:
+        return written[i][g.token_start:g.token_end]
+    return written[i].index_select(0, g.token_rows)
 
 
 def _group_slots(ctx: AttentionContext, g: AttnGroup) -> torch.Tensor:

@@ -46,13 +46,14 @@ class Twin:
                 b.write(layer, self._slots(rid, 0, n), torch.randn(n, 2, 16), torch.randn(n, 2, 16))
         self.lens[rid] = n
 
-    def decode(self, rids: list[str]) -> None:
-        """One decode step of `rids` (one new slot each) on both backends; outputs must be equal."""
+    def decode(self, rids: list[str], via_pool: bool = False) -> None:
+        """One decode step of `rids` (one new slot each) on both backends; outputs must be equal.
+        via_pool: write with another slots tensor, so a continuing copy reads its new rows from the pages."""
         for r in rids:
             self._slots(r, self.lens[r], 1)  # a page for the new slot when the last one is full
         layouts = [SeqLayout(r, 1, self.lens[r], self.pages[r]) for r in rids]
         ctx_on, ctx_off = (build_context(layouts, PS, 0.25) for _ in range(2))
-        slots = ctx_on.write_slots
+        slots = ctx_on.write_slots.clone() if via_pool else ctx_on.write_slots
         for layer in range(2):
             k, v, q = torch.randn(len(rids), 2, 16), torch.randn(len(rids), 2, 16), torch.randn(len(rids), 4, 16)
             self.on.write(layer, slots, k, v)
@@ -88,8 +89,8 @@ def test_steps_continue_and_refill_when_the_chain_breaks(monkeypatch):
         t.prefill(rid, n)
     t.decode(["a", "b", "c"])
     assert counts == {"fill": 1, "continue": 0}
-    for _ in range(dd.GROW_SLOTS + 3):  # grows past the copy's room once: one more fill
-        t.decode(["a", "b", "c"])
+    for i in range(dd.GROW_SLOTS + 3):  # grows past the copy's room once: one more fill
+        t.decode(["a", "b", "c"], via_pool=i % 2 == 1)
     assert counts["fill"] == 2 and counts["continue"] == dd.GROW_SLOTS + 2
     t.decode(["a", "c"])  # a row left: a new group, a fill
     assert counts["fill"] == 3
