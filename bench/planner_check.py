@@ -104,11 +104,12 @@ def predicted_of(sim: SimResult, slo: SLO) -> dict:
             "tpot_p90_ms": 1000 * pct["tpot_p90"]}
 
 
-def compare(bench: dict, spec: ClusterSpec, profile: str | None, hardware: str, slo: SLO) -> list[Row]:
+def compare(bench: dict, spec: ClusterSpec, profile: str | None, hardware: str, slo: SLO,
+            corun: str = "cpu") -> list[Row]:
     runs = sorted((r for t in bench["targets"] for r in t["runs"] if r["rate"]), key=lambda r: r["rate"])
     rows = []
     for i, run in enumerate(runs):
-        sim = simulate_spec(spec, requests_of(run), profile, hardware)
+        sim = simulate_spec(spec, requests_of(run), profile, hardware, corun)
         rows.append(Row(run["rate"], measured_of(run, slo), predicted_of(sim, slo), BOUNDS[min(i, len(BOUNDS) - 1)]))
     return rows
 
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--goodput", type=float, help="measured goodput (req/s): skip the search")
     ap.add_argument("--fractions", default="0.25,0.5,0.75", help="probe rates as fractions of the goodput")
     ap.add_argument("--from-bench", help="a finished bench.json: only predict and compare")
+    ap.add_argument("--corun", default="cpu", choices=["cpu", "wall", "off"],
+                    help="the profile's co-run factors for replicas sharing this machine (as pdserve plan --corun)")
     ap.add_argument("--out", default="bench/out/planner-check")
     args = ap.parse_args(argv)
     spec, slo = load_spec(args.spec), SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment)
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print("planner_check: measured goodput is 0 at this SLO; loosen it", file=sys.stderr)
             return 2
         bench = _bench(args, out / "probes", [f * goodput for f in map(float, args.fractions.split(","))], 0)
-    rows = compare(bench, spec, args.profile, args.hardware, slo)
+    rows = compare(bench, spec, args.profile, args.hardware, slo, args.corun)
     text = table(rows)
     print(text)
     out.mkdir(parents=True, exist_ok=True)
