@@ -148,3 +148,19 @@ def test_plan_report_compares_modes_on_equal_gpus_with_the_slowdown(tmp_path, cl
         assert two >= 1.9 * one
     else:  # every step of one replica beside a busy one takes twice as long
         assert two < 1.5 * one
+
+
+def test_corun_summary_pairs_each_window_with_its_rounds_alone_window():
+    from cluster.planner.corun import summarize
+
+    # (cpu s, wall s) window medians per round: the machine drifts 2x between rounds, the ratio does not
+    windows = {("decode", "none"): [(0.05, 0.05), (0.10, 0.10), (0.05, 0.06)],
+               ("decode", "decode"): [(0.06, 0.10), (0.12, 0.20), (0.07, 0.12)],
+               ("decode", "prefill"): [(0.05, 0.05), (0.10, 0.10), (0.05, 0.06)]}
+    share = {("decode", "decode"): [0.9, 1.0, 0.95], ("decode", "prefill"): [1.0, 1.0, 1.0]}
+    out = summarize(windows, share, 3)
+    assert out["slowdown"]["decode_beside_decode"] == pytest.approx(1.2)
+    assert out["spread"]["decode_beside_decode"] == pytest.approx([1.2, 1.4])
+    assert out["wall_slowdown"]["decode_beside_decode"] == pytest.approx(2.0)
+    assert out["slowdown"]["decode_beside_prefill"] == 1.0
+    assert out["neighbour_cpu_share"]["decode_beside_decode"] == 0.95
