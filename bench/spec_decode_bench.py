@@ -6,8 +6,8 @@ the same tokens, up to near-ties in bfloat16 (column `same`), and tokens/s count
          occur in the prompt, so prompt-lookup drafts land. Concurrency 1 and 4.      target >= 2x
   chat   open-ended questions: drafts rarely land; the gate must keep speculation from hurting.
          Concurrency 1, 4 and 16.                                                    target >= 0.97x
-For each cell the plain and the speculative engine run interleaved (plain, spec, plain, spec, ...
---repeats times): output tokens/s and TPOT (time per output token after the first) as the median of
+For each cell the plain and the speculative engine run interleaved (plain, spec, spec, plain, plain, ...
+--repeats pairs, the order alternating so a drifting load favours neither side): output tokens/s and TPOT (time per output token after the first) as the median of
 the ratios of adjacent runs, tokens per CPU-second of this process (robust to other processes' load), and the speculation counters of the spec runs: acceptance rate, tokens per verify, share of steps
 speculated, the gate's last cost estimate (`gate cost`) and its measured cost of one verified draft token
 in units of one decode row (`draft tok`). `verify` measures the forward cost the gate learns: one
@@ -108,8 +108,8 @@ def run_cell(llm: LLM, prompts: list[list[int]], new: int) -> dict:
 def measure_cell(plain: LLM, spec: LLM, kind: str, conc: int, new: int, repeats: int) -> dict:
     prompts = workload(plain, kind, conc)
     runs = {"plain": [], "spec": []}
-    for _ in range(repeats):
-        for name, llm in (("plain", plain), ("spec", spec)):
+    for i in range(repeats):  # the order alternates: a load that drifts within a pair does not favour one side
+        for name, llm in (("plain", plain), ("spec", spec))[::1 if i % 2 == 0 else -1]:
             runs[name].append(run_cell(llm, prompts, new))
     med = {n: {k: statistics.median(r[k] for r in rs) for k in ("tok_s", "tok_cpu_s", "tpot_ms")}
            for n, rs in runs.items()}

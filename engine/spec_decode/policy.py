@@ -11,7 +11,11 @@ Called by `SpecDecoder` (step.py) every step, pure Python:
       row's cost holds its whole-context attention, a draft token's only its query, but each distinct
       draft length adds an attention group per layer; the ratio is measured, not assumed.
   `choose_lengths` (SmartSpec's goodput idea): per request, how many of its drafts to verify so that the
-      batch's expected tokens/s is highest; none when that does not beat plain decoding.
+      batch's expected tokens/s is highest; none when that does not beat plain decoding. While requests
+      wait, a finished one's slot is refilled at once and every row carries 1/n of a step's fixed cost;
+      when none wait, the batch drains (`drain_lengths`): finishing a request early saves its later
+      rows, but a whole later step only if every request on the critical path (the longest budget
+      left) also moves ahead, so drafts of the others must pay for themselves in rows.
 """
 from __future__ import annotations
 
@@ -101,7 +105,8 @@ class VerifyScale:
 
 def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas: list[float],
                    margin: float, draft_cost_per_token: float = 0.0,
-                   rows: int | None = None, verify_scale: float = 1.0) -> tuple[list[int], float]:
+                   rows: int | None = None, verify_scale: float = 1.0,
+                   fixed_share: list[float] | None = None) -> tuple[list[int], float]:
     """Draft tokens to verify per request (all 0: do not speculate) and the estimated cost ratio
     t(step with them) / t(plain step) (when refused: with every available draft). base_tokens: tokens of the step without drafts; drafts: the
     available draft length per drafting request (each emits 1 token without drafts); alphas: their
@@ -113,13 +118,19 @@ def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas:
     per drafting request). The baseline is the batch's rate, not the drafting requests' share of it:
     counting only those (an earlier version did) made a draft look worth a/k of the step's fixed cost a
     with k drafters in a batch of n > k rows, and at batch 16 the gate verified drafts that cost more
-    than they brought (chat-16 below 0.97x)."""
+    than they brought (chat-16 below 0.97x).
+    fixed_share: None while a finished request's slot is refilled at once (requests wait): then a step's
+    fixed cost a is spread over its rows, as above. Otherwise, per drafting request, the share of a that
+    one of its accepted tokens saves (`drain_lengths`)."""
     t_plain = cost.predict(base_tokens)
     lens = [0] * len(drafts)
     if not drafts:
         return lens, 1.0
     slope = cost.predict(base_tokens + 1) - t_plain
     step = slope * verify_scale + draft_cost_per_token  # one more draft token
+    if fixed_share is not None:
+        a = max(t_plain - slope * base_tokens, 0.0)
+        return drain_lengths(t_plain, step, drafts, alphas, [slope + a * f for f in fixed_share], margin)
     tokens, t = float(len(drafts) if rows is None else max(rows, 1)), t_plain
     heap = [(-al, i) for i, al in enumerate(alphas) if drafts[i] > 0]
     heapq.heapify(heap)
@@ -137,6 +148,26 @@ def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas:
         full = sum(drafts)
         return [0] * len(drafts), (t_plain + step * full) / t_plain
     return lens, t / t_plain
+
+
+def drain_lengths(t_plain: float, step: float, drafts: list[int], alphas: list[float], worth: list[float],
+                  margin: float) -> tuple[list[int], float]:
+    """Draft lengths when no request waits for a slot: an accepted token of request i saves worth[i]
+    seconds (its row in a later step, plus whatever share of a later step's fixed cost it removes: only
+    a request on the batch's critical path shortens the run) and each draft token costs `step`. Drafts
+    are taken while alpha^j x worth > step; speculate only if the saving beats margin x the step."""
+    lens, saved, heap = [0] * len(drafts), 0.0, [(-al * worth[i], i) for i, al in enumerate(alphas) if drafts[i] > 0]
+    heapq.heapify(heap)
+    while heap and -heap[0][0] > step:
+        neg, i = heapq.heappop(heap)
+        saved += -neg - step
+        lens[i] += 1
+        if lens[i] < drafts[i]:
+            heapq.heappush(heap, (neg * alphas[i], i))
+    spent = step * sum(lens)
+    if saved <= margin * (t_plain + spent):
+        return [0] * len(drafts), (t_plain + step * sum(drafts)) / t_plain
+    return lens, (t_plain + spent) / t_plain
 
 
 @dataclass

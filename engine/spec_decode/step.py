@@ -128,7 +128,7 @@ class SpecDecoder:
                 groups[name].append(DraftState(req.request_id, req.token_ids, req.num_prompt, k, sampling))
         base = sum(c.num_tokens for c in sched.chunks)
         rows = sum(c.sample for c in sched.chunks)  # tokens the step emits without drafts
-        if self.cfg.gate and groups and not self._pays(base, rows, [s for ss in groups.values() for s in ss]):
+        if self.cfg.gate and groups and not self._pays(base, rows, [s for ss in groups.values() for s in ss], sched):
             self.stats.num_gated += 1  # not even the planned lengths pay: do not spend proposer time
             self.verify_scale.refused()
             return {}
@@ -139,7 +139,7 @@ class SpecDecoder:
             rids = list(drafts)
             lens, self.stats.verify_cost_ratio = choose_lengths(
                 self.cost, base, [len(drafts[r]) for r in rids], [self.trackers[r].alpha for r in rids],
-                self.cfg.gate_margin, self.draft_cost, rows, self.verify_scale.value)
+                self.cfg.gate_margin, self.draft_cost, rows, self.verify_scale.value, self._shares(sched, rids))
             drafts = {r: drafts[r][:n] for r, n in zip(rids, lens) if n}
             if not drafts:
                 self.stats.num_gated += 1
@@ -152,11 +152,26 @@ class SpecDecoder:
             self.stats.verify_cost_ratio = 1.0 + slope * self.verify_scale.value * n / t_plain
         return self._reserve_slots(cands, drafts, self.llm.scheduler.cfg.max_num_batched_tokens - base)
 
-    def _pays(self, base: int, rows: int, states: list[DraftState]) -> bool:
+    def _pays(self, base: int, rows: int, states: list[DraftState], sched: SchedulerOutput) -> bool:
+        rids = [s.request_id for s in states]
         lens, self.stats.verify_cost_ratio = choose_lengths(
-            self.cost, base, [s.max_draft for s in states], [self.trackers[s.request_id].alpha for s in states],
-            self.cfg.gate_margin, self.draft_cost, rows, self.verify_scale.value)
+            self.cost, base, [s.max_draft for s in states], [self.trackers[r].alpha for r in rids],
+            self.cfg.gate_margin, self.draft_cost, rows, self.verify_scale.value, self._shares(sched, rids))
         return any(lens)
+
+    def _shares(self, sched: SchedulerOutput, rids: list[str]) -> list[float] | None:
+        """Per drafting request, the share of a step's fixed cost one accepted token saves (see
+        policy.drain_lengths); None while requests wait (a freed slot is refilled: 1/n for every row).
+        The critical path: requests whose token budget left is within one draft of the largest; a
+        later step goes only if all of them move ahead, so only when every one of them drafts."""
+        if self.llm.scheduler.waiting:
+            return None
+        left = {c.request.request_id: c.request.params.max_tokens - c.request.num_output for c in sched.chunks}
+        top = max(left.values())
+        critical = {r for r, n in left.items() if n >= top - self.cfg.max_draft}
+        if not critical <= set(rids):
+            return [0.0] * len(rids)
+        return [1.0 / len(critical) if r in critical else 0.0 for r in rids]
 
     def _propose(self, groups: dict[str, list[DraftState]]) -> dict[str, list[int]]:
         t0, drafts = self.timer(), {}

@@ -250,3 +250,24 @@ def test_per_request_override(tiny_dir, draft_dir, reference):
     with pytest.raises(InvalidRequestError, match="speculative.max_draft"):
         llm.add_request(PROMPTS[0], SamplingParams(speculative={"max_draft": 99}))
     finish(llm)
+
+
+def test_gate_shares_fixed_cost_only_along_the_critical_path(tmp_path):
+    d = write_tiny("llama", tmp_path / "llama", initializer_range=0.1)
+    llm = LLM(model=str(d), dtype="float32", num_pages=64, max_num_seqs=2, speculative={"proposer": "ngram"})
+    short, long = SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=40, temperature=0.0)
+    llm.add_request([5, 6, 7], short, request_id="s")
+    llm.add_request([5, 6, 8], long, request_id="l")
+    sched = llm.scheduler.schedule()
+    assert spec_shares(llm, sched, ["s", "l"]) == [0.0, 1.0]  # only the longest budget shortens the run
+    assert spec_shares(llm, sched, ["s"]) == [0.0]  # the critical request does not draft: rows only
+    llm.add_request([9, 9, 9], long, request_id="w")  # no free slot (max_num_seqs=2): it waits
+    assert llm.scheduler.waiting
+    assert spec_shares(llm, sched, ["s", "l"]) is None  # a freed slot is refilled: 1/n for every row
+    for rid in ("s", "l", "w"):
+        llm.abort(rid)
+    assert_engine_empty(llm)
+
+
+def spec_shares(llm, sched, rids):
+    return llm.spec._shares(sched, rids)

@@ -149,3 +149,18 @@ def test_verify_scale_learns_draft_token_cost_and_relaxes_when_refused():
     assert vs.value == pytest.approx(1.0, abs=0.1)  # retried after a long refusal
     vs.observe(0.05, 0.100, 0.001, 8)  # a faster-than-plain reading counts as free, not negative
     assert vs.value >= 0.0
+
+
+def test_drain_drafts_pay_only_in_rows_off_the_critical_path():
+    cm = _cost(0.030, 0.002)  # a = 30 ms, a row 2 ms; a 16-row step 62 ms
+    # Slots are refilled (fixed_share None): an accepted token is worth a/16 + b = 3.9 ms > 2 ms / 0.7.
+    assert any(choose_lengths(cm, 16, [4] * 4, [0.7] * 4, margin=0.02, rows=16)[0])
+    # Draining, these four off the critical path: an accepted token saves only its row (0.7 x 2 < 2).
+    lens, ratio = choose_lengths(cm, 16, [4] * 4, [0.7] * 4, margin=0.02, rows=16, fixed_share=[0.0] * 4)
+    assert lens == [0] * 4 and ratio > 1.0
+    # ...unless a draft token is cheap beside a row (a measured scale of 0.3: 0.7 x 2 > 0.6 ms).
+    assert any(choose_lengths(cm, 16, [4] * 4, [0.7] * 4, margin=0.02, rows=16, verify_scale=0.3,
+                              fixed_share=[0.0] * 4)[0])
+    # The lone critical request saves whole steps: a + b = 32 ms per accepted token.
+    lens, _ = choose_lengths(cm, 16, [4, 4], [0.6, 0.6], margin=0.02, rows=16, fixed_share=[1.0, 0.0])
+    assert lens[0] == 4 and lens[1] == 0
