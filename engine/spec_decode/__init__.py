@@ -5,8 +5,10 @@ Map (who calls what, in order, once per engine step when `LLM(speculative=...)` 
     LLM.step -> scheduler.schedule() -> SpecDecoder.step(sched)            (step.py)
         plan: per decode request a draft length from its acceptance (policy.AcceptanceTracker), drafts
               from the request's proposer (proposers/, registered by name), then the load-aware gate
-              (policy.choose_lengths over policy.CostModel, fitted to measured step times: expected
-              tokens/s of this batch with vs without each draft token) trims or drops them; draft slots
+              (policy.choose_lengths over policy.CostModel, fitted to measured plain steps, and
+              policy.VerifyScale, a draft token's measured cost: expected tokens/s of this batch with vs
+              without each draft token; while no request waits, drafts off the batch's critical path
+              must pay in saved rows alone: policy.drain_lengths) trims or drops them; draft slots
               are appended to the block table only when pages are free (drafts never preempt)
         run:  one ragged forward: plain chunks as usual, each drafted request brings [last] + draft with
               logits at every position
