@@ -3,8 +3,6 @@
 Why: torch's default CPU GEMV for bfloat16 runs well below memory bandwidth (measured 5.4 GB/s vs 7.8 GB/s
 prepacked on this machine, where bandwidth is the limit at batch 1), and decode at small batch is a chain
 of GEMVs. float32 keeps plain `F.linear`, so float32 logits match Hugging Face bit for bit.
-`Linear` (y = x W^T + b, optionally + residual) serves q/k/v, o, down and the LM head; `GateUp` is
-SwiGLU's first half, silu(x G^T) * (x U^T), whose activation and product ride on the packed matmuls.
 """
 from __future__ import annotations
 
@@ -16,19 +14,15 @@ def _packing_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
 
 
-def _packs(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and _packing_available()
-
-
 class Linear:
     """y = x @ weight.T + bias, with weight [out_features, in_features]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight = weight
         self.bias = bias
         self.out_features = weight.shape[0]
         self.packed = None
-        if pack and _packs(weight):
+        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and _packing_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,29 +39,3 @@ class Linear:
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
-
-
-class GateUp:
-    """silu(x @ gate.T) * (x @ up.T): [num_tokens, hidden] -> [num_tokens, intermediate].
-
-    Packed (bf16/fp16): two oneDNN matmuls, the SiLU fused into the gate's and the product into the up's
-    (no [num_tokens, 2 * intermediate] intermediate, no separate silu and mul passes over it; the SiLU
-    sees the float accumulator before rounding). float32: one fused F.linear, then silu(gate) * up, as
-    Hugging Face computes it."""
-
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor):
-        self.fused = Linear(torch.cat([gate, up]), pack=False)  # [2 * intermediate, hidden]
-        n = gate.shape[0]
-        self.gate = self.up = None
-        if _packs(self.fused.weight):  # row slices of the fused weight: views, then packed copies
-            self.gate, self.up = Linear(self.fused.weight[:n]), Linear(self.fused.weight[n:])
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate is None:
-            gate, up = self.fused(x).chunk(2, dim=-1)
-            return F.silu(gate) * up
-        g = torch.ops.mkldnn._linear_pointwise(x, self.gate.packed, None, "swish", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, g, self.up.packed, None, "mul")
-
-    def nbytes(self) -> int:
-        return self.fused.nbytes()

@@ -2,9 +2,8 @@
 
 Called by `engine.runner.ModelRunner` once per step with packed token ids, explicit positions and an
 `AttentionContext`; K/V go to, and attention comes from, the KV backend (keys stored after RoPE). The
-model holds plain tensors (no nn.Module): the q/k/v projections are fused into one matmul, which is where
-most of the CPU time goes; gate/up too in float32, while bf16 runs gate and up as two packed matmuls that
-carry SwiGLU's SiLU and product (`engine.linear.GateUp`). GQA, RMSNorm, SwiGLU, tied embeddings.
+model holds plain tensors (no nn.Module): q/k/v and gate/up projections are fused into one matmul each,
+which is where most of the CPU time goes. GQA, RMSNorm, SwiGLU, tied embeddings.
 
 Tensor parallelism (`engine.parallel`): a rank builds this with its shard of the weights, a config with
 its local head counts and an `all_reduce` callable; o and down are then row-parallel (partial sums
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext
 from engine.config import ModelConfig
-from engine.linear import GateUp, Linear
+from engine.linear import Linear
 from engine.rope import RotaryTable, apply_rotary
 
 LayerHook = Callable[[int], None]  # called with the global layer index after that layer ran
@@ -35,7 +34,7 @@ class LayerWeights:
     qkv: Linear  # [(q_heads + 2 * kv_heads) * head_dim, hidden], bias for Qwen2
     o: Linear
     post_norm: torch.Tensor
-    gate_up: GateUp  # gate and up [2 * intermediate, hidden]: silu(x G^T) * (x U^T) in one call
+    gate_up: Linear  # [2 * intermediate, hidden]
     down: Linear
 
 
@@ -76,7 +75,7 @@ class LlamaForward:
             qkv=Linear(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]), bias),
             o=Linear(w(a + "o_proj.weight")),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=GateUp(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")),
+            gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
             down=Linear(w(p + "mlp.down_proj.weight")),
         )
 
@@ -88,7 +87,7 @@ class LlamaForward:
             total += self.lm_head.nbytes() + self.final_norm.numel() * self.final_norm.element_size()
         for lw in self.layers:
             for part in vars(lw).values():
-                total += part.nbytes() if isinstance(part, (Linear, GateUp)) else part.numel() * part.element_size()
+                total += part.nbytes() if isinstance(part, Linear) else part.numel() * part.element_size()
         return total
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -114,7 +113,8 @@ class LlamaForward:
             o = backend.attend(i, q, ctx)  # [num_tokens, q_heads, head_dim]
             x = self._residual(lw.o, o.reshape(t, nq), x)
             h = self._norm(x, lw.post_norm)
-            x = self._residual(lw.down, lw.gate_up(h), x)
+            gate, up = lw.gate_up(h).chunk(2, dim=-1)
+            x = self._residual(lw.down, F.silu(gate) * up, x)
             if layer_hook is not None:
                 layer_hook(i)
         return self._norm(x, self.final_norm) if self.is_last else x
