@@ -161,10 +161,11 @@ class SpecDecoder:
 
     def _shares(self, sched: SchedulerOutput, rids: list[str]) -> list[float] | None:
         """Per drafting request, the share of a step's fixed cost one accepted token saves (see
-        policy.drain_lengths); None while requests wait (a freed slot is refilled: 1/n for every row).
+        policy.drain_lengths); None while requests wait (a freed slot is refilled: 1/n for every row);
+        on a decode worker, requests whose KV is on its way hold page reservations: they wait too.
         The critical path: requests whose token budget left is within one draft of the largest; a
         later step goes only if all of them move ahead, so only when every one of them drafts."""
-        if self.llm.scheduler.waiting:
+        if self.llm.scheduler.waiting or self.llm.allocator.num_reservations:
             return None
         left = {c.request.request_id: c.request.params.max_tokens - c.request.num_output for c in sched.chunks}
         top = max(left.values())

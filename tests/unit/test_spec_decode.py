@@ -264,7 +264,12 @@ def test_gate_shares_fixed_cost_only_along_the_critical_path(tmp_path):
     llm.add_request([9, 9, 9], long, request_id="w")  # no free slot (max_num_seqs=2): it waits
     assert llm.scheduler.waiting
     assert spec_shares(llm, sched, ["s", "l"]) is None  # a freed slot is refilled: 1/n for every row
-    for rid in ("s", "l", "w"):
+    llm.abort("w")
+    assert spec_shares(llm, sched, ["s", "l"]) == [0.0, 1.0]
+    res = llm.allocator.reserve(2, lease_s=60.0)  # a decode worker: KV of another request on its way
+    assert spec_shares(llm, sched, ["s", "l"]) is None
+    llm.allocator.cancel(res.reservation_id)
+    for rid in ("s", "l"):
         llm.abort(rid)
     assert_engine_empty(llm)
 
