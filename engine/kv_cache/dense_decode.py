@@ -28,6 +28,7 @@ from engine.attention_context import AttentionContext, AttnGroup
 
 GROW_SLOTS = 32  # room each row gets past its context on a fill: one fill per this many continuing steps
 MAX_BYTES = 1 << 30  # K + V over all layers of all live copies; larger groups take the gather path
+SPARE_BYTES = 512 << 20  # buffers of dropped copies kept for later fills (newest first)
 
 
 @dataclass
@@ -79,7 +80,18 @@ class DenseDecode:
             budget -= m.numel * self.bytes_per_slot
             self.mirrors[key] = self._by_group[id(g)] = m
         self.spares.extend(m.bufs for m in old.values())
-        del self.spares[:-2]  # keep the two latest: bounded memory, and enough for a regrouping
+        self._trim_spares()
+
+    def _trim_spares(self) -> None:
+        """Keep the newest spares up to SPARE_BYTES. Why keep any: a fill into fresh tensors faults in
+        and zeroes new pages (a batch of 16 ragged requests regroups ~30 times while rows join and leave)."""
+        keep, total = [], 0
+        for bufs in reversed(self.spares):
+            total += sum(t.numel() * t.element_size() for kv in bufs.values() for t in kv)
+            if total > SPARE_BYTES:
+                break
+            keep.append(bufs)
+        self.spares = keep[::-1]
 
     def _continue(self, m: _Mirror, g: AttnGroup, rows: list[list[int]], ctx: AttentionContext) -> bool:
         ps = self.page_size
