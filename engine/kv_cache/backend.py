@@ -11,7 +11,7 @@ Masks come from slot counts in the `AttentionContext` (built by `engine.attentio
 positions, so a cache whose evicted tokens were compacted away still attends correctly. `attend` runs one
 SDPA per attention group (a group is a contiguous token range, or a length bucket of decode rows picked by
 `token_rows`); a group's pages are gathered into a workspace kept across layers and steps, except decode
-groups of raw pages that continue from the previous step: those read a dense copy that grows by one slot
+groups of raw pages large enough to spill the caches that continue from the previous step: those read a dense copy that grows by one slot
 per row and step (`dense_decode.py`).
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ class RawKVBackend:
             kt = self.k[self.spec.local_layers[0]]
             cell = (self.spec.num_kv_heads, kt.shape[-1])
             per_slot = 2 * len(self.spec.local_layers) * cell[0] * cell[1] * kt.element_size()
-            self._dense = DenseDecode(self.spec.page_size, cell, per_slot)
+            self._dense = DenseDecode(self.spec.page_size, cell, per_slot, len(self.spec.local_layers))
         return self._dense
 
     def _load(self, layer: int, g: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:

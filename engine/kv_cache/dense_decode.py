@@ -7,7 +7,8 @@ step at context 300 (bench `step16`). With the copy kept, a continuing step move
 
 Owned by `RawKVBackend` (raw pages only: quantized formats decode cells and KIVI seals pages later).
 Life cycle, per step (a new `AttentionContext`), at its first `attend`:
-  1. `plan(ctx)`: each decode group (one query per row) is matched with the previous step's group of the
+  1. `plan(ctx)`: each large decode group (one query per row, >= MIN_GROUP_BYTES of K + V a layer; smaller
+     ones gather, hot in cache) is matched with the previous step's group of the
      same request ids in the same order. It *continues* when every row grew by exactly one slot and the
      pages holding its old slots are the same; otherwise it is *filled*: one whole-page gather per layer
      (what the plain path does every step) into a buffer with room to grow. Mirrors of groups absent from
@@ -29,6 +30,11 @@ from engine.attention_context import AttentionContext, AttnGroup
 GROW_SLOTS = 32  # room each row gets past its context on a fill: one fill per this many continuing steps
 MAX_BYTES = 1 << 30  # K + V over all layers of all live copies; larger groups take the gather path
 SPARE_BYTES = 512 << 20  # buffers of dropped copies kept for later fills (newest first)
+# K + V of one layer of a group below which the page gather stays: its workspace stays cache-resident and
+# attention reads it hot, which measured no slower than reading the copy cold (bench `batch`: buckets of
+# ~4 rows); above it the gather streams the context through memory twice (bench `step16`, 16 x 300 slots,
+# ~4 MB a layer: the step took ~0.9x the gather path's time with the copy).
+MIN_GROUP_BYTES = 3 << 20
 
 
 @dataclass
@@ -52,6 +58,7 @@ class DenseDecode:
     page_size: int
     cell_shape: tuple[int, int]  # (kv_heads, cell)
     bytes_per_slot: int  # K + V over all local layers
+    num_layers: int  # local layers
     mirrors: dict[tuple[str, ...], _Mirror] = field(default_factory=dict)
     spares: list[dict] = field(default_factory=list)  # bufs of dropped mirrors, reused by fills
     _ctx: AttentionContext | None = None
@@ -65,6 +72,8 @@ class DenseDecode:
         budget = MAX_BYTES
         for g in ctx.groups:
             if g.q_len != 1 or g.batch < 2:  # one row: the contiguous view or a small gather is enough
+                continue
+            if g.batch * max(g.ctx_lens) * self.bytes_per_slot < MIN_GROUP_BYTES * self.num_layers:
                 continue
             key = tuple(g.request_ids)
             m = old.pop(key, None)

@@ -64,6 +64,12 @@ class Twin:
             self.lens[r] += 1
 
 
+@pytest.fixture(autouse=True)
+def every_group(monkeypatch):
+    """Tiny groups: copy them all (the size floor is a speed choice, not a correctness one)."""
+    monkeypatch.setattr(dd, "MIN_GROUP_BYTES", 0)
+
+
 def spy(monkeypatch) -> dict[str, int]:
     counts = {"fill": 0, "continue": 0}
     fill, cont = dd.DenseDecode._fill, dd.DenseDecode._continue
@@ -109,10 +115,14 @@ def test_steps_continue_and_refill_when_the_chain_breaks(monkeypatch):
     assert counts["fill"] == 5
 
 
-def test_single_rows_and_other_formats_take_the_gather_path():
+def test_single_rows_small_groups_and_other_formats_take_the_gather_path(monkeypatch):
     t = Twin()
     t.prefill("a", 9)
     t.decode(["a"])
+    assert not t.on._dense.mirrors
+    t.prefill("b", 5)
+    monkeypatch.setattr(dd, "MIN_GROUP_BYTES", 1 << 20)  # 2 rows x 11 slots: far below
+    t.decode(["a", "b"])
     assert not t.on._dense.mirrors
     spec = KVPageSpec(1, 2, 16, PS, "float32", "int8")
     assert make_backend(spec, 8)._dense_for() is None
