@@ -128,7 +128,8 @@ class SpecDecoder:
                 groups[name].append(DraftState(req.request_id, req.token_ids, req.num_prompt, k, sampling))
         base = sum(c.num_tokens for c in sched.chunks)
         rows = sum(c.sample for c in sched.chunks)  # tokens the step emits without drafts
-        if self.cfg.gate and groups and not self._pays(base, rows, [s for ss in groups.values() for s in ss], sched):
+        planned = {s.request_id: s.max_draft for ss in groups.values() for s in ss}
+        if self.cfg.gate and planned and not any(self._gate(sched, base, rows, planned)):
             self.stats.num_gated += 1  # not even the planned lengths pay: do not spend proposer time
             self.verify_scale.refused()
             return {}
@@ -136,11 +137,8 @@ class SpecDecoder:
         if not drafts:
             return {}
         if self.cfg.gate:
-            rids = list(drafts)
-            lens, self.stats.verify_cost_ratio = choose_lengths(
-                self.cost, base, [len(drafts[r]) for r in rids], [self.trackers[r].alpha for r in rids],
-                self.cfg.gate_margin, self.draft_cost, rows, self.verify_scale.value, self._shares(sched, rids))
-            drafts = {r: drafts[r][:n] for r, n in zip(rids, lens) if n}
+            lens = self._gate(sched, base, rows, {r: len(d) for r, d in drafts.items()})
+            drafts = {r: d[:n] for (r, d), n in zip(drafts.items(), lens) if n}
             if not drafts:
                 self.stats.num_gated += 1
                 self.verify_scale.refused()
@@ -152,12 +150,13 @@ class SpecDecoder:
             self.stats.verify_cost_ratio = 1.0 + slope * self.verify_scale.value * n / t_plain
         return self._reserve_slots(cands, drafts, self.llm.scheduler.cfg.max_num_batched_tokens - base)
 
-    def _pays(self, base: int, rows: int, states: list[DraftState], sched: SchedulerOutput) -> bool:
-        rids = [s.request_id for s in states]
+    def _gate(self, sched: SchedulerOutput, base: int, rows: int, avail: dict[str, int]) -> list[int]:
+        """Draft tokens to verify per request of `avail` (request id -> drafts it has or would plan)."""
+        rids = list(avail)
         lens, self.stats.verify_cost_ratio = choose_lengths(
-            self.cost, base, [s.max_draft for s in states], [self.trackers[r].alpha for r in rids],
-            self.cfg.gate_margin, self.draft_cost, rows, self.verify_scale.value, self._shares(sched, rids))
-        return any(lens)
+            self.cost, base, list(avail.values()), [self.trackers[r].alpha for r in rids], self.cfg.gate_margin,
+            self.draft_cost, rows, self.verify_scale.value, self._shares(sched, rids))
+        return lens
 
     def _shares(self, sched: SchedulerOutput, rids: list[str]) -> list[float] | None:
         """Per drafting request, the share of a step's fixed cost one accepted token saves (see
