@@ -115,10 +115,8 @@ def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas:
     order of decreasing gain while the batch's tokens/s still rises maximizes it (SmartSpec's goodput).
     verify_scale: a draft token's forward cost in units of the plain slope (`VerifyScale`).
     rows: tokens the whole step emits without drafts (every sampled row, drafting or not; default: one
-    per drafting request). The baseline is the batch's rate, not the drafting requests' share of it:
-    counting only those (an earlier version did) made a draft look worth a/k of the step's fixed cost a
-    with k drafters in a batch of n > k rows, and at batch 16 the gate verified drafts that cost more
-    than they brought (chat-16 below 0.97x).
+    per drafting request). The baseline is the batch's rate, not the drafting requests' share of it: with
+    k drafters among n rows, counting only those would credit a draft a/k of the step's fixed cost a, not a/n.
     fixed_share: None while a finished request's slot is refilled at once (requests wait): then a step's
     fixed cost a is spread over its rows, as above. Otherwise, per drafting request, the share of a that
     one of its accepted tokens saves (`drain_lengths`)."""
@@ -131,7 +129,8 @@ def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas:
     if fixed_share is not None:
         a = max(t_plain - slope * base_tokens, 0.0)
         return drain_lengths(t_plain, step, drafts, alphas, [slope + a * f for f in fixed_share], margin)
-    tokens, t = float(len(drafts) if rows is None else max(rows, 1)), t_plain
+    n_rows = len(drafts) if rows is None else max(rows, 1)
+    tokens, t = float(n_rows), t_plain
     heap = [(-al, i) for i, al in enumerate(alphas) if drafts[i] > 0]
     heapq.heapify(heap)
     while heap:
@@ -143,8 +142,7 @@ def choose_lengths(cost: CostModel, base_tokens: int, drafts: list[int], alphas:
         lens[i] += 1
         if lens[i] < drafts[i]:
             heapq.heappush(heap, (-gain * alphas[i], i))
-    base_rate = (len(drafts) if rows is None else max(rows, 1)) / t_plain
-    if tokens / t <= base_rate * (1.0 + margin):  # refused: report what all drafts would cost
+    if tokens / t <= (n_rows / t_plain) * (1.0 + margin):  # refused: report what all drafts would cost
         full = sum(drafts)
         return [0] * len(drafts), (t_plain + step * full) / t_plain
     return lens, t / t_plain
