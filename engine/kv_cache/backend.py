@@ -11,8 +11,8 @@ Masks come from slot counts in the `AttentionContext` (built by `engine.attentio
 positions, so a cache whose evicted tokens were compacted away still attends correctly. `attend` runs one
 SDPA per attention group (a group is a contiguous token range, or a length bucket of decode rows picked by
 `token_rows`); a group's pages are gathered into a workspace kept across layers and steps, except decode
-groups of raw pages large enough to spill the caches that continue from the previous step: those read a dense copy that grows by one slot
-per row and step (`dense_decode.py`).
+groups of raw pages large enough to spill the caches that continue from the previous step: those read a
+dense copy that grows by one slot per row and step (`dense_decode.py`).
 """
 from __future__ import annotations
 
