@@ -8,10 +8,11 @@ in-process `WorkerLoop`s (`cluster.worker_loop.LocalHandle`; unit tests). No Ray
 Life of a request (disaggregated; DESIGN.md "Life of a request"):
   1. `generate()` validates and tokenizes (typed 400s), fixes a seed, checks the queue limit (requests
      without a first token yet; beyond `max_queued_requests` -> `OverloadedError`, 429) and joins the FIFO.
-  2. The admission task takes the head: decode worker with the most free pages, then the least load;
-     `reserve` there (None = no pages now: the next worker, else wait for capacity); then the prefill
-     worker with the fewest queued prefill tokens gets `submit(prompt, descriptor, decode address)`:
-     it prefills and ships each layer's KV as computed. With prefix caching (`prefix_routing`, on where the
+  2. The admission task (`cluster/admission.py`) takes the head: decode worker with the most free pages,
+     then the least load; `reserve` there (None = no pages now: the next worker, else wait for capacity);
+     then the prefill worker with the fewest queued prefill tokens gets `submit(prompt, descriptor, decode
+     address)` from a task beside the loop (the call waits for that worker's current step): it prefills
+     and ships each layer's KV as computed. With prefix caching (`prefix_routing`, on where the
      workers cache), `cluster/prefix_routing.PrefixPlacer` orders both choices by cached prefix against load
      (never a decode worker short of pages), and the reservation's `kv_start` tells the prefill worker
      which KV the decode side already holds.
@@ -28,27 +29,33 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"):
 Colocated: step 2 is `add_request` on the replica with the least load; every event is a decode delta.
 Timelines: the router marks its own events; workers' `times` (prefill, transfer, decode) are folded in,
 and the decode worker's per-request KV figures (`DecodeDelta.kv`: kv_bytes, kv_pages -- counts, not times).
+The terminal delta carries the final, complete timeline: when the decode side finishes before the prefill
+worker's last report (transfer_done / transfer_failed) is drained, its tokens stream at once and the
+terminal delta waits for that report (`_hold_finish`; bounded by the deadline and that worker's life).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from cluster.admission import AdmissionMixin
 from cluster.flight import Flight
 from cluster.intake import validate_request
 from cluster.prefix_routing import PrefixPlacer
-from cluster.recovery import AwaitingRestart, Ledger, RecoveryMixin, Worker, WorkerHandle, outcome_of
+from cluster.recovery import Ledger, RecoveryMixin, Worker, WorkerHandle, outcome_of
 from cluster.serving_api import (BackendStats, BackendUnavailableError, GenerateDelta, GenerateRequest,
                                  OverloadedError)
 from decode_worker.worker import DecodeDelta
 from engine.errors import InvalidRequestError, PdserveError, UnknownModelError
 from prefill_worker.worker import PrefillEvent
 
-_TIMEOUT, _ABORT = "timeout", "abort"  # router signals in a flight's queue
+_TIMEOUT, _ABORT, _FINAL = "timeout", "abort", "final"  # router signals (_FINAL: see `_next_item`)
+log = logging.getLogger("pdserve.router")
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ class RouterConfig:
     prefix_refresh_s: float = 5.0  # replace the prefix index by the workers' reports this often (0: never)
 
 
-class ClusterRouter(RecoveryMixin):
+class ClusterRouter(AdmissionMixin, RecoveryMixin):
     def __init__(self, config: RouterConfig, pools: dict[str, list[WorkerHandle]], tokenizer,
                  page_size: int = 16, teardown=None, clock: Callable[[], float] = time.monotonic):
         """`pools`: "prefill" and "decode" handles (disaggregated) or "colocated" ones; `teardown`: an
@@ -91,7 +98,8 @@ class ClusterRouter(RecoveryMixin):
         self._ids = itertools.count()
         self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
-        self._spawned: set[asyncio.Task] = set()
+        self._spawned: set[asyncio.Task] = set()  # submits and cleanup calls beside the loop (see _spawn)
+        self._finals: dict[str, DecodeDelta] = {}  # wid -> decode's last delta, held for the prefill's report
         self._closed = False
         self._clock = clock
         self.ledger = Ledger()
@@ -116,11 +124,7 @@ class ClusterRouter(RecoveryMixin):
         outcome = "cancelled"  # unless it ends below: the caller stopped iterating (disconnect)
         try:
             while True:
-                remaining = f.deadline - self._clock()
-                try:
-                    item = await asyncio.wait_for(f.queue.get(), remaining) if remaining > 0 else _TIMEOUT
-                except asyncio.TimeoutError:
-                    item = _TIMEOUT
+                item = await self._next_item(f)
                 try:
                     delta = self._apply(f, item)
                 except BaseException:
@@ -169,7 +173,7 @@ class ClusterRouter(RecoveryMixin):
         self._closed = True
         for f in list(self._flights.values()):
             f.queue.put_nowait(BackendUnavailableError("the router is shutting down"))
-        for t in self._tasks:
+        for t in [*self._tasks, *self._spawned]:  # (a submit or cleanup call may wait on a wedged worker)
             t.cancel()
         await asyncio.gather(*self._tasks, *self._spawned, return_exceptions=True)
         await asyncio.gather(*(w.handle.close() for ws in self.workers.values() for w in ws), return_exceptions=True)
@@ -201,7 +205,26 @@ class ClusterRouter(RecoveryMixin):
         return f
 
     # ---- events -> deltas --------------------------------------------------------------------
+    async def _next_item(self, f: Flight):
+        """`f`'s next event or router signal; _TIMEOUT at its deadline. While `f`'s finish is held for its
+        prefill worker's last report (`_finals`), it also wakes every `drain_timeout_s` to see whether that
+        worker was lost: then (or at the deadline) _FINAL finishes it without the report."""
+        while True:
+            remaining, held = f.deadline - self._clock(), f.wid in self._finals
+            if remaining <= 0:
+                return _FINAL if held else _TIMEOUT
+            try:
+                return await asyncio.wait_for(f.queue.get(), min(remaining, self.cfg.drain_timeout_s)
+                                              if held else remaining)
+            except asyncio.TimeoutError:
+                if not held:
+                    return _TIMEOUT
+                if not f.prefill.alive:
+                    return _FINAL
+
     def _apply(self, f: Flight, item) -> GenerateDelta | None:
+        if item == _FINAL:
+            return self._finish_held(f)
         if item == _TIMEOUT or item == _ABORT:
             return f.final(item)
         if isinstance(item, BaseException):
@@ -225,6 +248,8 @@ class ClusterRouter(RecoveryMixin):
             raise BackendUnavailableError(f"request {f.req.request_id}: {item.error}")
         if item.finished:
             f.decode_open = False
+            if f.prefill is not None and not f.prefill_ended and f.prefill.alive:
+                return self._hold_finish(f, item)
         return f.advance(item.new_token_ids, item.num_output, item.new_text, item.text_len, item.logprobs,
                          item.finished, item.finish_reason)
 
@@ -233,6 +258,8 @@ class ClusterRouter(RecoveryMixin):
             self._uncount_prefill(f)
         if ev.kind in ("finished", "transfer_done", "transfer_failed"):
             f.prefill_open, f.prefill_ended = False, True
+            if f.wid in self._finals:  # the decode side finished first: the record is complete now
+                return self._finish_held(f)
         if ev.kind == "transfer_failed":
             if self.cfg.mode == "disaggregated" and f.decode is not None and f.decode_open:
                 self._spawn(self._call(f.decode, "fail_transfer", f.wid, ev.reason or "transfer failed"))
@@ -242,6 +269,21 @@ class ClusterRouter(RecoveryMixin):
             return f.advance(ev.token_ids, n, ev.text, len(ev.text), ev.logprobs, ev.kind == "finished",
                              ev.finish_reason)
         return None
+
+    def _hold_finish(self, f: Flight, item: DecodeDelta) -> GenerateDelta | None:
+        """The decode worker finished `f` before its prefill worker's last report (transfer_done, or
+        transfer_failed under policy "recompute") was drained: that worker reports after its current
+        step. Stream the tokens now, hold the terminal delta until the report arrives (`_on_prefill`), so
+        the timeline that delta carries -- and /v1 timelines and /metrics read -- is complete. The KV
+        is in, so losing the prefill worker no longer harms `f` (it leaves that worker's flights; the
+        hold then ends without the report, as it does at the deadline: `_next_item`)."""
+        self._finals[f.wid] = item
+        f.prefill.flights.discard(f.wid)
+        return f.advance(item.new_token_ids, item.num_output, item.new_text, item.text_len, item.logprobs)
+
+    def _finish_held(self, f: Flight) -> GenerateDelta | None:
+        item = self._finals.pop(f.wid)  # (its tokens and text were streamed by `_hold_finish`)
+        return f.advance([], item.num_output, "", item.text_len, None, True, item.finish_reason)
 
     # ---- admission ---------------------------------------------------------------------------
     def _ensure_started(self) -> None:
@@ -259,99 +301,6 @@ class ClusterRouter(RecoveryMixin):
             await asyncio.sleep(self.cfg.prefix_refresh_s)
             await self._prefix.refresh(self._everyone(), self._flights, self.cfg.call_timeout_s)
 
-    async def _admission(self) -> None:
-        """Admit waiting flights in arrival order; when the head cannot be placed, wait for capacity."""
-        while not self._closed:
-            try:
-                await asyncio.wait_for(self._wake.wait(), 0.05)
-            except asyncio.TimeoutError:
-                pass
-            self._wake.clear()
-            self._check_heartbeats()
-            while self._waiting:
-                f = self._waiting.pop(0)  # (a recovery during _place puts it back at the head)
-                if not f.done and not await self._place(f):
-                    self._waiting.insert(0, f)
-                    break
-
-    async def _place(self, f: Flight) -> bool:
-        """Try to start `f` on workers; False when none can take it now. Errors end `f`."""
-        wid = f.wid
-        try:
-            if self.cfg.mode == "colocated":
-                return await self._place_colocated(f)
-            return await self._place_disaggregated(f)
-        except AwaitingRestart:  # every worker of a pool is down and one is restarting: keep it queued
-            return False
-        except BackendUnavailableError as e:  # a worker died under the call: place it again elsewhere
-            if f.wid == wid:  # (unless its loss already re-queued it)
-                self._recover(f, e)
-        except PdserveError as e:
-            f.queue.put_nowait(e)
-        except Exception as e:  # noqa: BLE001 - a bug here must fail one request, not stop admission
-            f.queue.put_nowait(BackendUnavailableError(f"placing {f.req.request_id}: {type(e).__name__}: {e}"))
-        return True
-
-    def _alive(self, pool: str) -> list[Worker]:
-        live = [w for w in self.workers[pool] if w.alive]
-        if not live:
-            if self._restarting.get(pool):  # Ray is restarting one: wait for it (the deadline still bounds)
-                raise AwaitingRestart(pool)
-            raise BackendUnavailableError(f"no live {pool} worker")
-        return live
-
-    async def _place_disaggregated(self, f: Flight) -> bool:
-        wid, prompt = f.wid, f.run_prompt
-        self._alive("prefill")  # before anything is reserved: a pool awaiting its restart makes us wait
-        need = -(-len(prompt) // self._page_size)
-        lease = max(f.deadline - self._clock(), 0.0) + self.cfg.lease_margin_s
-        desc, px = None, self._prefix
-        dh = px.hashes("decode", prompt)
-        for w in px.decode_order(self._alive("decode"), dh, len(prompt), need):  # warm and roomy first
-            desc = await self._ask(w, "reserve", wid, prompt, f.run_params, lease)
-            if desc is not None:
-                break
-        if desc is None:
-            return False
-        w.pages_claimed += need
-        if f.done or not w.alive:  # ended while reserving (_end did not know the decode side), or w died
-            self._spawn(self._call(w, "abort", wid))
-            if not f.done:
-                self._recover(f, BackendUnavailableError(f"worker {w.handle.name} died while reserving"))
-            return True
-        f.decode, f.decode_open = w, True
-        w.flights.add(f.wid)
-        px.record("decode", w, dh)
-        f.mark("reserved")
-        ph = px.hashes("prefill", prompt)
-        p, f.prefill_tokens = px.pick_prefill(self._alive("prefill"), ph, len(prompt))  # queued + uncached
-        f.prefill, f.prefill_tokens_counted = p, True
-        p.queued_tokens += f.prefill_tokens
-        p.flights.add(wid)
-        await self._ask(p, "submit", wid, prompt, f.run_params, desc, w.handle.info["address"])
-        px.record("prefill", p, ph)
-        if f.wid != wid:  # a worker loss re-queued it meanwhile: this placement is void
-            self._spawn(self._call(p, "cancel", wid))
-            return True
-        f.prefill_open = not f.prefill_ended
-        f.mark("prefill_submitted")
-        if f.done:
-            self._release(f)
-        return True
-
-    async def _place_colocated(self, f: Flight) -> bool:
-        ch = self._prefix.hashes("colocated", f.run_prompt)  # ([] unless its replicas cache prefixes)
-        w = self._prefix.pick_colocated(self._alive("colocated"), ch, len(f.run_prompt))
-        await self._ask(w, "add_request", f.wid, f.run_prompt, f.run_params)
-        self._prefix.record("colocated", w, ch)
-        if f.done:
-            self._spawn(self._call(w, "abort", f.wid))
-            return True
-        f.decode, f.decode_open = w, True
-        w.flights.add(f.wid)
-        f.mark("engine_added")
-        return True
-
     # ---- workers (polling, losses and recovery: cluster/recovery.py) ---------------------------
     def _uncount_prefill(self, f: Flight) -> None:
         if f.prefill_tokens_counted:
@@ -363,6 +312,7 @@ class ClusterRouter(RecoveryMixin):
         if self._flights.pop(f.wid, None) is None:
             return
         self.ledger.end(outcome)
+        self._finals.pop(f.wid, None)
         if self._by_request.get(f.req.request_id) is f:
             del self._by_request[f.req.request_id]
         f.done = True
@@ -394,6 +344,17 @@ class ClusterRouter(RecoveryMixin):
             pass
 
     def _spawn(self, coro) -> None:
+        """Run `coro` beside the loop. The set keeps a strong reference (the event loop keeps only weak
+        ones) until it ends, so `shutdown` can cancel and await it; its errors are handled inside
+        (`_guarded`, `_call`), so one that escapes is a bug and is logged, never silently dropped."""
+        if self._closed:  # shut down: closing the workers freed what a cleanup call would have
+            coro.close()
+            return
         task = asyncio.get_running_loop().create_task(coro)
         self._spawned.add(task)
-        task.add_done_callback(self._spawned.discard)
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task) -> None:
+        self._spawned.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("router task %s failed", task.get_coro(), exc_info=task.exception())

@@ -1,7 +1,8 @@
 """Router logic against fake workers (pure Python: no model, no transport, no Ray). The fakes keep pages as
 counters, log the commands they get, and return from `step()` exactly the events a test `emit`s, so each
 test builds one situation: the queue limit (429), deadlines while queued, placement by free pages and
-queued prefill tokens, the two event streams reconciled in either order, the ends (first-token stop,
+queued prefill tokens, the two event streams reconciled in either order (a decode side that finishes
+first streams its tokens and holds the finish for the prefill worker's last report), the ends (first-token stop,
 abort, disconnect, failed transfer, dead worker) freeing both sides, and typed errors for bad requests.
 A lost worker's requests that run out of recoveries (`max_recoveries`) fail typed; resuming them elsewhere
 is tested on real workers in test_faults_tiny.py."""
@@ -189,7 +190,7 @@ async def test_first_token_from_prefill_then_decode_deltas_none_lost_or_repeated
 @with_router()
 async def test_decode_ahead_of_prefill_event_and_stop_string_holdback(router, fakes):
     params = SamplingParams(max_tokens=8, temperature=0.0, stop=["END"])
-    gen = router.generate(GenerateRequest("r", [1, 2, 3], params, model="m"))
+    gen = router.generate(GenerateRequest("r", [1, 2, 3], params, model="m", return_timeline=True))
     first = asyncio.ensure_future(gen.__anext__())
     dec, pre = fakes["decode"][0], fakes["prefill"][0]
     await until(lambda: ("submit", wid_of(dec)) in pre.log)
@@ -199,10 +200,16 @@ async def test_decode_ahead_of_prefill_event_and_stop_string_holdback(router, fa
     assert (d1.new_token_ids, d1.new_text) == ([7, 8], "hi ")  # "E" may start "END": held back
     await router.workers["prefill"][0].handle.call("emit", [PrefillEvent(wid, "first_token", [7], "h")])
     await router.workers["decode"][0].handle.call("emit", [DecodeDelta(wid, [9], "x", 3, 5, True, "stop")])
-    d2 = await gen.__anext__()  # the late prefill event added nothing
-    assert (d2.new_token_ids, d2.new_text, d2.finished) == ([9], "Ex", True)
+    d2 = await gen.__anext__()  # the late prefill event added nothing; the last tokens stream at once
+    assert (d2.new_token_ids, d2.new_text, d2.finished) == ([9], "Ex", False)
     dec.held.clear()
-    await router.workers["prefill"][0].handle.call("cancel", wid)
+    pre.held.clear()  # (the real prefill worker frees a sent prefill itself)
+    await router.workers["prefill"][0].handle.call("emit", [PrefillEvent(wid, "transfer_done",
+                                                                         times={"transfer_done": 1.0})])
+    d3 = await gen.__anext__()  # the finish waited for the prefill worker's last report: a complete timeline
+    assert (d3.new_token_ids, d3.new_text, d3.finished, d3.finish_reason) == ([], "", True, "stop")
+    assert d3.timeline["transfer_done"] == 1.0 and d3.timeline["finish"] > 1.0
+    assert ("cancel", wid) not in pre.log
 
 
 @with_router()
