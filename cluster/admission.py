@@ -18,18 +18,41 @@ ends (`_release`) and the prefill worker gets an (idempotent) `cancel` for what 
 worker lost -> `_ask` re-placed its flights; the flight ended meanwhile (abort, disconnect, deadline) ->
 the prefill side is cancelled as soon as the submit answers; router shutdown -> the task is cancelled.
 Other flights are never touched. Tasks go through the router's `_spawn` (kept and awaited by `shutdown`).
+KV receive streams: a push opens at `submit` (it waits for the layers as they are computed), and a decode
+worker's gRPC server refuses pushes beyond its `max_streams` (8): a burst of spawned submits, one push each,
+got "Concurrent RPC limit exceeded" (a failed transfer: under policy "fail" a failed request). So a submit
+first takes one of its decode worker's `kv_streams_per_decode` streams (FIFO); the push's end frees it as
+the event arrives (`Inbox`, not when the client reads it), or the cancel that stops the push does.
 
 Uses the router's `cfg`, `workers`, `_waiting`, `_wake`, `_closed`, `_page_size`, `_prefix`, `_restarting`,
-`_clock`, `_ask`, `_call`, `_spawn`, `_release`, `_recover`, `_check_heartbeats`. No Ray import here.
+`_clock`, `_streams`, `_slots`, `_ask`, `_call`, `_spawn`, `_release`, `_cancel_prefill`, `_recover`,
+`_check_heartbeats`. No Ray import here.
 """
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Callable
 
 from cluster.flight import Flight
 from cluster.recovery import AwaitingRestart, Worker
 from cluster.serving_api import BackendUnavailableError
 from engine.errors import PdserveError
+from prefill_worker.worker import PrefillEvent
+
+PUSH_ENDS = ("finished", "transfer_done", "transfer_failed")  # prefill events sent after its push closed
+
+
+class Inbox(asyncio.Queue):
+    """A flight's queue of worker events and router signals; the router sees each item as it arrives
+    (`on_arrival`), not when the client reads it, so a slow reader holds no resource other flights need."""
+
+    def __init__(self, on_arrival: Callable[[Any], None]):
+        super().__init__()
+        self._on_arrival = on_arrival
+
+    def put_nowait(self, item) -> None:
+        self._on_arrival(item)
+        super().put_nowait(item)
 
 
 class AdmissionMixin:
@@ -107,26 +130,40 @@ class AdmissionMixin:
         f.prefill, f.prefill_tokens_counted = p, True
         p.queued_tokens += f.prefill_tokens  # (now: the next flight's pick already sees this load)
         p.flights.add(wid)
-        f.mark("prefill_submitted")  # (sent now; stamped before the task runs, so a fast finish still sees it)
         self._spawn(self._guarded(f, wid, self._submit(f, wid, prompt, f.run_params, p, w, desc, ph)))
         return True
 
     async def _submit(self, f: Flight, wid: str, prompt, params, p: Worker, w: Worker, desc, ph) -> bool:
         """Hand reserved flight `f` (as `wid`: this placement's prompt and params, which a recovery may
-        replace meanwhile) to prefill worker `p`; its KV goes to decode worker `w`."""
+        replace meanwhile) to prefill worker `p`; its KV goes to decode worker `w`, over one of `w`'s
+        receive streams: the push opens at `submit`, and `w` refuses pushes beyond its gRPC server's
+        limit (`kv_streams_per_decode`), so a burst waits here for a stream, in arrival order. The stream
+        is this task's until the call answers, then `_slots`' (freed by `_free_stream` at the transfer's
+        end, or after the cancel that stops the push)."""
+        stream = self._streams.setdefault(id(w), asyncio.Semaphore(max(1, self.cfg.kv_streams_per_decode)))
+        await stream.acquire()
+        if f.wid != wid or f.done:  # re-placed or ended while it waited: nothing was sent
+            stream.release()
+            return True
+        f.mark("prefill_submitted")  # (before the call: a fast finish still sees it)
         try:
             await self._ask(p, "submit", wid, prompt, params, desc, w.handle.info["address"])
         except BackendUnavailableError:  # p is lost: `_ask` re-placed the flights p still owed something
+            stream.release()  # (its pushes died with it)
             return True  # (not `_guarded`'s re-place: a flight whose KV already left p runs on untouched)
         except Exception:  # noqa: BLE001 - typed or not, `_guarded` fails the flight with it
-            # (a refused submit normally leaves nothing there; cancel is idempotent and covers the rest)
-            self._spawn(self._call(p, "cancel", wid))
+            stream.release()  # (a refused submit opened no push)
+            self._spawn(self._call(p, "cancel", wid))  # (it normally left nothing there; cancel is idempotent)
             raise  # -> `_guarded`: the flight fails with it; its end aborts the decode reservation
         self._prefix.record("prefill", p, ph)
-        if f.wid != wid:  # a worker loss re-queued it meanwhile: this placement is void
-            self._spawn(self._call(p, "cancel", wid))
+        if f.wid == wid and f.prefill_ended:  # its push already ended (the events outran the answer)
+            stream.release()
             return True
-        f.prefill_open = not f.prefill_ended
+        self._slots[wid] = stream
+        if f.wid != wid:  # a worker loss re-queued it meanwhile: this placement is void
+            self._spawn(self._cancel_prefill(p, wid))
+            return True
+        f.prefill_open = True
         if f.done:  # ended while the submit was in flight: `_end` could not cancel what p had not taken
             self._release(f)
         return True
@@ -143,3 +180,13 @@ class AdmissionMixin:
         w.flights.add(f.wid)
         f.mark("engine_added")
         return True
+
+    # ---- KV receive streams (module map) ---------------------------------------------------------
+    def _on_arrival(self, item) -> None:
+        if isinstance(item, PrefillEvent) and item.kind in PUSH_ENDS:
+            self._free_stream(item.request_id)
+
+    def _free_stream(self, wid: str) -> None:
+        stream = self._slots.pop(wid, None)
+        if stream is not None:
+            stream.release()

@@ -11,8 +11,9 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"):
   2. The admission task (`cluster/admission.py`) takes the head: decode worker with the most free pages,
      then the least load; `reserve` there (None = no pages now: the next worker, else wait for capacity);
      then the prefill worker with the fewest queued prefill tokens gets `submit(prompt, descriptor, decode
-     address)` from a task beside the loop (the call waits for that worker's current step): it prefills
-     and ships each layer's KV as computed. With prefix caching (`prefix_routing`, on where the
+     address)` from a task beside the loop (the call waits for that worker's current step; it waits
+     first for one of the decode worker's `kv_streams_per_decode` receive streams): it prefills and
+     ships each layer's KV as computed. With prefix caching (`prefix_routing`, on where the
      workers cache), `cluster/prefix_routing.PrefixPlacer` orders both choices by cached prefix against load
      (never a decode worker short of pages), and the reservation's `kv_start` tells the prefill worker
      which KV the decode side already holds.
@@ -43,7 +44,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from cluster.admission import AdmissionMixin
+from cluster.admission import PUSH_ENDS, AdmissionMixin, Inbox
 from cluster.flight import Flight
 from cluster.intake import validate_request
 from cluster.prefix_routing import PrefixPlacer
@@ -52,6 +53,7 @@ from cluster.serving_api import (BackendStats, BackendUnavailableError, Generate
                                  OverloadedError)
 from decode_worker.worker import DecodeDelta
 from engine.errors import InvalidRequestError, PdserveError, UnknownModelError
+from kv_transfer.config import ReceiverConfig
 from prefill_worker.worker import PrefillEvent
 
 _TIMEOUT, _ABORT, _FINAL = "timeout", "abort", "final"  # router signals (_FINAL: see `_next_item`)
@@ -78,6 +80,9 @@ class RouterConfig:
     prefix_cache_weight: float = 1.0  # one cached prompt token against one queued token
     decode_load_tokens: float = 64.0  # a decode worker's request in flight, in prompt tokens to ship
     prefix_refresh_s: float = 5.0  # replace the prefix index by the workers' reports this often (0: never)
+    # pushes open into one decode worker at once: its gRPC server refuses more than max_streams, and a push
+    # the router saw end may still hold a server thread for a moment (a client deadline or cancel unwinding)
+    kv_streams_per_decode: int = ReceiverConfig.max_streams - 2
 
 
 class ClusterRouter(AdmissionMixin, RecoveryMixin):
@@ -100,6 +105,8 @@ class ClusterRouter(AdmissionMixin, RecoveryMixin):
         self._tasks: list[asyncio.Task] = []
         self._spawned: set[asyncio.Task] = set()  # submits and cleanup calls beside the loop (see _spawn)
         self._finals: dict[str, DecodeDelta] = {}  # wid -> decode's last delta, held for the prefill's report
+        self._streams: dict[int, asyncio.Semaphore] = {}  # id(decode worker) -> its free KV receive streams
+        self._slots: dict[str, asyncio.Semaphore] = {}  # wid -> the stream its push holds (admission.py)
         self._closed = False
         self._clock = clock
         self.ledger = Ledger()
@@ -195,7 +202,7 @@ class ClusterRouter(AdmissionMixin, RecoveryMixin):
         self._ensure_started()
         timeout = req.deadline_s if req.deadline_s is not None else self.cfg.request_timeout_s
         f = Flight(req, f"{req.request_id}#{next(self._ids)}", prompt_ids, params, self._clock() + timeout,
-                   asyncio.Queue())
+                   Inbox(self._on_arrival))
         f.mark("queued")
         self.ledger.admitted += 1
         self._flights[f.wid] = f
@@ -256,8 +263,9 @@ class ClusterRouter(AdmissionMixin, RecoveryMixin):
     def _on_prefill(self, f: Flight, ev: PrefillEvent) -> GenerateDelta | None:
         if ev.kind in ("first_token", "finished"):
             self._uncount_prefill(f)
-        if ev.kind in ("finished", "transfer_done", "transfer_failed"):
+        if ev.kind in PUSH_ENDS:
             f.prefill_open, f.prefill_ended = False, True
+            self._free_stream(f.wid)  # (freed on arrival already, unless it outran the submit's answer)
             if f.wid in self._finals:  # the decode side finished first: the record is complete now
                 return self._finish_held(f)
         if ev.kind == "transfer_failed":
@@ -332,7 +340,15 @@ class ClusterRouter(AdmissionMixin, RecoveryMixin):
             self._spawn(self._call(f.decode, "abort", f.wid))
         if f.prefill is not None and f.prefill_open:
             f.prefill_open = False
-            self._spawn(self._call(f.prefill, "cancel", f.wid))
+            self._spawn(self._cancel_prefill(f.prefill, f.wid))
+
+    async def _cancel_prefill(self, p: Worker, wid: str) -> None:
+        """Cancel `wid` on prefill worker `p`; its decode stream is free once `p` took the cancel (which
+        stops the push) or is dead."""
+        try:
+            await self._call(p, "cancel", wid)
+        finally:
+            self._free_stream(wid)
 
     async def _call(self, w: Worker, method: str, *args) -> None:
         """Fire-and-forget cleanup: a dead worker has nothing left to free."""

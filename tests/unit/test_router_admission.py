@@ -7,6 +7,7 @@ an abort ends the request at once and the prefill side is cancelled when the sub
 cancels the in-flight submit. A submit that fails ends only its own request, with its typed error, and frees
 its decode pages. A decode side that finishes before the prefill worker's last report holds the finish for
 that report (the timeline is complete), or until the prefill worker is lost (never re-placed: the KV is in).
+Pushes into one decode worker wait for one of its `kv_streams_per_decode` receive streams.
 Every test ends with nothing held by any fake and nothing left in the router."""
 from __future__ import annotations
 
@@ -226,6 +227,39 @@ def test_a_finish_before_the_prefill_report_waits_for_it_or_for_the_workers_loss
             assert router.ledger.recovered == 0 and router.ledger.workers_lost == 1  # the KV was in: not re-run
             await settled(router, fakes)
             assert router.ledger.completed == 2 and router.ledger.balanced(0)
+        finally:
+            await router.shutdown()
+    run(main)
+
+
+def test_pushes_into_one_decode_worker_wait_for_a_free_stream():
+    """A decode worker's gRPC server takes `kv_streams_per_decode` pushes at once and refuses more (a burst
+    of spawned submits would open one push each): a submit waits for a stream, which its transfer's end
+    or its flight's cancel frees."""
+    async def main():
+        pre = GatedPrefill()
+        router, fakes = make_router([pre], kv_streams_per_decode=1)
+        dec, p = fakes["decode"][0], router.workers["prefill"][0].handle
+        try:
+            await ready(router)
+            (ga, fa), (gb, fb), (gc, fc) = (start(router, rid) for rid in "abc")
+            await until(lambda: len(dec.log) == 3 and len(submits(pre)) == 1)  # all reserved, one push open
+            await asyncio.sleep(0.1)
+            assert len(submits(pre)) == 1 and "prefill_submitted" not in router._by_request["b"].timeline
+            wa = submits(pre)[0]
+            pre.held.pop(wa)
+            await p.call("emit", [PrefillEvent(wa, "first_token", [7], "a"), PrefillEvent(wa, "transfer_done")])
+            assert (await fa).new_token_ids == [7]
+            await until(lambda: len(submits(pre)) == 2)  # a's push ended: b's opens
+            assert submits(pre)[1].startswith("b#")
+            await router.abort("b")
+            assert (await fb).finish_reason == "abort"
+            await until(lambda: len(submits(pre)) == 3)  # b's cancel stopped its push: c's opens
+            for rid, gen in (("a", ga), ("c", gc)):
+                await router.abort(rid)
+            assert [d.finish_reason async for d in ga][-1] == "abort" and (await fc).finish_reason == "abort"
+            await settled(router, fakes)
+            assert not router._slots and router._streams[id(router.workers["decode"][0])]._value == 1
         finally:
             await router.shutdown()
     run(main)
