@@ -17,7 +17,10 @@ into the reservation) is shipped from there on only. The prefill engine's own ca
 computing a prefix; tokens in [kv_start, its first computed token) are then read by slot from the cached
 pages the request holds (they cannot change while it holds them) at the first layer hook.
 A push thread per transfer runs `transport.push()` over `Outbound.frames()`, which cuts what is queued
-into ~`chunk_bytes` chunks (XXH3-64 checksum each; frames are wire bytes) off the engine thread. When
+into ~`chunk_bytes` chunks (XXH3-64 checksum each; frames are wire bytes) off the engine thread. The
+call opens only when the first KV (or the end) is queued: its gRPC deadline (`call_timeout_s`) then
+times the transfer, not the prompt's wait in the prefill queue, and a receiver's stream slots are held
+only by prompts being computed. When
 the prefill ends HELD, `poll()` queues the `Finish` frame (first token); once the push has ended, done
 or failed, and its thread has exited, `poll()` releases the held pages (or aborts a prefill whose
 transfer failed). A preempted prefill recomputes; tokens already published are not sent again.
@@ -61,6 +64,7 @@ class Outbound:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.cancelled = threading.Event()  # set on abort: the transport gives up on the call
+        self.ready = threading.Event()  # something is queued: the push thread may open the call
         # tokens queued per local layer (engine thread); [0, kv_start) are on the decode side already
         self.published = [desc.kv_start] * layout.num_local_layers
         self.input_closed = False  # finish or abort queued (engine thread)
@@ -77,6 +81,7 @@ class Outbound:
         KV heads `heads` only: one rank's part of a parallel replica)."""
         self._q.put(("kv", layer, start, stop, k, v, heads))
         self.published[layer - self.layout.layer_start] = stop
+        self.ready.set()
 
     def publish_held(self, backend, pages: list[int], num_tokens: int, start: int = 0) -> None:
         """Queue tokens [start, num_tokens) of every layer of a HELD request, read by the push thread layer
@@ -85,17 +90,20 @@ class Outbound:
         thread has exited (shared cached pages among them are read-only to everyone)."""
         self._q.put(("held", backend, pages, start, num_tokens))
         self.published = [num_tokens] * self.layout.num_local_layers
+        self.ready.set()
 
     def finish(self, first_token_id: int, num_slots: int = 0) -> None:
         """num_slots: tokens of KV shipped, when the prefill evicted some (0: the whole prompt)."""
         self.input_closed = True
         self._q.put(("finish", first_token_id, num_slots))
+        self.ready.set()
 
     def abort(self, reason: str, code: ErrorCode = ErrorCode.CANCELLED) -> None:
         self.end(TransferState.FAILED, reason, code)
         self.input_closed = True
         self.cancelled.set()
         self._q.put(("abort",))
+        self.ready.set()
 
     # push thread
     def frames(self):
@@ -308,9 +316,14 @@ class KVSender:
             ob.publish(c.layer, a, n, memoryview(c.k), memoryview(c.v), c.heads)
 
     def _push(self, ob: Outbound) -> None:
-        """Push thread: run the transport; every outcome ends the transfer (once)."""
+        """Push thread: once something is queued, run the transport; every outcome ends the transfer (once)."""
+        ob.ready.wait()
+        # Aborted before any KV existed: the call still opens, sends the open frame and ends without a
+        # finish, so the receiver fails the reservation now rather than at its lease (a cancel this early
+        # could stop the call before the receiver ever saw it).
+        cancel = threading.Event() if ob.cancelled.is_set() else ob.cancelled
         try:
-            result = self.transport.push(ob.address, ob.frames(), self.config, ob.cancelled)
+            result = self.transport.push(ob.address, ob.frames(), self.config, cancel)
         except TransferError as e:
             ob.end(TransferState.FAILED, e.message, e.code)
         except Exception as e:  # a thread boundary: any bug still ends the transfer, typed as INTERNAL
