@@ -18,9 +18,10 @@ ends (`_release`) and the prefill worker gets an (idempotent) `cancel` for what 
 worker lost -> `_ask` re-placed its flights; the flight ended meanwhile (abort, disconnect, deadline) ->
 the prefill side is cancelled as soon as the submit answers; router shutdown -> the task is cancelled.
 Other flights are never touched. Tasks go through the router's `_spawn` (kept and awaited by `shutdown`).
-KV receive streams: a push opens at `submit` (it waits for the layers as they are computed), and a decode
-worker's gRPC server refuses pushes beyond its `max_streams` (8): a burst of spawned submits, one push each,
-got "Concurrent RPC limit exceeded" (a failed transfer: under policy "fail" a failed request). So a submit
+KV receive streams: a push opens when its prompt's first layer is computed (`KVSender`), and a decode
+worker's gRPC server refuses pushes beyond its `max_streams` (8): a prefill batch of up to max_num_seqs
+prompts plus those still shipping (from several prefill workers) can pass that, and each refused push is a
+failed transfer (under policy "fail" a failed request). So a submit
 first takes one of its decode worker's `kv_streams_per_decode` streams (FIFO); the push's end frees it as
 the event arrives (`Inbox`, not when the client reads it), or the cancel that stops the push does.
 
