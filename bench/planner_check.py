@@ -60,10 +60,10 @@ class Row:
 
 
 def simulate_spec(spec: ClusterSpec, requests: list[Request], profile: str | None, hardware: str,
-                  corun: str = "cpu") -> SimResult:
+                  corun: str = "cpu", serving: bool = True) -> SimResult:
     """The spec's pools in the planner's simulator (TP = PP = 1: what `serve` runs today)."""
     model, hw = load_model(spec.model), load_hardware(hardware)
-    prof = load_profile(profile, corun) if profile else None
+    prof = load_profile(profile, corun, serving) if profile else None
     lat = latency_model(model, hw, Parallel(1, 1), spec.dtype, prof)
 
     def kw(pool: str) -> dict:
@@ -105,11 +105,11 @@ def predicted_of(sim: SimResult, slo: SLO) -> dict:
 
 
 def compare(bench: dict, spec: ClusterSpec, profile: str | None, hardware: str, slo: SLO,
-            corun: str = "cpu") -> list[Row]:
+            corun: str = "cpu", serving: bool = True) -> list[Row]:
     runs = sorted((r for t in bench["targets"] for r in t["runs"] if r["rate"]), key=lambda r: r["rate"])
     rows = []
     for i, run in enumerate(runs):
-        sim = simulate_spec(spec, requests_of(run), profile, hardware, corun)
+        sim = simulate_spec(spec, requests_of(run), profile, hardware, corun, serving)
         rows.append(Row(run["rate"], measured_of(run, slo), predicted_of(sim, slo), BOUNDS[min(i, len(BOUNDS) - 1)]))
     return rows
 
@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-bench", help="a finished bench.json: only predict and compare")
     ap.add_argument("--corun", default="cpu", choices=["cpu", "wall", "off"],
                     help="the profile's co-run factors for replicas sharing this machine (as pdserve plan --corun)")
+    ap.add_argument("--serving", default="on", choices=["on", "off"],
+                    help="the profile's serving calibration (as pdserve plan --serving)")
     ap.add_argument("--out", default="bench/out/planner-check")
     args = ap.parse_args(argv)
     spec, slo = load_spec(args.spec), SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment)
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             print("planner_check: measured goodput is 0 at this SLO; loosen it", file=sys.stderr)
             return 2
         bench = _bench(args, out / "probes", [f * goodput for f in map(float, args.fractions.split(","))], 0)
-    rows = compare(bench, spec, args.profile, args.hardware, slo, args.corun)
+    rows = compare(bench, spec, args.profile, args.hardware, slo, args.corun, args.serving == "on")
     text = table(rows)
     print(text)
     out.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corun", default="cpu", choices=["cpu", "wall", "off"],
                    help="the profile's co-run slowdowns of instances sharing a node: cpu (memory bus and cache "
                         "only), wall (also time lost to other processes on oversubscribed cores), off")
+    p.add_argument("--serving", default="on", choices=["on", "off"],
+                   help="on: the profile's serving calibration (runtime overheads measured by a bench run), when "
+                        "it has one; off: the bare engine's times")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--inter-node-gbs", type=float, help="cross-node GB/s per device (default: the table's)")
     p.add_argument("--max-len", type=int, default=0, help="max_model_len (default: the model's, <= 32768)")
@@ -70,6 +73,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                    help="rounds of the co-run interference measurement (two processes, ~15-30 s a round; 0: skip)")
     p.add_argument("--corun-only", action="store_true",
                    help="only measure co-run interference and add it to the existing profile --out")
+    p.add_argument("--serving-from", nargs="+", metavar="BENCH_JSON",
+                   help="only calibrate the runtime's overheads from finished disaggregated `pdserve bench` runs at "
+                        "low load (bench.json or probe files) and add them to the existing profile --out")
     p.set_defaults(func=_profile)
 
 

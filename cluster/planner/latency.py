@@ -47,7 +47,13 @@ class Coeffs:
 
 
 class LatencyModel:
-    """Pipeline composition shared by the fitted and the roofline models."""
+    """Pipeline composition shared by the fitted and the roofline models. `admission_s`: seconds from a
+    request's arrival until its instance can schedule it (a serving runtime's HTTP, routing and RPCs;
+    0 for the bare engine); the simulators delay arrivals by it, so it counts in TTFT. `drift`: a
+    `serving.Drift` (the machine's slow spells) the simulators apply to every step, or None."""
+
+    admission_s: float = 0.0
+    drift = None
 
     def __init__(self, parallel: Parallel):
         self.parallel = parallel
@@ -109,10 +115,12 @@ class FittedLatency(LatencyModel):
     """A profile's fitted coefficients for this TP degree. PP divides the per-token terms by pp (each
     stage runs layers/pp) and keeps the intercept per stage (launch and scheduling overhead)."""
 
-    def __init__(self, parallel: Parallel, coeffs: Coeffs, p2p_s_per_token: float = 0.0):
+    def __init__(self, parallel: Parallel, coeffs: Coeffs, p2p_s_per_token: float = 0.0, admission_s: float = 0.0,
+                 drift=None):
         super().__init__(parallel)
         self.coeffs = coeffs
         self.p2p_s_per_token = p2p_s_per_token
+        self.admission_s, self.drift = admission_s, drift
 
     def stage_prefill(self, tokens: float, sq: float) -> float:
         a, b, c = self.coeffs.prefill

@@ -22,7 +22,7 @@ from cluster.planner.workload import clamp, distribution_lengths, scale_lengths,
 def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
     model = load_model(args.model)
     hw = load_hardware(args.hardware, args.inter_node_gbs)
-    profile = load_profile(args.profile, args.corun) if args.profile else None
+    profile = load_profile(args.profile, args.corun, args.serving == "on") if args.profile else None
     for name, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
         if v < 1:
             raise PlannerError(f"{name} must be >= 1 (got {v})")

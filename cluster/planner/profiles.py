@@ -8,6 +8,7 @@ efficiency factors, and the raw measurements. Shape:
      "tp": {"1": {"prefill": [a, b, c], "decode": [a, b, c], "fit": {...}}},
      "calibration": {"compute_eff": .., "memory_eff": .., "overhead_s": ..},   (optional)
      "corun": {"slowdown": {"decode_beside_prefill": 1.1, ...}, ...},          (optional, `corun.py`)
+     "serving": {"prefill_factor": .., "decode_factor": .., "admission_s": ..},   (optional, `serving.py`)
      "measurements": {...}, "notes": "..."}                                     (optional)
 
 `corun.slowdown` keys are `<kind>_beside_<kind>` over prefill/decode: how much slower a step runs while
@@ -15,6 +16,9 @@ an instance on the same node's memory bus is mid-step (`bus.py`); `corun_of` giv
 factors (none in the profile: factor 1, as for GPUs with their own HBM each). `load_profile(...,
 corun="cpu")` takes the CPU-clock factors (the bus and cache alone); "wall" the wall-clock ones (also the
 time a worker loses to other processes when the node's cores are oversubscribed); "off" none.
+`serving` (from a bench run, `pdserve profile --serving-from`): what the runtime adds to the engine's
+times; `load_profile(..., serving=True)` scales the coefficients by its factors and carries its
+`admission_s` to the fitted latency model (`serving=False`: the bare engine).
 
 `latency_model(...)`: the profile's coefficients for that TP if it has them; else the roofline,
 calibrated from the profile (its explicit calibration, or derived from its TP=1 fit) when there is one.
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cluster.planner.bus import KINDS, Corun
 from cluster.planner.errors import BadConfigError
@@ -34,6 +38,7 @@ from cluster.planner.latency import Coeffs, FittedLatency, LatencyModel, Paralle
 from cluster.planner.models import ModelSpec
 from cluster.planner.paths import deploy_dir, pydantic_problems, read_data
 from cluster.planner.roofline import Calibration, RooflineLatency, calibrate
+from cluster.planner.serving import SPREAD_POINTS, Drift, drift_of, scaled
 
 
 class _TPEntry(BaseModel):
@@ -74,6 +79,27 @@ class _CorunEntry(BaseModel):
         return v
 
 
+class _ServingEntry(BaseModel):
+    """What `serving.calibrate_serving` writes."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prefill_factor: float = Field(gt=0)
+    decode_factor: float = Field(gt=0)
+    admission_s: float = Field(0.0, ge=0)
+    prefill_spread: list[float] = []
+    decode_spread: list[float] = []
+    prefill_window_s: float = Field(1.0, gt=0)  # the spans the spreads were measured over
+    decode_window_s: float = Field(10.0, gt=0)
+    points: int = 0
+    source: str = ""
+
+    @field_validator("prefill_spread", "decode_spread")
+    @classmethod
+    def _quantiles(cls, v: list[float]) -> list[float]:
+        if v and (len(v) != SPREAD_POINTS or v[0] <= 0 or any(b < a for a, b in zip(v, v[1:]))):
+            raise ValueError(f"a spread is {SPREAD_POINTS} positive, non-decreasing quantiles (or empty)")
+        return v
+
+
 class _ProfileFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
@@ -83,6 +109,7 @@ class _ProfileFile(BaseModel):
     tp: dict[int, _TPEntry] = {}
     calibration: _CalibrationEntry | None = None
     corun: _CorunEntry | None = None
+    serving: _ServingEntry | None = None
     measurements: dict[str, Any] = {}
     notes: str = ""
 
@@ -97,13 +124,16 @@ class Profile:
     calibration: Calibration | None = None
     fit: dict[int, dict[str, Any]] = field(default_factory=dict)
     corun: Corun = field(default_factory=Corun.none)  # co-run slowdown on one node's memory bus
+    admission_s: float = 0.0  # the serving runtime's time before an instance sees a request
+    drift: Drift | None = None  # the machine's slow and fast spells (`serving.py`)
 
 
 CORUN_CLOCKS = ("cpu", "wall", "off")
 
 
-def load_profile(name_or_path: str, corun: str = "cpu") -> Profile:
-    """A path to a profile JSON, or a name under `deploy/profiles/`; `corun`: which co-run factors."""
+def load_profile(name_or_path: str, corun: str = "cpu", serving: bool = True) -> Profile:
+    """A path to a profile JSON, or a name under `deploy/profiles/`; `corun`: which co-run factors;
+    `serving`: apply its serving calibration (when it has one)."""
     if corun not in CORUN_CLOCKS:
         raise BadConfigError(f"co-run clock {corun!r}: one of {', '.join(CORUN_CLOCKS)}")
     path = Path(name_or_path)
@@ -124,8 +154,13 @@ def load_profile(name_or_path: str, corun: str = "cpu") -> Profile:
     if p.corun and corun == "wall" and not factors:
         raise BadConfigError(f"{path}: its `corun` entry has no `wall_slowdown`; use the cpu factors")
     corun = Corun.from_dict(factors)
-    return Profile(p.name, p.model, p.dtype, p.hardware, {tp: Coeffs(e.prefill, e.decode) for tp, e in p.tp.items()},
-                   cal, {tp: dict(e.fit) for tp, e in p.tp.items()}, corun)
+    coeffs = {tp: Coeffs(e.prefill, e.decode) for tp, e in p.tp.items()}
+    admission, drift = 0.0, None
+    if serving and p.serving is not None:
+        coeffs = {tp: scaled(c, p.serving) for tp, c in coeffs.items()}
+        admission, drift = p.serving.admission_s, drift_of(p.serving)
+    return Profile(p.name, p.model, p.dtype, p.hardware, coeffs, cal, {tp: dict(e.fit) for tp, e in p.tp.items()},
+                   corun, admission, drift)
 
 
 def corun_of(profile: Profile | None) -> Corun:
@@ -141,7 +176,7 @@ def latency_model(model: ModelSpec, hw: Hardware, parallel: Parallel, dtype: str
     pp_link = hw.inter_node_bw if stages_cross_nodes else hw.intra_node_bw
     if profile is not None and parallel.tp in profile.coeffs:
         per_token = model.hidden * 2 / pp_link  # activation hop between stages, bf16
-        return FittedLatency(parallel, profile.coeffs[parallel.tp], per_token)
+        return FittedLatency(parallel, profile.coeffs[parallel.tp], per_token, profile.admission_s, profile.drift)
     cal = Calibration()
     if profile is not None and profile.calibration is not None:
         cal = profile.calibration

@@ -20,6 +20,7 @@ from cluster.planner.bus import ALONE, Bus, Sharing
 from cluster.planner.events import EventQueue
 from cluster.planner.latency import LatencyModel
 from cluster.planner.metrics import SimResult
+from cluster.planner.serving import drift_factor, drift_horizon
 from cluster.planner.sim_disagg import _results, _scaled, _State
 from cluster.planner.stepping import StepRun
 from cluster.planner.workload import Request
@@ -94,9 +95,10 @@ class _Replica:
                 self.ev.at(self.ev.now + self._mixed_time(tokens, sq), self._step_done, chunks)
                 return
             self.bus.set(self.me, "decode")
-            f = self.bus.factor(self.me, "decode")
+            f = self.bus.factor(self.me, "decode") * drift_factor(self.s.model, "decode", self.ev.now)
             run = StepRun(_scaled(self.s.model.decode_lines(self.batch), f), self.context, self.batch)
-            k = run.steps_before(self.ev.next_time() - self.ev.now, self.finishing[0][0] - self.step_no + 1)
+            horizon = min(self.ev.next_time(), drift_horizon(self.s.model, self.ev.now))
+            k = run.steps_before(horizon - self.ev.now, self.finishing[0][0] - self.step_no + 1)
             if k == 0:
                 self.ev.at(self.ev.now + run.step_time(0), self._step_done, [])
                 return
@@ -114,6 +116,8 @@ class _Replica:
         pre = model.mixed(tokens, sq, 0, 0)
         bus.set(self.me, "prefill" if pre >= total - pre else "decode")
         fp, fd = bus.factor(self.me, "prefill"), bus.factor(self.me, "decode")
+        fp *= drift_factor(model, "prefill", self.ev.now)
+        fd *= drift_factor(model, "decode", self.ev.now)
         if fp == fd == 1.0:
             return total
         return pre * fp + (total - pre) * fd
@@ -164,7 +168,8 @@ def simulate_colocated(requests: list[Request], replicas: list[ColocSetup], shar
     def arrive(i: int) -> None:
         min(reps, key=lambda r: r.outstanding).arrive(i)
 
+    late = replicas[0].model.admission_s  # the runtime's routing before a replica sees it
     for i, r in enumerate(requests):
-        ev.at(r.arrival, arrive, i)
+        ev.at(r.arrival + late, arrive, i)
     ev.run()
     return _results(st)

@@ -25,6 +25,7 @@ from cluster.planner.bus import ALONE, Bus, Sharing
 from cluster.planner.events import EventQueue
 from cluster.planner.latency import LatencyModel
 from cluster.planner.metrics import RequestResult, SimResult
+from cluster.planner.serving import drift_factor, drift_horizon
 from cluster.planner.stepping import StepRun
 from cluster.planner.workload import Request
 
@@ -96,6 +97,7 @@ class _Prefill:
         self.queued_tokens -= tokens
         now = self.sim.ev.now
         f = self.bus.factor(self.me, "prefill")  # neighbours mid-step on this node's memory bus
+        f *= drift_factor(self.s.model, "prefill", now)
         latency = self.s.model.prefill(tokens, sq) * f
         self.free_at = now + self.s.model.prefill_interval(tokens, sq) * f
         self.inflight += 1
@@ -162,9 +164,10 @@ class _Decode:
                 return
             self.stepping = True
             self.bus.set(self.me, "decode")
-            f = self.bus.factor(self.me, "decode")
+            f = self.bus.factor(self.me, "decode") * drift_factor(model, "decode", ev.now)
             run = StepRun(_scaled(model.decode_lines(self.batch), f), self.context, self.batch)
-            k = run.steps_before(ev.next_time() - ev.now, self.finishing[0][0] - self.step_no + 1)
+            horizon = min(ev.next_time(), drift_horizon(model, ev.now))
+            k = run.steps_before(horizon - ev.now, self.finishing[0][0] - self.step_no + 1)
             if k == 0:
                 ev.at(ev.now + run.step_time(0), self._step_done)
                 return
@@ -220,8 +223,9 @@ def simulate_disaggregated(requests: list[Request], prefill: list[PrefillSetup],
     """`sharing`: the node of each instance (prefill instances first); None: no co-run slowdown."""
     assert prefill and decode and requests
     sim = _Disagg(requests, prefill, decode, link, sharing)
+    late = prefill[0].model.admission_s  # the runtime's routing before a prefill instance sees it
     for i, r in enumerate(requests):
-        sim.ev.at(r.arrival, sim.arrive, i)
+        sim.ev.at(r.arrival + late, sim.arrive, i)
     sim.ev.run()
     return _results(sim.st)
 

@@ -1,0 +1,132 @@
+"""Serving calibration: what the runtime adds to the engine times a profile fitted, read off a bench run.
+
+    calibrate_serving(runs, coeffs) -> entry     the profile's `serving` entry (pure Python)
+
+Why: `pdserve profile` times the engine alone (one process, its CPU clock), while a served request also
+pays for the runtime around it: HTTP, routing, the decode-side reservation and the prefill submit (RPCs
+between processes), the layer hook's KV snapshots, steps that wait for a core shared with the other
+worker, the server and Ray's own processes. Measured on this 2-core machine (SmolLM2, deploy/local.yaml,
+256-token prompts at 0.125 req/s): a prefill alone took 265-1166 ms, median ~400, where the profile says
+243; TPOT at batch 1-2 ~95 ms where it says ~71; arrival to prefill start 55-130 ms.
+
+What is measured, from a disaggregated `pdserve bench` run at low load (its requests carry server
+timelines; every request counts, so a few noisy ones move a median little):
+    prefill_factor   median of (prefill_end - prefill_start) / the profile's prefill of that prompt alone
+    decode_factor    median of measured TPOT / the profile's decode step at batch 1 and that context
+    admission_s      median of (client TTFT - the prefill's own time): routing, queueing, delivery
+    prefill_spread   the prefill ratios / their median at 0, 5, ..., 100% (likewise decode_spread)
+`profiles.load_profile(serving=True)` multiplies the fitted coefficients by the factors and gives the
+latency model `admission_s`, which the simulators add before a request reaches an instance, and a
+`Drift`: the machine's slow and fast spells. Why model them: a shared machine's speed wanders (other
+tenants on the memory bus): the same lone 256-token prefill took 265 ms and 1166 ms minutes apart, so
+P90s sit far above medians even at low load. Each spread was measured over its own span (a prefill's
+time, ~0.4 s; a TPOT, the mean over a request's whole decode, ~7 s), so for each kind the simulated
+time is cut into windows of that span (the median measured one: `prefill_window_s`, `decode_window_s`);
+each window draws one quantile (seeded: a run is still a pure function of its inputs) and every step of
+that kind starting in it, on every instance, is scaled by it. A run at higher load would fold queueing
+into these numbers: calibrate at a rate where requests rarely overlap.
+"""
+from __future__ import annotations
+
+import functools
+import random
+import statistics
+from dataclasses import dataclass
+
+from cluster.planner.errors import BadConfigError
+from cluster.planner.latency import Coeffs
+
+MIN_POINTS = 5
+SPREAD_POINTS = 21  # quantiles at 0, 5, ..., 100%
+KINDS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Step-time multipliers that wander with simulated time (see the module map)."""
+    prefill: tuple[float, ...]  # quantiles of a prefill's time / its median, evenly spaced from 0 to 100%
+    decode: tuple[float, ...]  # the same for TPOT
+    prefill_window_s: float
+    decode_window_s: float
+    seed: int = 0
+
+    def factor(self, kind: str, t: float) -> float:
+        q, w = (self.prefill, self.prefill_window_s) if kind == "prefill" else (self.decode, self.decode_window_s)
+        x = _draw(self.seed, KINDS.index(kind), int(t // w)) * (len(q) - 1)
+        i = min(int(x), len(q) - 2)
+        return q[i] + (q[i + 1] - q[i]) * (x - i)
+
+    def next_change(self, t: float) -> float:
+        """When a factor may change next: steps summed in closed form stop there."""
+        return min((int(t // w) + 1) * w for w in (self.prefill_window_s, self.decode_window_s))
+
+
+@functools.lru_cache(maxsize=8192)
+def _draw(seed: int, kind: int, window: int) -> float:
+    return random.Random((seed * 2 + kind) * 1_000_003 + window).random()
+
+
+def drift_factor(model, kind: str, t: float) -> float:
+    """The drift multiplier of `model` (a LatencyModel) for a step of `kind` starting at t (1: none)."""
+    return 1.0 if model.drift is None else model.drift.factor(kind, t)
+
+
+def drift_horizon(model, t: float) -> float:
+    return float("inf") if model.drift is None else model.drift.next_change(t)
+
+
+def spread(ratios: list[float]) -> tuple[float, ...]:
+    """Quantiles of ratios / their median at SPREAD_POINTS evenly spaced levels."""
+    s = sorted(ratios)
+    mid = statistics.median(s)
+    out = []
+    for k in range(SPREAD_POINTS):
+        x = k / (SPREAD_POINTS - 1) * (len(s) - 1)
+        i = min(int(x), len(s) - 2)
+        out.append(round((s[i] + (s[i + 1] - s[i]) * (x - i)) / mid, 4))
+    return tuple(out)
+
+
+def calibrate_serving(runs: list[dict], coeffs: Coeffs, source: str = "") -> dict:
+    """runs: bench probe records (`requests` with `input_len`, `output_tokens`, `ttft_ms`, `tpot_ms`,
+    `timeline_ms`); coeffs: the profile's fit at TP 1. Raises BadConfigError without enough points."""
+    pa, pb, pc = coeffs.prefill
+    da, db, dc = coeffs.decode
+    prefill, decode, admission, spans = [], [], [], {k: [] for k in KINDS}
+    for run in runs:
+        for r in run.get("requests", []):
+            t = r.get("timeline_ms") or {}
+            if not r.get("ok") or "prefill_start" not in t or "prefill_end" not in t:
+                continue
+            n = r["input_len"]
+            took = (t["prefill_end"] - t["prefill_start"]) / 1000
+            prefill.append(took / (pa + pb * n + pc * n * n))
+            admission.append(r["ttft_ms"] / 1000 - took)
+            spans["prefill"].append(took)
+            out = r.get("output_tokens") or 0
+            if r.get("tpot_ms") and out > 1:
+                decode.append(r["tpot_ms"] / 1000 / (da + db * (n + out / 2) + dc))
+                spans["decode"].append(r["tpot_ms"] / 1000 * (out - 1))
+    if len(prefill) < MIN_POINTS or len(decode) < MIN_POINTS:
+        raise BadConfigError(f"serving calibration needs >= {MIN_POINTS} finished requests with prefill timelines "
+                             f"(a disaggregated `pdserve bench` run); got {len(prefill)} with timelines, "
+                             f"{len(decode)} with a TPOT")
+    return {"prefill_factor": round(statistics.median(prefill), 4),
+            "decode_factor": round(statistics.median(decode), 4),
+            "admission_s": round(max(0.0, statistics.median(admission)), 4),
+            "prefill_spread": list(spread(prefill)), "decode_spread": list(spread(decode)),
+            **{f"{k}_window_s": round(statistics.median(spans[k]), 3) for k in KINDS},
+            "points": len(prefill), "source": source}
+
+
+def drift_of(entry) -> Drift | None:
+    """The profile's serving entry as a `Drift` (None without spreads)."""
+    if not entry.prefill_spread or not entry.decode_spread:
+        return None
+    return Drift(tuple(entry.prefill_spread), tuple(entry.decode_spread), entry.prefill_window_s, entry.decode_window_s)
+
+
+def scaled(coeffs: Coeffs, entry) -> Coeffs:
+    """The fitted coefficients times the serving factors (`entry`: the profile's serving entry)."""
+    return Coeffs(tuple(x * entry.prefill_factor for x in coeffs.prefill),
+                  tuple(x * entry.decode_factor for x in coeffs.decode))
