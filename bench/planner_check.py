@@ -64,7 +64,7 @@ def simulate_spec(spec: ClusterSpec, requests: list[Request], profile: str | Non
     """The spec's pools in the planner's simulator (TP = PP = 1: what `serve` runs today)."""
     model, hw = load_model(spec.model), load_hardware(hardware)
     prof = load_profile(profile, corun, serving) if profile else None
-    lat = latency_model(model, hw, Parallel(1, 1), spec.dtype, prof)
+    lat = latency_model(model, hw, Parallel(1, 1), spec.dtype, prof, mode=spec.mode)
 
     def kw(pool: str) -> dict:
         return spec.engine_kwargs(pool)

@@ -74,8 +74,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corun-only", action="store_true",
                    help="only measure co-run interference and add it to the existing profile --out")
     p.add_argument("--serving-from", nargs="+", metavar="BENCH_JSON",
-                   help="only calibrate the runtime's overheads from finished disaggregated `pdserve bench` runs at "
-                        "low load (bench.json or probe files) and add them to the existing profile --out")
+                   help="only calibrate the runtime's overheads from finished `pdserve bench --spec` runs of one spec "
+                        "at low load (bench.json or probe files) and add them, under the spec's mode, to the existing "
+                        "profile --out")
     p.set_defaults(func=_profile)
 
 

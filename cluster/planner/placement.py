@@ -107,7 +107,8 @@ def candidate_plans(req: "PlanRequest", phases: dict[str, list[PhaseChoice]]) ->
 def simulate_plan(req: "PlanRequest", plan: Plan, rate: float, prec: Precision = VERIFY):
     """Simulate the whole plan at `rate` (req/s); returns the `SimResult`."""
     def lm(c: PhaseChoice):
-        return latency_model(req.model, req.hw, c.parallel, req.dtype, req.profile, req.gpus_per_node)
+        return latency_model(req.model, req.hw, c.parallel, req.dtype, req.profile, req.gpus_per_node,
+                             "colocated" if c.phase == "colocated" else "disaggregated")
 
     first = plan.pools[0][0]
     n = prec.size(rate, lifetime(lm(first), list(req.pairs)))

@@ -144,9 +144,9 @@ def run_serving_only(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError, BadConfigError) as e:
         print(f"{out}: {e} (--serving-from adds to an existing profile with a TP 1 fit)", file=sys.stderr)
         return 2
-    profile["serving"] = entry
+    profile.setdefault("serving", {})[entry["mode"]] = entry
     out.write_text(json.dumps(profile, indent=1) + "\n")
-    print(f"serving: prefill x{entry['prefill_factor']:.3f}, decode x{entry['decode_factor']:.3f}, admission "
+    print(f"serving ({entry['mode']}): prefill x{entry['prefill_factor']:.3f}, decode x{entry['decode_factor']:.3f}, admission "
           f"{1000 * entry['admission_s']:.0f} ms over {entry['points']} requests; wrote {out}")
     return 0
 

@@ -8,7 +8,8 @@ efficiency factors, and the raw measurements. Shape:
      "tp": {"1": {"prefill": [a, b, c], "decode": [a, b, c], "fit": {...}}},
      "calibration": {"compute_eff": .., "memory_eff": .., "overhead_s": ..},   (optional)
      "corun": {"slowdown": {"decode_beside_prefill": 1.1, ...}, ...},          (optional, `corun.py`)
-     "serving": {"prefill_factor": .., "decode_factor": .., "admission_s": ..},   (optional, `serving.py`)
+     "serving": {"disaggregated": {"prefill_factor": .., "decode_factor": .., "admission_s": .., ...},
+                 "colocated": {...}},                                          (optional, `serving.py`)
      "measurements": {...}, "notes": "..."}                                     (optional)
 
 `corun.slowdown` keys are `<kind>_beside_<kind>` over prefill/decode: how much slower a step runs while
@@ -16,9 +17,11 @@ an instance on the same node's memory bus is mid-step (`bus.py`); `corun_of` giv
 factors (none in the profile: factor 1, as for GPUs with their own HBM each). `load_profile(...,
 corun="cpu")` takes the CPU-clock factors (the bus and cache alone); "wall" the wall-clock ones (also the
 time a worker loses to other processes when the node's cores are oversubscribed); "off" none.
-`serving` (from a bench run, `pdserve profile --serving-from`): what the runtime adds to the engine's
-times; `load_profile(..., serving=True)` scales the coefficients by its factors and carries its
-`admission_s` to the fitted latency model (`serving=False`: the bare engine).
+`serving` (from bench runs, `pdserve profile --serving-from`): what the runtime adds to the engine's
+times, per serving mode (the two run different processes around the engine); `latency_model(...,
+mode=)` scales the coefficients by that mode's factors and carries its `admission_s` and drift (a mode
+without its own entry takes the other's: the nearest measurement there is); `load_profile(...,
+serving=False)` drops them (the bare engine).
 
 `latency_model(...)`: the profile's coefficients for that TP if it has them; else the roofline,
 calibrated from the profile (its explicit calibration, or derived from its TP=1 fit) when there is one.
@@ -38,7 +41,7 @@ from cluster.planner.latency import Coeffs, FittedLatency, LatencyModel, Paralle
 from cluster.planner.models import ModelSpec
 from cluster.planner.paths import deploy_dir, pydantic_problems, read_data
 from cluster.planner.roofline import Calibration, RooflineLatency, calibrate
-from cluster.planner.serving import SPREAD_POINTS, Drift, drift_of, scaled
+from cluster.planner.serving import MODES, SPREAD_POINTS, drift_of, scaled
 
 
 class _TPEntry(BaseModel):
@@ -91,6 +94,7 @@ class _ServingEntry(BaseModel):
     decode_window_s: float = Field(10.0, gt=0)
     points: int = 0
     source: str = ""
+    mode: str = ""
 
     @field_validator("prefill_spread", "decode_spread")
     @classmethod
@@ -109,7 +113,15 @@ class _ProfileFile(BaseModel):
     tp: dict[int, _TPEntry] = {}
     calibration: _CalibrationEntry | None = None
     corun: _CorunEntry | None = None
-    serving: _ServingEntry | None = None
+    serving: dict[str, _ServingEntry] = {}
+
+    @field_validator("serving")
+    @classmethod
+    def _modes(cls, v: dict) -> dict:
+        bad = sorted(set(v) - set(MODES))
+        if bad:
+            raise ValueError(f"serving mode(s) {', '.join(bad)}; known: {', '.join(MODES)}")
+        return v
     measurements: dict[str, Any] = {}
     notes: str = ""
 
@@ -124,8 +136,7 @@ class Profile:
     calibration: Calibration | None = None
     fit: dict[int, dict[str, Any]] = field(default_factory=dict)
     corun: Corun = field(default_factory=Corun.none)  # co-run slowdown on one node's memory bus
-    admission_s: float = 0.0  # the serving runtime's time before an instance sees a request
-    drift: Drift | None = None  # the machine's slow and fast spells (`serving.py`)
+    serving: dict = field(default_factory=dict)  # mode -> its serving calibration (`serving.py`)
 
 
 CORUN_CLOCKS = ("cpu", "wall", "off")
@@ -155,12 +166,8 @@ def load_profile(name_or_path: str, corun: str = "cpu", serving: bool = True) ->
         raise BadConfigError(f"{path}: its `corun` entry has no `wall_slowdown`; use the cpu factors")
     corun = Corun.from_dict(factors)
     coeffs = {tp: Coeffs(e.prefill, e.decode) for tp, e in p.tp.items()}
-    admission, drift = 0.0, None
-    if serving and p.serving is not None:
-        coeffs = {tp: scaled(c, p.serving) for tp, c in coeffs.items()}
-        admission, drift = p.serving.admission_s, drift_of(p.serving)
     return Profile(p.name, p.model, p.dtype, p.hardware, coeffs, cal, {tp: dict(e.fit) for tp, e in p.tp.items()},
-                   corun, admission, drift)
+                   corun, dict(p.serving) if serving else {})
 
 
 def corun_of(profile: Profile | None) -> Corun:
@@ -170,13 +177,18 @@ def corun_of(profile: Profile | None) -> Corun:
 
 
 def latency_model(model: ModelSpec, hw: Hardware, parallel: Parallel, dtype: str = "bfloat16",
-                  profile: Profile | None = None, gpus_per_node: int = 8) -> LatencyModel:
-    """The latency model of one TP x PP instance (see the module map for the order of preference)."""
+                  profile: Profile | None = None, gpus_per_node: int = 8, mode: str = "disaggregated") -> LatencyModel:
+    """The latency model of one TP x PP instance serving in `mode` (see the module map for the order of
+    preference)."""
     stages_cross_nodes = parallel.gpus > gpus_per_node
     pp_link = hw.inter_node_bw if stages_cross_nodes else hw.intra_node_bw
     if profile is not None and parallel.tp in profile.coeffs:
         per_token = model.hidden * 2 / pp_link  # activation hop between stages, bf16
-        return FittedLatency(parallel, profile.coeffs[parallel.tp], per_token, profile.admission_s, profile.drift)
+        entry = profile.serving.get(mode) or next(iter(profile.serving.values()), None)
+        if entry is None:
+            return FittedLatency(parallel, profile.coeffs[parallel.tp], per_token)
+        return FittedLatency(parallel, scaled(profile.coeffs[parallel.tp], entry), per_token, entry.admission_s,
+                             drift_of(entry))
     cal = Calibration()
     if profile is not None and profile.calibration is not None:
         cal = profile.calibration

@@ -99,7 +99,8 @@ def _no_config_error(req: PlanRequest, rejected: list[str]) -> NoFeasibleConfigE
 
 def _measure(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec: Precision,
              warm: float = 0.0) -> tuple[PhaseChoice, Goodput]:
-    lm = latency_model(req.model, req.hw, mem.parallel, req.dtype, req.profile, req.gpus_per_node)
+    lm = latency_model(req.model, req.hw, mem.parallel, req.dtype, req.profile, req.gpus_per_node,
+                       "colocated" if kind == "colocated" else "disaggregated")
     _, _, pre_seqs, seqs = req.budgets()
     pairs = list(req.pairs)
     # each phase alone at the full attainment target (DistServe's rule); a disaggregated request must

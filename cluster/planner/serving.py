@@ -9,9 +9,10 @@ worker, the server and Ray's own processes. Measured on this 2-core machine (Smo
 256-token prompts at 0.125 req/s): a prefill alone took 265-1166 ms, median ~400, where the profile says
 243; TPOT at batch 1-2 ~95 ms where it says ~71; arrival to prefill start 55-130 ms.
 
-What is measured, from a disaggregated `pdserve bench` run at low load (its requests carry server
-timelines; every request counts, so a few noisy ones move a median little):
-    prefill_factor   median of (prefill_end - prefill_start) / the profile's prefill of that prompt alone
+What is measured, from a `pdserve bench` run at low load (its requests carry server timelines; every
+request counts, so a few noisy ones move a median little), for the run's serving mode:
+    prefill_factor   median of the prompt's own time (disaggregated: prefill_end - prefill_start;
+                     colocated: first_token - engine_added) / the profile's prefill of it alone
     decode_factor    median of measured TPOT / the profile's decode step at batch 1 and that context
     admission_s      median of (client TTFT - the prefill's own time): routing, queueing, delivery
     prefill_spread   the prefill ratios / their median at 0, 5, ..., 100% (likewise decode_spread)
@@ -39,6 +40,8 @@ from cluster.planner.latency import Coeffs
 MIN_POINTS = 5
 SPREAD_POINTS = 21  # quantiles at 0, 5, ..., 100%
 KINDS = ("prefill", "decode")
+MODES = ("disaggregated", "colocated")
+PROMPT_PHASE = {"disaggregated": ("prefill_start", "prefill_end"), "colocated": ("engine_added", "first_token")}
 
 
 @dataclass(frozen=True)
@@ -88,18 +91,22 @@ def spread(ratios: list[float]) -> tuple[float, ...]:
 
 
 def calibrate_serving(runs: list[dict], coeffs: Coeffs, source: str = "") -> dict:
-    """runs: bench probe records (`requests` with `input_len`, `output_tokens`, `ttft_ms`, `tpot_ms`,
-    `timeline_ms`); coeffs: the profile's fit at TP 1. Raises BadConfigError without enough points."""
+    """runs: bench probe records of one spec (`requests` with `input_len`, `output_tokens`, `ttft_ms`,
+    `tpot_ms`, `timeline_ms`); coeffs: the profile's fit at TP 1. The entry names its `mode` (from the
+    timelines' events). Raises BadConfigError without enough points."""
     pa, pb, pc = coeffs.prefill
     da, db, dc = coeffs.decode
-    prefill, decode, admission, spans = [], [], [], {k: [] for k in KINDS}
+    prefill, decode, admission, spans, modes = [], [], [], {k: [] for k in KINDS}, set()
     for run in runs:
         for r in run.get("requests", []):
             t = r.get("timeline_ms") or {}
-            if not r.get("ok") or "prefill_start" not in t or "prefill_end" not in t:
+            mode = next((m for m, (a, b) in PROMPT_PHASE.items() if a in t and b in t), None)
+            if not r.get("ok") or mode is None:
                 continue
+            modes.add(mode)
+            start, end = PROMPT_PHASE[mode]
             n = r["input_len"]
-            took = (t["prefill_end"] - t["prefill_start"]) / 1000
+            took = (t[end] - t[start]) / 1000
             prefill.append(took / (pa + pb * n + pc * n * n))
             admission.append(r["ttft_ms"] / 1000 - took)
             spans["prefill"].append(took)
@@ -108,10 +115,12 @@ def calibrate_serving(runs: list[dict], coeffs: Coeffs, source: str = "") -> dic
                 decode.append(r["tpot_ms"] / 1000 / (da + db * (n + out / 2) + dc))
                 spans["decode"].append(r["tpot_ms"] / 1000 * (out - 1))
     if len(prefill) < MIN_POINTS or len(decode) < MIN_POINTS:
-        raise BadConfigError(f"serving calibration needs >= {MIN_POINTS} finished requests with prefill timelines "
-                             f"(a disaggregated `pdserve bench` run); got {len(prefill)} with timelines, "
+        raise BadConfigError(f"serving calibration needs >= {MIN_POINTS} finished requests with server timelines "
+                             f"(a `pdserve bench --spec` run of pdserve); got {len(prefill)} with timelines, "
                              f"{len(decode)} with a TPOT")
-    return {"prefill_factor": round(statistics.median(prefill), 4),
+    if len(modes) > 1:
+        raise BadConfigError("serving calibration: these runs mix disaggregated and colocated specs; give one at a time")
+    return {"mode": modes.pop(), "prefill_factor": round(statistics.median(prefill), 4),
             "decode_factor": round(statistics.median(decode), 4),
             "admission_s": round(max(0.0, statistics.median(admission)), 4),
             "prefill_spread": list(spread(prefill)), "decode_spread": list(spread(decode)),

@@ -36,17 +36,26 @@ def bench_run(prefill_factor: float, decode_factor: float, admission_s: float, n
     return {"rate": 0.1, "requests": reqs}
 
 
-def test_calibration_recovers_known_factors_and_needs_timelines():
+def test_calibration_recovers_known_factors_per_mode_and_needs_timelines():
     entry = calibrate_serving([bench_run(1.8, 1.4, 0.06)], COEFFS, source="synthetic")
+    assert entry["mode"] == "disaggregated"
     assert entry["prefill_factor"] == pytest.approx(1.8, rel=1e-3)
     assert entry["decode_factor"] == pytest.approx(1.4, rel=1e-3)
     assert entry["admission_s"] == pytest.approx(0.06, abs=1e-3)
     assert entry["prefill_spread"] == pytest.approx(list(ONES), rel=1e-3) and entry["points"] == 12
-    colocated = bench_run(1.0, 1.0, 0.0)
-    for r in colocated["requests"]:
-        r["timeline_ms"] = {"engine_added": 5.0, "first_token": 90.0}  # no prefill phase to time
-    with pytest.raises(BadConfigError, match="disaggregated"):
-        calibrate_serving([colocated], COEFFS)
+    colocated = bench_run(1.2, 1.1, 0.03)
+    for r in colocated["requests"]:  # a colocated engine's events: the prompt from engine_added to first_token
+        took = r["timeline_ms"]["prefill_end"] - r["timeline_ms"]["prefill_start"]
+        r["timeline_ms"] = {"engine_added": 5.0, "first_token": 5.0 + took}
+    entry = calibrate_serving([colocated], COEFFS)
+    assert entry["mode"] == "colocated" and entry["prefill_factor"] == pytest.approx(1.2, rel=1e-3)
+    with pytest.raises(BadConfigError, match="mix"):
+        calibrate_serving([colocated, bench_run(1.0, 1.0, 0.0)], COEFFS)
+    bare = bench_run(1.0, 1.0, 0.0)
+    for r in bare["requests"]:
+        r["timeline_ms"] = None  # a foreign server: no timelines
+    with pytest.raises(BadConfigError, match="timelines"):
+        calibrate_serving([bare], COEFFS)
 
 
 def test_spread_is_normalised_quantiles():
@@ -55,28 +64,34 @@ def test_spread_is_normalised_quantiles():
     assert q[SPREAD_POINTS // 2] == pytest.approx(1.0) and list(q) == sorted(q)
 
 
-def write_profile(tmp_path, serving: dict | None):
+def write_profile(tmp_path, serving: dict):
     prof = {"name": "t", "model": "smollm2-135m", "hardware": "cpu-local",
-            "tp": {"1": {"prefill": list(COEFFS.prefill), "decode": list(COEFFS.decode)}}}
-    if serving is not None:
-        prof["serving"] = serving
+            "tp": {"1": {"prefill": list(COEFFS.prefill), "decode": list(COEFFS.decode)}}, "serving": serving}
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof))
     return str(path)
 
 
-def test_the_loader_applies_the_calibration_unless_told_not_to(tmp_path):
+def test_the_latency_model_takes_its_modes_calibration_unless_told_not_to(tmp_path):
     entry = calibrate_serving([bench_run(2.0, 1.5, 0.08)], COEFFS)
-    path = write_profile(tmp_path, entry)
+    path = write_profile(tmp_path, {"disaggregated": entry})
+    m, hw = load_model("smollm2-135m"), load_hardware("cpu-local")
     on, off = load_profile(path), load_profile(path, serving=False)
-    assert on.coeffs[1].prefill == pytest.approx(tuple(2.0 * x for x in COEFFS.prefill), rel=1e-3)
-    assert on.coeffs[1].decode == pytest.approx(tuple(1.5 * x for x in COEFFS.decode), rel=1e-3)
-    assert off.coeffs[1] == COEFFS and off.admission_s == 0.0 and off.drift is None
-    lat = latency_model(load_model("smollm2-135m"), load_hardware("cpu-local"), Parallel(), profile=on)
-    assert lat.admission_s == pytest.approx(0.08, abs=1e-3) and lat.drift is not None
+    for mode in ("disaggregated", "colocated"):  # colocated has no entry: it takes the nearest there is
+        lat = latency_model(m, hw, Parallel(), profile=on, mode=mode)
+        assert lat.coeffs.prefill == pytest.approx(tuple(2.0 * x for x in COEFFS.prefill), rel=1e-3)
+        assert lat.coeffs.decode == pytest.approx(tuple(1.5 * x for x in COEFFS.decode), rel=1e-3)
+        assert lat.admission_s == pytest.approx(0.08, abs=1e-3) and lat.drift is not None
+    bare = latency_model(m, hw, Parallel(), profile=off)
+    assert bare.coeffs == COEFFS and bare.admission_s == 0.0 and bare.drift is None
+    coloc = calibrate_serving([bench_run(1.0, 1.0, 0.0)], COEFFS)
+    both = load_profile(write_profile(tmp_path, {"disaggregated": entry, "colocated": coloc}))
+    assert latency_model(m, hw, Parallel(), profile=both, mode="colocated").coeffs == pytest.approx(COEFFS)
     bad = dict(entry, prefill_spread=[1.0, 0.5] + [1.0] * (SPREAD_POINTS - 2))  # not non-decreasing
     with pytest.raises(BadConfigError, match="spread"):
-        load_profile(write_profile(tmp_path, bad))
+        load_profile(write_profile(tmp_path, {"disaggregated": bad}))
+    with pytest.raises(BadConfigError, match="mode"):
+        load_profile(write_profile(tmp_path, {"pipelined": entry}))
 
 
 def test_admission_delays_each_request_by_exactly_that_much():
