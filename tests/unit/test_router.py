@@ -85,7 +85,9 @@ def handle(name, fake, methods):
 
 
 def make_router(decodes=(8,), prefills=1, **cfg):
-    fakes = {"decode": [FakeDecode(p) for p in decodes], "prefill": [FakePrefill() for _ in range(prefills)]}
+    """prefills: how many `FakePrefill`s, or the fakes themselves."""
+    pre = [FakePrefill() for _ in range(prefills)] if isinstance(prefills, int) else list(prefills)
+    fakes = {"decode": [FakeDecode(p) for p in decodes], "prefill": pre}
     pools = {"decode": [handle(f"decode-{i}", f, DECODE_METHODS) for i, f in enumerate(fakes["decode"])],
              "prefill": [handle(f"prefill-{i}", f, PREFILL_METHODS) for i, f in enumerate(fakes["prefill"])]}
     config = RouterConfig(**{**dict(mode="disaggregated", model_name="m", vocab_size=50, max_model_len=64,

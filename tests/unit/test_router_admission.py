@@ -16,13 +16,12 @@ import threading
 
 import pytest
 
-from cluster.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError
-from cluster.worker_loop import DECODE_METHODS, PREFILL_METHODS
 from decode_worker.worker import DecodeDelta
 from engine.errors import ReservationError
 from prefill_worker.worker import PrefillEvent
-from tests.unit.test_router import FakeDecode, FakePrefill, Tok, handle, settled, start, until, wid_of
+from tests.unit.test_router import FakePrefill, settled, start, until, wid_of
+from tests.unit.test_router import make_router as router_of
 
 
 class GatedPrefill(FakePrefill):
@@ -42,13 +41,7 @@ class GatedPrefill(FakePrefill):
 
 
 def make_router(prefills, decode_pages=(16,), **cfg):
-    fakes = {"decode": [FakeDecode(n) for n in decode_pages], "prefill": list(prefills)}
-    pools = {"decode": [handle(f"decode-{i}", f, DECODE_METHODS) for i, f in enumerate(fakes["decode"])],
-             "prefill": [handle(f"prefill-{i}", f, PREFILL_METHODS) for i, f in enumerate(fakes["prefill"])]}
-    config = RouterConfig(**{**dict(mode="disaggregated", model_name="m", vocab_size=50, max_model_len=64,
-                                    kv_capacity_tokens=256, max_queued_requests=8, request_timeout_s=10.0,
-                                    drain_timeout_s=0.05), **cfg})
-    return ClusterRouter(config, pools, Tok(), page_size=4), fakes
+    return router_of(decode_pages, prefills, **{"max_queued_requests": 8, "request_timeout_s": 10.0, **cfg})
 
 
 def run(main):
