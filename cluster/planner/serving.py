@@ -11,8 +11,9 @@ worker, the server and Ray's own processes. Measured on this 2-core machine (Smo
 
 What is measured, from a `pdserve bench` run at low load (its requests carry server timelines; every
 request counts, so a few noisy ones move a median little), for the run's serving mode:
-    prefill_factor   median of the prompt's own time (disaggregated: prefill_end - prefill_start;
-                     colocated: first_token - engine_added) / the profile's prefill of it alone
+    prefill_factor   median of the prompt's own time (prefill_end - prefill_start; engine_added ->
+                     first_token where a server reports no prefill events) / the profile's prefill of it
+                     alone; the mode is disaggregated where the timeline has the KV reservation
     decode_factor    median of measured TPOT / the profile's decode step at batch 1 and that context
     admission_s      median of (client TTFT - the prefill's own time): routing, queueing, delivery
     prefill_spread   the prefill ratios / their median at 0, 5, ..., 100% (likewise decode_spread)
@@ -41,7 +42,7 @@ MIN_POINTS = 5
 SPREAD_POINTS = 21  # quantiles at 0, 5, ..., 100%
 KINDS = ("prefill", "decode")
 MODES = ("disaggregated", "colocated")
-PROMPT_PHASE = {"disaggregated": ("prefill_start", "prefill_end"), "colocated": ("engine_added", "first_token")}
+PROMPT_PHASES = (("prefill_start", "prefill_end"), ("engine_added", "first_token"))
 
 
 @dataclass(frozen=True)
@@ -100,11 +101,11 @@ def calibrate_serving(runs: list[dict], coeffs: Coeffs, source: str = "") -> dic
     for run in runs:
         for r in run.get("requests", []):
             t = r.get("timeline_ms") or {}
-            mode = next((m for m, (a, b) in PROMPT_PHASE.items() if a in t and b in t), None)
-            if not r.get("ok") or mode is None:
+            phase = next(((a, b) for a, b in PROMPT_PHASES if a in t and b in t), None)
+            if not r.get("ok") or phase is None:
                 continue
-            modes.add(mode)
-            start, end = PROMPT_PHASE[mode]
+            modes.add("disaggregated" if "reserved" in t else "colocated")
+            start, end = phase
             n = r["input_len"]
             took = (t[end] - t[start]) / 1000
             prefill.append(took / (pa + pb * n + pc * n * n))

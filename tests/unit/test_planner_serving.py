@@ -32,7 +32,7 @@ def bench_run(prefill_factor: float, decode_factor: float, admission_s: float, n
         step = decode_factor * (COEFFS.decode[0] + COEFFS.decode[1] * (inp + out / 2) + COEFFS.decode[2])
         reqs.append({"ok": True, "input_len": inp, "output_tokens": out, "ttft_ms": 1000 * (took + admission_s),
                      "tpot_ms": 1000 * step,
-                     "timeline_ms": {"prefill_start": 100.0, "prefill_end": 100.0 + 1000 * took}})
+                     "timeline_ms": {"reserved": 40.0, "prefill_start": 100.0, "prefill_end": 100.0 + 1000 * took}})
     return {"rate": 0.1, "requests": reqs}
 
 
@@ -44,9 +44,10 @@ def test_calibration_recovers_known_factors_per_mode_and_needs_timelines():
     assert entry["admission_s"] == pytest.approx(0.06, abs=1e-3)
     assert entry["prefill_spread"] == pytest.approx(list(ONES), rel=1e-3) and entry["points"] == 12
     colocated = bench_run(1.2, 1.1, 0.03)
-    for r in colocated["requests"]:  # a colocated engine's events: the prompt from engine_added to first_token
+    for r in colocated["requests"]:  # a colocated replica's events, as it reports them: no KV reservation
         took = r["timeline_ms"]["prefill_end"] - r["timeline_ms"]["prefill_start"]
-        r["timeline_ms"] = {"engine_added": 5.0, "first_token": 5.0 + took}
+        r["timeline_ms"] = {"queued": 1.0, "engine_added": 5.0, "prefill_start": 6.0, "prefill_end": 6.0 + took,
+                            "first_token": 7.0 + took}
     entry = calibrate_serving([colocated], COEFFS)
     assert entry["mode"] == "colocated" and entry["prefill_factor"] == pytest.approx(1.2, rel=1e-3)
     with pytest.raises(BadConfigError, match="mix"):
