@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-bench", help="a finished bench.json: only predict and compare")
     ap.add_argument("--corun", default="cpu", choices=["cpu", "wall", "off"],
                     help="the profile's co-run factors for replicas sharing this machine (as pdserve plan --corun)")
-    ap.add_argument("--serving", default="on", choices=["on", "off"],
-                    help="the profile's serving calibration (as pdserve plan --serving)")
+    ap.add_argument("--serving", default="off", choices=["on", "off"],
+                    help="the profile's serving calibration (as pdserve plan --serving; take it with `pdserve "
+                         "profile --serving-from` from a low-rate run just before this check)")
     ap.add_argument("--out", default="bench/out/planner-check")
     args = ap.parse_args(argv)
     spec, slo = load_spec(args.spec), SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment)

@@ -46,9 +46,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corun", default="cpu", choices=["cpu", "wall", "off"],
                    help="the profile's co-run slowdowns of instances sharing a node: cpu (memory bus and cache "
                         "only), wall (also time lost to other processes on oversubscribed cores), off")
-    p.add_argument("--serving", default="on", choices=["on", "off"],
-                   help="on: the profile's serving calibration (runtime overheads measured by a bench run), when "
-                        "it has one; off: the bare engine's times")
+    p.add_argument("--serving", default="off", choices=["on", "off"],
+                   help="on: apply the profile's serving calibration (runtime overheads and the machine's drift, "
+                        "measured by a bench run; trust it when taken just before what you predict: on a shared "
+                        "machine its factors move with the time of day); off: the engine's fitted times")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--inter-node-gbs", type=float, help="cross-node GB/s per device (default: the table's)")
     p.add_argument("--max-len", type=int, default=0, help="max_model_len (default: the model's, <= 32768)")

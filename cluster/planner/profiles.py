@@ -21,7 +21,9 @@ time a worker loses to other processes when the node's cores are oversubscribed)
 times, per serving mode (the two run different processes around the engine); `latency_model(...,
 mode=)` scales the coefficients by that mode's factors and carries its `admission_s` and drift (a mode
 without its own entry takes the other's: the nearest measurement there is); `load_profile(...,
-serving=False)` drops them (the bare engine).
+serving=False)` drops them (the bare engine). `pdserve plan` and bench/planner_check.py apply them only
+with `--serving on`: on this shared machine the factors move with the hour (a disaggregated decode
+factor of 1.47 at one time, ~1.14 half an hour later), which would move absolute feasibility by default.
 
 `latency_model(...)`: the profile's coefficients for that TP if it has them; else the roofline,
 calibrated from the profile (its explicit calibration, or derived from its TP=1 fit) when there is one.
