@@ -56,13 +56,18 @@ class Drift:
 
     def factor(self, kind: str, t: float) -> float:
         q, w = (self.prefill, self.prefill_window_s) if kind == "prefill" else (self.decode, self.decode_window_s)
-        x = _draw(self.seed, KINDS.index(kind), int(t // w)) * (len(q) - 1)
-        i = min(int(x), len(q) - 2)
-        return q[i] + (q[i + 1] - q[i]) * (x - i)
+        return _at(q, _draw(self.seed, KINDS.index(kind), int(t // w)))
 
     def next_change(self, t: float) -> float:
         """When a factor may change next: steps summed in closed form stop there."""
         return min((int(t // w) + 1) * w for w in (self.prefill_window_s, self.decode_window_s))
+
+
+def _at(values, u: float) -> float:
+    """Linear interpolation into sorted `values` at fraction u in [0, 1] of the way along."""
+    x = u * (len(values) - 1)
+    i = min(int(x), len(values) - 2)
+    return values[i] + (values[i + 1] - values[i]) * (x - i)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -83,12 +88,7 @@ def spread(ratios: list[float]) -> tuple[float, ...]:
     """Quantiles of ratios / their median at SPREAD_POINTS evenly spaced levels."""
     s = sorted(ratios)
     mid = statistics.median(s)
-    out = []
-    for k in range(SPREAD_POINTS):
-        x = k / (SPREAD_POINTS - 1) * (len(s) - 1)
-        i = min(int(x), len(s) - 2)
-        out.append(round((s[i] + (s[i + 1] - s[i]) * (x - i)) / mid, 4))
-    return tuple(out)
+    return tuple(round(_at(s, k / (SPREAD_POINTS - 1)) / mid, 4) for k in range(SPREAD_POINTS))
 
 
 def calibrate_serving(runs: list[dict], coeffs: Coeffs, source: str = "") -> dict:
