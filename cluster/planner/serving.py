@@ -58,9 +58,10 @@ class Drift:
         q, w = (self.prefill, self.prefill_window_s) if kind == "prefill" else (self.decode, self.decode_window_s)
         return _at(q, _draw(self.seed, KINDS.index(kind), int(t // w)))
 
-    def next_change(self, t: float) -> float:
-        """When a factor may change next: steps summed in closed form stop there."""
-        return min((int(t // w) + 1) * w for w in (self.prefill_window_s, self.decode_window_s))
+    def next_change(self, kind: str, t: float) -> float:
+        """When the factor of `kind` may change next: decode steps summed in closed form stop there."""
+        w = self.prefill_window_s if kind == "prefill" else self.decode_window_s
+        return (int(t // w) + 1) * w
 
 
 def _at(values, u: float) -> float:
@@ -80,8 +81,9 @@ def drift_factor(model, kind: str, t: float) -> float:
     return 1.0 if model.drift is None else model.drift.factor(kind, t)
 
 
-def drift_horizon(model, t: float) -> float:
-    return float("inf") if model.drift is None else model.drift.next_change(t)
+def drift_horizon(model, kind: str, t: float) -> float:
+    """When `model`'s drift factor of `kind` may change next after t (inf: never)."""
+    return float("inf") if model.drift is None else model.drift.next_change(kind, t)
 
 
 def spread(ratios: list[float]) -> tuple[float, ...]:

@@ -97,7 +97,7 @@ class _Replica:
             self.bus.set(self.me, "decode")
             f = self.bus.factor(self.me, "decode") * drift_factor(self.s.model, "decode", self.ev.now)
             run = StepRun(_scaled(self.s.model.decode_lines(self.batch), f), self.context, self.batch)
-            horizon = min(self.ev.next_time(), drift_horizon(self.s.model, self.ev.now))
+            horizon = min(self.ev.next_time(), drift_horizon(self.s.model, "decode", self.ev.now))
             k = run.steps_before(horizon - self.ev.now, self.finishing[0][0] - self.step_no + 1)
             if k == 0:
                 self.ev.at(self.ev.now + run.step_time(0), self._step_done, [])

@@ -166,7 +166,7 @@ class _Decode:
             self.bus.set(self.me, "decode")
             f = self.bus.factor(self.me, "decode") * drift_factor(model, "decode", ev.now)
             run = StepRun(_scaled(model.decode_lines(self.batch), f), self.context, self.batch)
-            horizon = min(ev.next_time(), drift_horizon(model, ev.now))
+            horizon = min(ev.next_time(), drift_horizon(model, "decode", ev.now))
             k = run.steps_before(horizon - ev.now, self.finishing[0][0] - self.step_no + 1)
             if k == 0:
                 ev.at(ev.now + run.step_time(0), self._step_done)

@@ -126,4 +126,4 @@ def test_a_flat_drift_changes_nothing_and_a_wide_one_spreads_the_tails():
     p, w = plain.percentiles((50, 90)), simulate(wide).percentiles((50, 90))
     assert w["ttft_p90"] / w["ttft_p50"] > p["ttft_p90"] / p["ttft_p50"]
     assert min(wide_q) <= wide.factor("decode", 123.4) <= max(wide_q)
-    assert wide.next_change(1.0) == pytest.approx(1.2) and wide.next_change(5.9) == pytest.approx(6.0)
+    assert wide.next_change("prefill", 1.0) == pytest.approx(1.2) and wide.next_change("decode", 5.9) == pytest.approx(6.0)
