@@ -4,6 +4,7 @@
         --workload random:input=256,output=64 --ttft-ms 2000 --tpot-ms 150 --rates 0.5,1,2 --out DIR
     python bench/planner_check.py ... --goodput 1.2           # skip the goodput search (measured before)
     python bench/planner_check.py ... --from-bench DIR/bench.json   # re-predict a finished run, no server
+    python bench/planner_check.py ... --calibrate-rate 0.15  # serving calibration just before the probes
 
 Order: (1) unless --goodput is given, `pdserve bench --spec` bisects the spec's measured goodput at the
 SLO; (2) `pdserve bench` probes 25%, 50% and 75% of it (--fractions), no bisection, no early stop;
@@ -12,6 +13,11 @@ prompt length and max_tokens from bench.json) on the spec's pools (replicas, tok
 KV pages) with the profile's latency model; (4) a table: SLO attainment (measured vs predicted, points),
 P90 TTFT and P90 TPOT (relative error), each against the issue's bound: attainment within 5 points, P90s
 within 15% at the first two rates and 25% at the third.
+
+With --calibrate-rate R, a low-rate run (other arrivals: seed + 1000) right before the probes calibrates
+the profile's serving overheads for the spec's mode (`cluster/planner/serving.py`, written to
+DIR/profile.json) and the prediction uses them: on a shared machine a calibration from another hour is
+off by the drift between the two.
 
 Why replay the bench's own requests instead of Poisson draws: the comparison is then about the latency
 model and the simulator, not about two different samples of arrivals. Imports the planner (pure) and
@@ -30,8 +36,10 @@ from cluster.planner.hardware import load_hardware
 from cluster.planner.latency import Parallel
 from cluster.planner.metrics import SLO, SimResult, percentile
 from cluster.planner.models import load_model
+from cluster.planner.paths import deploy_dir, read_data
 from cluster.planner.bus import Sharing
 from cluster.planner.profiles import corun_of, latency_model, load_profile
+from cluster.planner.serving import add_serving
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
 from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
 from cluster.planner.workload import Request
@@ -127,11 +135,23 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _bench(args, out: Path, rates: list[float], bisect: int) -> dict:
+def calibrated_profile(profile: str, bench: dict, out: Path) -> str:
+    """A copy of `profile` (a name or path) with the serving entry `bench`'s runs give, written to `out`."""
+    path = Path(profile) if Path(profile).is_file() else deploy_dir() / "profiles" / f"{profile}.json"
+    data = read_data(path)
+    entry = add_serving(data, [bench], source=str(out.parent))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"serving calibration ({entry['mode']}): prefill x{entry['prefill_factor']:.3f}, decode "
+          f"x{entry['decode_factor']:.3f}, admission {1000 * entry['admission_s']:.0f} ms -> {out}", flush=True)
+    return str(out)
+
+
+def _bench(args, out: Path, rates: list[float], bisect: int, seed: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "cluster.cli", "bench", "--spec", args.spec, "--workload", args.workload,
            "--num-requests", str(args.num_requests), "--ttft-ms", str(args.ttft_ms), "--tpot-ms", str(args.tpot_ms),
            "--rates", ",".join(f"{r:.4g}" for r in rates), "--bisect", str(bisect), "--out", str(out),
-           "--no-progress", "--no-early-stop", "--seed", str(args.seed)]
+           "--no-progress", "--no-early-stop", "--seed", str(args.seed if seed is None else seed)]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads((out / "bench.json").read_text())
@@ -157,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serving", default="off", choices=["on", "off"],
                     help="the profile's serving calibration (as pdserve plan --serving; take it with `pdserve "
                          "profile --serving-from` from a low-rate run just before this check)")
+    ap.add_argument("--calibrate-rate", type=float,
+                    help="req/s of a serving-calibration run just before the probes (implies --serving on)")
     ap.add_argument("--out", default="bench/out/planner-check")
     args = ap.parse_args(argv)
     spec, slo = load_spec(args.spec), SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment)
@@ -172,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         if goodput <= 0:
             print("planner_check: measured goodput is 0 at this SLO; loosen it", file=sys.stderr)
             return 2
+        if args.calibrate_rate:
+            cal = _bench(args, out / "calibration", [args.calibrate_rate], 0, seed=args.seed + 1000)
+            args.profile, args.serving = calibrated_profile(args.profile, cal, out / "profile.json"), "on"
         bench = _bench(args, out / "probes", [f * goodput for f in map(float, args.fractions.split(","))], 0)
     rows = compare(bench, spec, args.profile, args.hardware, slo, args.corun, args.serving == "on")
     text = table(rows)

@@ -128,23 +128,19 @@ def run_corun_only(args: argparse.Namespace) -> int:
 def run_serving_only(args: argparse.Namespace) -> int:
     """Add (or replace) the `serving` entry of an existing profile, from bench runs (`serving.py`)."""
     from cluster.planner.errors import BadConfigError
-    from cluster.planner.latency import Coeffs
-    from cluster.planner.serving import calibrate_serving
+    from cluster.planner.serving import add_serving
 
     out = Path(args.out)
     try:
         profile = json.loads(out.read_text())
-        tp1 = profile["tp"]["1"]
-        runs = []
-        for path in args.serving_from:
-            data = json.loads(Path(path).read_text())
-            runs += [r for t in data["targets"] for r in t["runs"]] if "targets" in data else [data]
-        entry = calibrate_serving(runs, Coeffs(tuple(tp1["prefill"]), tuple(tp1["decode"])),
-                                  source=" ".join(args.serving_from))
-    except (OSError, ValueError, KeyError, BadConfigError) as e:
-        print(f"{out}: {e} (--serving-from adds to an existing profile with a TP 1 fit)", file=sys.stderr)
+        benches = [json.loads(Path(path).read_text()) for path in args.serving_from]
+        entry = add_serving(profile, benches, source=" ".join(args.serving_from))
+    except KeyError as e:
+        print(f"{out}: no {e} (--serving-from adds to an existing profile with a TP 1 fit)", file=sys.stderr)
         return 2
-    profile.setdefault("serving", {})[entry["mode"]] = entry
+    except (OSError, ValueError, BadConfigError) as e:
+        print(f"{out}: {e}", file=sys.stderr)
+        return 2
     out.write_text(json.dumps(profile, indent=1) + "\n")
     print(f"serving ({entry['mode']}): prefill x{entry['prefill_factor']:.3f}, decode x{entry['decode_factor']:.3f}, admission "
           f"{1000 * entry['admission_s']:.0f} ms over {entry['points']} requests; wrote {out}")

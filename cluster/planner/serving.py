@@ -131,6 +131,17 @@ def calibrate_serving(runs: list[dict], coeffs: Coeffs, source: str = "") -> dic
             "points": len(prefill), "source": source}
 
 
+def add_serving(profile: dict, benches: list[dict], source: str = "") -> dict:
+    """Calibrate from `benches` (bench.json documents, or single probe records) against the profile's
+    TP 1 fit and store the entry under its mode in `profile` (a profile JSON document); returns the entry.
+    KeyError: the profile has no TP 1 fit."""
+    tp1 = profile["tp"]["1"]
+    runs = [r for b in benches for r in ([r for t in b["targets"] for r in t["runs"]] if "targets" in b else [b])]
+    entry = calibrate_serving(runs, Coeffs(tuple(tp1["prefill"]), tuple(tp1["decode"])), source)
+    profile.setdefault("serving", {})[entry["mode"]] = entry
+    return entry
+
+
 def drift_of(entry) -> Drift | None:
     """The profile's serving entry as a `Drift` (None without spreads)."""
     if not entry.prefill_spread or not entry.decode_spread:

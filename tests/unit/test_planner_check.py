@@ -2,6 +2,7 @@
 the comparison table applies issue 11's bounds (attainment within 5 points; P90s within 15% / 25%)."""
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -67,3 +68,15 @@ def test_more_replicas_predict_less_queueing():
     single = one.model_copy(update={"pools": pools})
     alone = pc.simulate_spec(single, reqs, "cpu-local-smollm2", "cpu-local")
     assert alone.percentiles((90,))["ttft_p90"] > two.percentiles((90,))["ttft_p90"]
+
+
+def test_a_calibration_run_gives_a_profile_copy_with_its_modes_serving_entry(tmp_path):
+    from tests.unit.test_planner_serving import COEFFS, bench_run
+
+    src = tmp_path / "p.json"
+    src.write_text(json.dumps({"name": "t", "model": "smollm2-135m", "hardware": "cpu-local",
+                               "tp": {"1": {"prefill": list(COEFFS.prefill), "decode": list(COEFFS.decode)}}}))
+    out = pc.calibrated_profile(str(src), {"targets": [{"runs": [bench_run(1.6, 1.3, 0.05)]}]}, tmp_path / "c" / "p.json")
+    entry = json.loads(Path(out).read_text())["serving"]["disaggregated"]
+    assert entry["prefill_factor"] == pytest.approx(1.6, rel=1e-3) and entry["decode_factor"] == pytest.approx(1.3, rel=1e-3)
+    assert "serving" not in json.loads(src.read_text())  # the profile itself is left alone
