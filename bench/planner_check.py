@@ -36,9 +36,9 @@ from cluster.planner.hardware import load_hardware
 from cluster.planner.latency import Parallel
 from cluster.planner.metrics import SLO, SimResult, percentile
 from cluster.planner.models import load_model
-from cluster.planner.paths import deploy_dir, read_data
+from cluster.planner.paths import read_data
 from cluster.planner.bus import Sharing
-from cluster.planner.profiles import corun_of, latency_model, load_profile
+from cluster.planner.profiles import corun_of, latency_model, load_profile, profile_path
 from cluster.planner.serving import add_serving
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
 from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
@@ -137,8 +137,7 @@ def table(rows: list[Row]) -> str:
 
 def calibrated_profile(profile: str, bench: dict, out: Path) -> str:
     """A copy of `profile` (a name or path) with the serving entry `bench`'s runs give, written to `out`."""
-    path = Path(profile) if Path(profile).is_file() else deploy_dir() / "profiles" / f"{profile}.json"
-    data = read_data(path)
+    data = read_data(profile_path(profile))
     entry = add_serving(data, [bench], source=str(out.parent))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")

@@ -137,8 +137,9 @@ class AdmissionMixin:
     async def _submit(self, f: Flight, wid: str, prompt, params, p: Worker, w: Worker, desc, ph) -> bool:
         """Hand reserved flight `f` (as `wid`: this placement's prompt and params, which a recovery may
         replace meanwhile) to prefill worker `p`; its KV goes to decode worker `w`, over one of `w`'s
-        receive streams: the push opens at `submit`, and `w` refuses pushes beyond its gRPC server's
-        limit (`kv_streams_per_decode`), so a burst waits here for a stream, in arrival order. The stream
+        receive streams: the push opens once `p` computes the prompt's first layer, and `w` refuses pushes
+        beyond its gRPC server's limit (`kv_streams_per_decode`), so a burst waits here for a stream, in
+        arrival order. The stream
         is this task's until the call answers, then `_slots`' (freed by `_free_stream` at the transfer's
         end, or after the cancel that stops the push)."""
         stream = self._streams.setdefault(id(w), asyncio.Semaphore(max(1, self.cfg.kv_streams_per_decode)))

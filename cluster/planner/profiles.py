@@ -144,14 +144,18 @@ class Profile:
 CORUN_CLOCKS = ("cpu", "wall", "off")
 
 
+def profile_path(name_or_path: str) -> Path:
+    """A path to a profile JSON as given, else deploy/profiles/<name>.json (which may not exist)."""
+    path = Path(name_or_path)
+    return path if path.is_file() else deploy_dir() / "profiles" / f"{name_or_path}.json"
+
+
 def load_profile(name_or_path: str, corun: str = "cpu", serving: bool = True) -> Profile:
     """A path to a profile JSON, or a name under `deploy/profiles/`; `corun`: which co-run factors;
     `serving`: apply its serving calibration (when it has one)."""
     if corun not in CORUN_CLOCKS:
         raise BadConfigError(f"co-run clock {corun!r}: one of {', '.join(CORUN_CLOCKS)}")
-    path = Path(name_or_path)
-    if not path.is_file():
-        path = deploy_dir() / "profiles" / f"{name_or_path}.json"
+    path = profile_path(name_or_path)
     if not path.is_file():
         known = sorted(p.stem for p in (deploy_dir() / "profiles").glob("*.json"))
         raise BadConfigError(f"profile {name_or_path!r} not found (a path, or one of: {', '.join(known) or 'none'}); "
