@@ -1,13 +1,19 @@
-"""Linear layers for the forward pass: oneDNN-prepacked weights for bf16/fp16 on CPU, F.linear otherwise.
+"""Linear layers for the forward pass: oneDNN-prepacked weights for bf16/fp16 on CPU, F.linear otherwise,
+and for bf16 on CPU at one or two rows (decode at batch 1-2) the numba GEMV of `engine.cpu_kernels`.
 
 Why: torch's default CPU GEMV for bfloat16 runs well below memory bandwidth (measured 5.4 GB/s vs 7.8 GB/s
 prepacked on this machine, where bandwidth is the limit at batch 1), and decode at small batch is a chain
-of GEMVs. float32 keeps plain `F.linear`, so float32 logits match Hugging Face bit for bit.
+of GEMVs. float32 keeps plain `F.linear`, so float32 logits match Hugging Face bit for bit. Later, on
+the same machine, oneDNN's GEMV measured ~3.6-4 GB/s in a run where the numba kernel read ~6 GB/s
+(`cpu_kernels`): rows up to `cpu_kernels.MAX_ROWS` go there.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine import cpu_kernels
 
 
 def _packing_available() -> bool:
@@ -24,14 +30,23 @@ class Linear:
         self.packed = None
         if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and _packing_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.gemv = None  # (weight bits, bias bits) for the numba GEMV: bf16 on CPU
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2:
+            self.gemv = (_bits(weight), None if bias is None else _bits(bias))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
+            return _from_bits(cpu_kernels.gemv_bf16(self.gemv[0], _bits(x), self.gemv[1]))
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + self(x); the packed path fuses the add into the matmul (one op fewer)."""
+        """residual + self(x); the packed path fuses the add into the matmul (one op fewer), and so does
+        the numba GEMV (one rounding to bf16, after the add, as oneDNN's)."""
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS \
+                and residual.dtype == torch.bfloat16 and residual.shape == (x.shape[0], self.out_features):
+            return _from_bits(cpu_kernels.gemv_bf16(self.gemv[0], _bits(x), self.gemv[1], _bits(residual)))
         if self.packed is not None and self.bias is None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
         return residual + F.linear(x, self.weight, self.bias)
@@ -39,3 +54,12 @@ class Linear:
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A bf16 CPU tensor's bits as a uint16 numpy array (a view when it is contiguous)."""
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def _from_bits(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
