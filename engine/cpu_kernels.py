@@ -14,7 +14,8 @@ given (and the bias), as oneDNN's fused add does. Numbers differ from oneDNN's i
 different summation order); float32 models never come here (their logits must match transformers'
 bit-for-bit, and `F.linear` gives that).
 Compiled on first use and cached on disk (numba's `cache=True`: next to this file, or the user cache
-directory when that is read-only), so a worker process pays the compile once per machine.
+directory when that is read-only), so a worker process pays the compile once per machine; where no cache
+location is writable at all, each process compiles (~1.5 s) rather than failing at import (`_jit`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 MAX_ROWS = 2  # rows (tokens) up to which Linear takes this path; above it oneDNN's GEMM wins
+
+
+def _jit(**options):
+    """`njit(cache=True, nogil=True, boundscheck=False, **options)`; without the disk cache when numba
+    finds no writable place for it (it raises RuntimeError when the function is decorated)."""
+    def decorate(fn):
+        try:
+            return njit(cache=True, nogil=True, boundscheck=False, **options)(fn)
+        except RuntimeError:
+            return njit(nogil=True, boundscheck=False, **options)(fn)
+    return decorate
 
 
 @intrinsic
@@ -43,7 +55,7 @@ def _f32_bits(typingctx, value):
     return types.uint32(types.float32), codegen
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
+@_jit()
 def _round_bf16(value):
     bits = _f32_bits(value)
     if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN stays a (quiet) NaN
@@ -52,7 +64,7 @@ def _round_bf16(value):
     return np.uint16(bits >> np.uint32(16))
 
 
-@njit(cache=True, nogil=True, boundscheck=False, fastmath=True)
+@_jit(fastmath=True)
 def _gemv_kernel(w, x, bias, residual, out):
     """w [n_out, n_in], x [rows, n_in], bias [n_out] or [0], residual [rows, n_out] or [0, 0], out [rows,
     n_out]: bf16 bits."""

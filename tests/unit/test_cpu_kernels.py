@@ -79,3 +79,19 @@ def test_bits_round_trip_is_a_view():
     a = _bits(t)
     assert a.dtype == np.uint16 and np.shares_memory(a, t.view(torch.int16).numpy())
     assert torch.equal(_from_bits(a.copy()), t)
+
+
+def test_kernels_compile_without_a_cache_location(monkeypatch):
+    """No writable cache location: numba refuses `cache=True` when decorating; `_jit` compiles uncached."""
+    import numba.core.caching as caching
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cannot cache function: no locator available")
+
+    monkeypatch.setattr(caching.CacheImpl, "__init__", refuse)
+
+    @cpu_kernels._jit(fastmath=True)
+    def twice(a):
+        return a * 2
+
+    assert twice(21) == 42 and twice._cache.__class__.__name__ == "NullCache"
