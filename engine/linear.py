@@ -9,11 +9,11 @@ the same machine, oneDNN's GEMV measured ~3.6-4 GB/s in a run where the numba ke
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.cpu_kernels import bits, from_bits
 
 
 PACK_ROWS = 16  # the batch size oneDNN packs bf16 weights for (see Linear.__init__)
@@ -32,7 +32,7 @@ class Linear:
         self.out_features = weight.shape[0]
         self.gemv = None  # (weight bits, bias bits) for the numba GEMV: bf16 on CPU
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2:
-            self.gemv = (_bits(weight), None if bias is None else _bits(bias))
+            self.gemv = (bits(weight), None if bias is None else bits(bias))
         self.packed = None
         if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and _packing_available():
             # oneDNN picks its blocking from the batch size given here: packed for 1 row it is a GEMV
@@ -42,7 +42,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
-            return _from_bits(cpu_kernels.gemv_bf16(self.gemv[0], _bits(x), self.gemv[1]))
+            return from_bits(cpu_kernels.gemv_bf16(self.gemv[0], bits(x), self.gemv[1]))
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -52,7 +52,7 @@ class Linear:
         the numba GEMV (one rounding to bf16, after the add, as oneDNN's)."""
         if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS \
                 and residual.dtype == torch.bfloat16 and residual.shape == (x.shape[0], self.out_features):
-            return _from_bits(cpu_kernels.gemv_bf16(self.gemv[0], _bits(x), self.gemv[1], _bits(residual)))
+            return from_bits(cpu_kernels.gemv_bf16(self.gemv[0], bits(x), self.gemv[1], bits(residual)))
         if self.packed is not None and self.bias is None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
         return residual + F.linear(x, self.weight, self.bias)
@@ -61,11 +61,3 @@ class Linear:
         n = self.weight.numel() * self.weight.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
-
-def _bits(t: torch.Tensor) -> np.ndarray:
-    """A bf16 CPU tensor's bits as a uint16 numpy array (a view when it is contiguous)."""
-    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
-
-
-def _from_bits(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)

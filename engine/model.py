@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext
 from engine.config import ModelConfig
+from engine.cpu_kernels import bits, from_bits, rms_norm_bf16
 from engine.linear import Linear
 from engine.rope import RotaryTable, apply_rotary
 
@@ -63,6 +64,11 @@ class LlamaForward:
         self.layers: list[LayerWeights] = [self._layer(w, i) for i in self.layer_ids]
         self.rotary = RotaryTable(cfg.head_dim, cfg.rope, cfg.max_position, dtype, device)
         self.scale = cfg.head_dim ** -0.5
+        # bf16 on CPU: RMSNorm by the numba kernel (norm weight id -> its bits); float32 keeps F.rms_norm
+        self._norm_bits: dict[int, object] | None = None
+        if dtype == torch.bfloat16 and self.device.type == "cpu":
+            norms = [lw.input_norm for lw in self.layers] + [lw.post_norm for lw in self.layers]
+            self._norm_bits = {id(t): bits(t) for t in norms + ([self.final_norm] if self.is_last else [])}
 
     def _layer(self, w: Callable[[str], torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -91,6 +97,8 @@ class LlamaForward:
         return total
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._norm_bits is not None and x.dim() == 2 and x.dtype == torch.bfloat16:
+            return from_bits(rms_norm_bf16(bits(x), self._norm_bits[id(weight)], self.cfg.rms_norm_eps))
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)  # [num_tokens, hidden]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,

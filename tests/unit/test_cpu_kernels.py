@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine import cpu_kernels
-from engine.linear import Linear, _bits, _from_bits
+from engine.cpu_kernels import bits as _bits, from_bits as _from_bits
+from engine.linear import Linear
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -95,3 +96,15 @@ def test_kernels_compile_without_a_cache_location(monkeypatch):
         return a * 2
 
     assert twice(21) == 42 and twice._cache.__class__.__name__ == "NullCache"
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_rms_norm_rounds_where_hugging_face_does(rows):
+    """Bit-equal to LlamaRMSNorm in bf16: float32 normalization, rounded to bf16, times the weight."""
+    g = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, 576, generator=g)).to(torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(576, generator=g)).to(torch.bfloat16)
+    h = x.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    got = _from_bits(cpu_kernels.rms_norm_bf16(_bits(x), _bits(w), 1e-5))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
