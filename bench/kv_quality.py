@@ -58,7 +58,11 @@ def corpus_ids(tok, n: int, offset: int = 0) -> list[int]:
 
 def perplexity(llm: LLM, ids: list[int], prefill: int, chunk: int) -> float:
     """exp(mean NLL) of ids[prefill:] given everything before it, read through the page pool."""
-    logp = scored_logprobs(llm, ids, prefill, chunk)  # the last row predicts past the text: not scored
+    return perplexity_of(scored_logprobs(llm, ids, prefill, chunk), ids, prefill)
+
+
+def perplexity_of(logp: torch.Tensor, ids: list[int], prefill: int) -> float:
+    """Perplexity from `scored_logprobs`'s rows (the last one predicts past the text: not scored)."""
     nxt = torch.tensor(ids[prefill + 1:])
     return math.exp(-logp[torch.arange(len(nxt)), nxt].sum().item() / len(nxt))
 
@@ -203,8 +207,8 @@ def _report(results: dict, a) -> None:
     base_acc = acc_of(base)
     print(f"\nKV quality | {a.model} {a.dtype} | ppl: {a.prefill} prefill + {a.score} scored in chunks of {a.chunk}, "
           f"mean of {a.windows} windows (change +- its standard error)")
-    print(f"{'config':16} {'ppl':>9} {'change':>8} {'se':>7} {'gate':>6} {'passkey':>8} {'vs raw':>7} {'agree mean/min':>15} "
-          f"{'bytes vs raw':>12}")
+    print(f"{'config':16} {'ppl':>9} {'change':>8} {'se':>7} {'gate':>6} {'passkey':>8} {'vs raw':>7} "
+          f"{'agree mean/min':>15} {'bytes vs raw':>12}")
     for name, r in results.items():
         ppl = statistics.mean(r["ppl"]) if r["ppl"] else float("nan")
         changes = [100 * (p / b - 1) for p, b in zip(r["ppl"], base["ppl"])] if base["ppl"] and r["ppl"] else []

@@ -14,10 +14,10 @@ RMSNorm: torch's fused `F.rms_norm` runs ~8 ops per call in bf16 (~37 us at 1 ro
 Face's in ~25% of elements; this kernel rounds where Hugging Face does (bit-equal in the test).
 
 Math: every product and sum in float32 (fastmath lets LLVM vectorize and reorder the sum), the result
-rounded once to bfloat16 (round to nearest even, NaN kept NaN) -- after adding the residual when one is
-given (and the bias), as oneDNN's fused add does. Numbers differ from oneDNN's in the last bf16 bit now and then (a
-different summation order); float32 models never come here (their logits must match transformers'
-bit-for-bit, and `F.linear` gives that).
+rounded once to bfloat16 (round to nearest even, NaN kept NaN) -- after adding the bias and the residual
+when given, as oneDNN's fused add does. Numbers differ from oneDNN's in the last bf16 bit now and then
+(another summation order); float32 models never come here (their logits must match transformers' bit
+for bit, and `F.linear` / `F.rms_norm` give that).
 Compiled on first use and cached on disk (numba's `cache=True`: next to this file, or the user cache
 directory when that is read-only), so a worker process pays the compile once per machine; where no cache
 location is writable at all, each process compiles (~1.5 s) rather than failing at import (`_jit`).
@@ -127,7 +127,6 @@ def rms_norm_bf16(x_bits: np.ndarray, weight_bits: np.ndarray, eps: float) -> np
     out = np.empty(x_bits.shape, np.uint16)
     _rms_norm_kernel(x_bits, weight_bits, np.float32(eps), out)
     return out
-
 
 
 def bits(t: torch.Tensor) -> np.ndarray:

@@ -60,4 +60,3 @@ class Linear:
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
-
