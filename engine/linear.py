@@ -41,7 +41,7 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS:
+        if self._takes_gemv(x):
             return from_bits(cpu_kernels.gemv_bf16(self.gemv[0], bits(x), self.gemv[1]))
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -50,12 +50,16 @@ class Linear:
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + self(x); the packed path fuses the add into the matmul (one op fewer), and so does
         the numba GEMV (one rounding to bf16, after the add, as oneDNN's)."""
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS \
-                and residual.dtype == torch.bfloat16 and residual.shape == (x.shape[0], self.out_features):
+        if self._takes_gemv(x) and residual.dtype == torch.bfloat16 \
+                and residual.shape == (x.shape[0], self.out_features):
             return from_bits(cpu_kernels.gemv_bf16(self.gemv[0], bits(x), self.gemv[1], bits(residual)))
         if self.packed is not None and self.bias is None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
         return residual + F.linear(x, self.weight, self.bias)
+
+    def _takes_gemv(self, x: torch.Tensor) -> bool:
+        """bf16 on CPU, a few rows: the numba GEMV (read at call time: tests move `MAX_ROWS`)."""
+        return self.gemv is not None and x.dim() == 2 and x.shape[0] <= cpu_kernels.MAX_ROWS
 
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
