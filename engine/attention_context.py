@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -37,7 +38,16 @@ class AttnGroup:
     observe: dict[int, ObserveSpec] | None = None  # batch row -> what to record
     contiguous_from: int | None = None  # batch of 1 whose slots are one flat range: read a view, no gather
     token_rows: torch.Tensor | None = None  # [batch * q_len] packed rows when not token_start..token_end
+    windowed: bool = False  # a sliding window limits what queries see (the mask says which slots)
     _bias: dict = field(default_factory=dict, repr=False)  # dtype -> additive mask (see mask_bias)
+    _host: tuple | None = field(default=None, repr=False)  # see host_rows
+
+    def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The page table [batch, pages] and slot counts [batch] as int64 numpy arrays (CPU kernels),
+        made once per step and shared by every layer."""
+        if self._host is None:
+            self._host = (self.page_index.numpy(), np.asarray(self.ctx_lens, dtype=np.int64))
+        return self._host
 
     def mask_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
         """`mask` as an additive float mask (0 where allowed, -inf elsewhere) in `dtype`, made once per
@@ -172,7 +182,7 @@ def _group(seqs, token_start, ps, device, window, observe) -> AttnGroup:
     if observe:
         obs = {r: observe[s.request_id] for r, s in enumerate(seqs) if s.request_id in observe}
     return AttnGroup(token_start, token_start + b * ql, b, ql, [s.request_id for s in seqs], ctx_lens,
-                     page_index, mask, is_causal, obs or None, contiguous_from)
+                     page_index, mask, is_causal, obs or None, contiguous_from, windowed=window is not None)
 
 
 def _consecutive(pages: list[int], num_slots: int, ps: int) -> bool:

@@ -12,14 +12,18 @@ positions, so a cache whose evicted tokens were compacted away still attends cor
 SDPA per attention group (a group is a contiguous token range, or a length bucket of decode rows picked by
 `token_rows`); a group's pages are gathered into a workspace kept across layers and steps, except decode
 groups of raw pages large enough to spill the caches that continue from the previous step: those read a
-dense copy that grows by one slot per row and step (`dense_decode.py`).
+dense copy that grows by one slot per row and step (`dense_decode.py`). bfloat16 pages on CPU: decode
+groups run the numba paged kernel of `engine/cpu_attention.py` instead (no gather, no dense copy).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext, AttnGroup
+from engine.cpu_attention import attend_decode_bf16
+from engine.cpu_kernels import bits, from_bits
 from engine.kv_cache.dense_decode import DenseDecode
 from engine.kv_cache.spec import KVPageSpec
 
@@ -38,6 +42,9 @@ class RawKVBackend:
     dense_decode = True  # keep decode groups' K/V dense across steps (raw pages only: see `_dense_for`)
     _dense: DenseDecode | None = None
     _written: tuple | None = None  # (layer, slots, k, v) of the last `write`
+    paged_kernel = True  # bf16 on CPU: decode groups by the numba paged kernel (see `_takes_kernel`)
+    _kernel_dtype = False  # bf16 pools on CPU (set in __init__; formats with their own init keep False)
+    _pool_bits: dict[int, tuple[np.ndarray, np.ndarray]] | None = None  # layer -> K, V pool bits (views)
 
     def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
         self.spec = spec
@@ -50,6 +57,7 @@ class RawKVBackend:
         for layer in spec.local_layers:
             self.k[layer] = torch.zeros(shape, dtype=dt, device=device)
             self.v[layer] = torch.zeros(shape, dtype=dt, device=device)
+        self._kernel_dtype = dt == torch.bfloat16 and torch.device(device).type == "cpu"
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, self.spec.num_kv_heads, self.spec.head_dim)  # [num_slots, kv_heads, head_dim]
@@ -97,6 +105,9 @@ class RawKVBackend:
         cells (int8, fp8) and one that overrides `_attend_group` never asks (KIVI seals pages later)."""
         if not self.dense_decode or type(self)._load is not RawKVBackend._load:
             return None
+        if self.paged_kernel and self._kernel_dtype:  # decode groups read the pages in place
+            self._dense = None  # copies kept while the kernel was switched off would go stale
+            return None
         if self._dense is None:
             kt = self.k[self.spec.local_layers[0]]
             cell = (self.spec.num_kv_heads, kt.shape[-1])
@@ -131,8 +142,24 @@ class RawKVBackend:
             buf = self._ws[slot] = torch.empty(pages * per_page, dtype=like.dtype, device=like.device)
         return buf[:pages * per_page].view(pages, *like.shape[1:])
 
+    def _takes_kernel(self, g: AttnGroup) -> bool:
+        """Decode groups of raw bf16 pages on CPU, unless observed (eviction statistics come from the SDPA
+        path's probabilities) or windowed (the kernel attends every slot below the row's count)."""
+        return (self.paged_kernel and self._kernel_dtype and g.q_len == 1 and g.observe is None
+                and not g.windowed and type(self)._load is RawKVBackend._load)
+
+    def _attend_kernel(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor:
+        if self._pool_bits is None:
+            self._pool_bits = {}
+        pools = self._pool_bits.get(layer)
+        if pools is None:  # views of the pool tensors, which live as long as the backend
+            pools = self._pool_bits[layer] = (bits(self.k[layer]), bits(self.v[layer]))
+        return from_bits(attend_decode_bf16(bits(q), *pools, *g.host_rows(), scale))
+
     def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
         b, ql = g.batch, g.q_len
+        if self._takes_kernel(g):
+            return self._attend_kernel(layer, q, g, ctx.scale)
         kv = None
         if self._dense is not None:
             w = self._written  # this layer's new rows, when they are this step's (same slots tensor)

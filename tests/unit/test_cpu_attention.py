@@ -1,0 +1,156 @@
+"""engine.cpu_attention: the numba paged decode attention against float64 attention over the same pages
+(grouped-query ratios, page sizes, scattered and padded page tables), its polynomial exp, and the backend's
+choice of it (bf16 decode groups on CPU; float32, observed and windowed groups keep SDPA)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import SamplingParams
+from engine.attention_context import ObserveSpec, SeqLayout, build_context
+from engine.cpu_attention import _exp, attend_decode_bf16
+from engine.cpu_kernels import _jit, bits, from_bits
+from engine.kv_cache.backend import RawKVBackend, make_backend
+from engine.kv_cache.spec import KVPageSpec
+from engine.llm import LLM
+from tests.conftest import assert_engine_empty
+from tests.tiny_models import write_tiny
+
+
+def _reference(q, k_pool, v_pool, page_index, lens, scale):
+    """float64 attention of each row over slots [0, lens[b]) of its pages: [B, q_heads, head_dim]."""
+    b, q_heads, d = q.shape
+    ps, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    out = torch.empty(b, q_heads, d, dtype=torch.float64)
+    for r in range(b):
+        n = lens[r]
+        k = k_pool[page_index[r]].reshape(-1, kv_heads, d)[:n].double()  # [n, kv_heads, d]
+        v = v_pool[page_index[r]].reshape(-1, kv_heads, d)[:n].double()
+        rep = q_heads // kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [n, q_heads, d]
+        w = torch.einsum("hd,nhd->hn", q[r].double(), k) * scale
+        out[r] = torch.einsum("hn,nhd->hd", w.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 32)])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_kernel_matches_float64_attention(q_heads, kv_heads, head_dim, page_size):
+    g = torch.Generator().manual_seed(q_heads * 100 + page_size)
+    lens = [1, 2, page_size, page_size + 1, 37, 130]
+    num_pages = 2 + sum(-(-n // page_size) for n in lens)
+    k_pool = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v_pool = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    free = list(range(1, num_pages))
+    random.Random(page_size).shuffle(free)  # scattered pages; rows padded with page 0 like the builder's
+    width = max(-(-n // page_size) for n in lens)
+    table = []
+    for n in lens:
+        used = [free.pop() for _ in range(-(-n // page_size))]
+        table.append(used + [0] * (width - len(used)))
+    page_index = torch.tensor(table, dtype=torch.long)
+    q = (2 * torch.randn(len(lens), q_heads, head_dim, generator=g)).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    got = from_bits(attend_decode_bf16(bits(q), bits(k_pool), bits(v_pool), page_index.numpy(),
+                                       np.array(lens, dtype=np.int64), scale))
+    want = _reference(q, k_pool, v_pool, page_index, lens, scale)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    # float32 math rounded once to bf16: within one bf16 step of the float64 result
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -7 + 1e-3).all()
+    assert got[0].double().sub(v_pool[table[0][0], 0].double().repeat_interleave(q_heads // kv_heads, 0)).abs().max() == 0
+
+
+def test_exp_polynomial_is_close_to_exp_and_flushes_below_the_float32_range():
+    @_jit(fastmath=True)
+    def apply(x, out):
+        for i in range(x.shape[0]):
+            out[i] = _exp(x[i])
+
+    x = np.concatenate([np.linspace(-87, 0, 200_001), [-87.5, -200.0, -1e30]]).astype(np.float32)
+    out = np.empty_like(x)
+    apply(x, out)
+    ref = np.exp(x.astype(np.float64))
+    inside = x >= -87
+    assert (np.abs(out[inside] - ref[inside]) <= 5e-6 * ref[inside]).all()
+    assert out[-1] == 0 and out[-2] == 0 and out[-3] == 0 and out[inside][-1] == 1.0
+
+
+def _decode_context(lens, ps=4, observe=None, window=None):
+    pages, free, layouts = {}, list(range(1, 200)), []
+    random.Random(1).shuffle(free)
+    for i, n in enumerate(lens):
+        pages[i] = [free.pop() for _ in range(-(-(n + 1) // ps))]
+        layouts.append(SeqLayout(f"r{i}", 1, n, pages[i]))
+    return build_context(layouts, ps, 0.25, observe=observe, sliding_window=window), pages
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_backend_takes_the_kernel_for_bf16_decode_groups_only(dtype, monkeypatch):
+    lens = [5, 17, 9]
+    calls = []
+    import engine.kv_cache.backend as kb
+    real = kb.attend_decode_bf16
+    monkeypatch.setattr(kb, "attend_decode_bf16", lambda *a: calls.append(1) or real(*a))
+    spec = KVPageSpec(1, 2, 16, 4, dtype, "raw")
+    on, off = make_backend(spec, 200), make_backend(spec, 200)
+    off.paged_kernel = False
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(on.k[0].shape, generator=g) for _ in range(2))
+    for b in (on, off):  # the same pages in both
+        b.k[0].copy_(k)
+        b.v[0].copy_(v)
+    for observe, window in [(None, None), ({"r1": ObserveSpec(slot_mass=True)}, None), (None, 8)]:
+        ctx, _ = _decode_context(lens, observe=observe, window=window)
+        q = torch.randn(len(lens), 4, 16, generator=g).to(on.k[0].dtype)
+        calls.clear()
+        a, b = on.attend(0, q, ctx), off.attend(0, q, ctx)
+        took = bool(calls)
+        assert took == (dtype == "bfloat16" and observe is None and window is None)
+        assert (a.float() - b.float()).abs().max() <= (0.03 if took else 0)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+
+
+def test_bf16_engine_decodes_alike_with_and_without_the_kernel(tiny_dir, monkeypatch):
+    """Ragged prompts, chunked prefill and preemption in bf16: the kernel's logits stay within bf16 noise
+    of SDPA's, and both runs end with no pages held."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 90, 41, 170, 9)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(kernel: bool):
+        monkeypatch.setattr(RawKVBackend, "paged_kernel", kernel)
+        llm = LLM(model=str(tiny_dir), dtype="bfloat16", num_pages=80, page_size=4, keep_logits=True,
+                  max_num_batched_tokens=64)
+        outs = llm.generate(prompts, params)
+        assert_engine_empty(llm)
+        return outs, llm.scheduler.stats
+
+    got, stats = run(True)
+    assert stats.num_preemptions > 0 and stats.num_chunked_prefills > 0, stats
+    want, _ = run(False)
+    for a, b in zip(got, want):
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+        assert n >= 4  # greedy paths agree at least until a near-tie flips (bf16)
+        la, lb = torch.stack(a.logits[:n]), torch.stack(b.logits[:n])
+        assert (la - lb).abs().max() <= 0.1 * lb.abs().max()
+
+
+def test_rows_past_their_pages_are_refused_before_the_kernel_reads():
+    pool = bits(torch.zeros(4, 4, 1, 8, dtype=torch.bfloat16))
+    q = bits(torch.zeros(2, 1, 8, dtype=torch.bfloat16))
+    table = np.array([[1, 2], [3, 0]], dtype=np.int64)
+    with pytest.raises(ValueError, match="outside"):
+        attend_decode_bf16(q, pool, pool, table, np.array([9, 2], dtype=np.int64), 1.0)
+    with pytest.raises(ValueError, match="outside"):
+        attend_decode_bf16(q, pool, pool, table, np.array([0, 2], dtype=np.int64), 1.0)
+    with pytest.raises(ValueError, match="lengths"):
+        attend_decode_bf16(q, pool, pool, table, np.array([2], dtype=np.int64), 1.0)
+    assert attend_decode_bf16(q, pool, pool, table, np.array([8, 1], dtype=np.int64), 1.0).shape == (2, 1, 8)
