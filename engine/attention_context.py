@@ -5,7 +5,7 @@ backend in every layer. Packed tokens are split into groups: maximal runs of con
 the same number of new tokens, so a decode batch is one padded SDPA call and a prefill chunk is another.
 A decode run whose context lengths are far apart is split further into length buckets (`_decode_buckets`;
 such a group names its packed rows in `token_rows`), so short rows do not gather and attend the longest
-row's padding.
+row's padding -- unless the backend's decode attention has no padding (`bucket_decode=False`).
 Masks come from slot counts only: query i of a sequence with `cached` slots already in cache may see
 slots [0, cached + i]. Optional observation (off by default) exposes attention of a query window
 (SnapKV-style eviction) and per-slot attention mass (H2O-style eviction).
@@ -100,7 +100,10 @@ class SeqLayout:
 def build_context(
     seqs: list[SeqLayout], page_size: int, scale: float, device="cpu",
     sliding_window: int | None = None, observe: dict[str, ObserveSpec] | None = None,
+    bucket_decode: bool = True,
 ) -> AttentionContext:
+    """bucket_decode=False: decode runs stay one group whatever their lengths (a backend whose decode
+    attention reads each row's own slots, with no padding to save: `RawKVBackend.ragged_decode`)."""
     write: list[int] = []
     for s in seqs:
         write.extend(_slots(s.pages, page_size, s.num_cached, s.q_len))
@@ -110,7 +113,9 @@ def build_context(
         while j < len(seqs) and seqs[j].q_len == seqs[i].q_len:
             j += 1
         run = seqs[i:j]
-        buckets = _decode_buckets([s.num_cached + 1 for s in run]) if run[0].q_len == 1 else None
+        buckets = None
+        if run[0].q_len == 1 and bucket_decode:
+            buckets = _decode_buckets([s.num_cached + 1 for s in run])
         if buckets is None:
             groups.append(_group(run, start, page_size, device, sliding_window, observe))
         else:  # decode rows of very different lengths: one group per length bucket, rows picked by index

@@ -54,7 +54,8 @@ class ModelRunner:
             rows.extend(base + i for i in s.logits_at)
         layouts = [SeqLayout(s.request_id, len(s.token_ids), s.num_cached, s.pages) for s in batch.seqs]
         ctx = build_context(layouts, self.page_size, self.model.scale, self.device,
-                            self.model.cfg.sliding_window, batch.observe)
+                            self.model.cfg.sliding_window, batch.observe,
+                            bucket_decode=not getattr(self.backend, "ragged_decode", False))
         hook = None
         if self._layer_hooks:
             def hook(layer: int) -> None:

@@ -142,6 +142,13 @@ class RawKVBackend:
             buf = self._ws[slot] = torch.empty(pages * per_page, dtype=like.dtype, device=like.device)
         return buf[:pages * per_page].view(pages, *like.shape[1:])
 
+    @property
+    def ragged_decode(self) -> bool:
+        """Decode groups cost no padding here (the paged kernel reads each row's own slots), so the
+        context builder need not split them into length buckets."""
+        return (self.paged_kernel and self._kernel_dtype and type(self)._load is RawKVBackend._load
+                and type(self)._attend_group is RawKVBackend._attend_group)
+
     def _takes_kernel(self, g: AttnGroup) -> bool:
         """Decode groups of raw bf16 pages on CPU, unless observed (eviction statistics come from the SDPA
         path's probabilities) or windowed (the kernel attends every slot below the row's count)."""

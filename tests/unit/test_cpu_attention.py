@@ -154,3 +154,14 @@ def test_rows_past_their_pages_are_refused_before_the_kernel_reads():
     with pytest.raises(ValueError, match="lengths"):
         attend_decode_bf16(q, pool, pool, table, np.array([2], dtype=np.int64), 1.0)
     assert attend_decode_bf16(q, pool, pool, table, np.array([8, 1], dtype=np.int64), 1.0).shape == (2, 1, 8)
+
+
+@pytest.mark.parametrize("dtype,fmt,ragged", [("bfloat16", "raw", True), ("float32", "raw", False),
+                                               ("bfloat16", "int8", False), ("bfloat16", "kivi4", False)])
+def test_only_the_kernel_backend_skips_length_buckets(dtype, fmt, ragged):
+    backend = make_backend(KVPageSpec(1, 2, 16, 4, dtype, fmt), 64)
+    assert backend.ragged_decode is ragged
+    lens = [3, 300, 41, 170, 9, 260]  # far apart: the builder would split them
+    layouts = [SeqLayout(f"r{i}", 1, n, list(range(-(-(n + 1) // 4)))) for i, n in enumerate(lens)]
+    groups = build_context(layouts, 4, 0.25, bucket_decode=not backend.ragged_decode).groups
+    assert (len(groups) == 1) is ragged and sum(g.batch for g in groups) == len(lens)
