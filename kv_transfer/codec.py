@@ -121,9 +121,10 @@ def chunk_wire(layout: TransferLayout, layer: int, token_start: int, token_end: 
     """Wire bytes of `Frame(chunk=Chunk(...))` for all local heads (or the global KV heads `heads`: a
     parallel replica ships each rank's heads); `k`, `v`: stored bytes of these tokens.
 
-    Protobuf serializes the small header; the payload is appended as field 12 (protobuf fields may be
-    concatenated, and field 12 is the last one, so this is byte-for-byte what `SerializeToString()` makes).
-    The K/V bytes are copied exactly once, straight into the frame, and checksummed in place.
+    Protobuf serializes the small header; the payload goes in front of it as field 12 (protobuf fields
+    may come in any order and be concatenated: any protobuf parser reads the same message), so the
+    receiver finds it with three varints and parses only the header (`parse_wire`). The K/V bytes are
+    copied exactly once, straight into the frame, and checksummed in place.
     """
     n = len(k) + len(v)
     h0, h1 = (layout.head_start, layout.head_end) if heads is None else (heads.start, heads.stop)
@@ -132,7 +133,7 @@ def chunk_wire(layout: TransferLayout, layer: int, token_start: int, token_end: 
                     storage_format=layout.storage_format, byte_length=n,
                     checksum=checksum(k, v)).SerializeToString()
     payload_tag = _PAYLOAD_TAG + _varint(n)
-    return b"".join((_CHUNK_TAG, _varint(len(head) + len(payload_tag) + n), head, payload_tag, k, v))
+    return b"".join((_CHUNK_TAG, _varint(len(head) + len(payload_tag) + n), payload_tag, k, v, head))
 
 
 def checksum(*parts) -> int:
@@ -177,10 +178,16 @@ def parse_wire(data: bytes) -> tuple[pb.Frame, memoryview | bytes | None]:
     """Bytes -> (frame, payload). For a chunk frame the payload is returned beside it -- a zero-copy view
     of `data` on the fast path -- and `frame.chunk.payload` is left empty; otherwise payload is None.
 
-    Fast path: `data` is exactly one chunk field whose payload (field 12) occurs once; protobuf then
-    parses the header with the payload cut out, which is what it would make of the whole. Anything else
-    goes through a full protobuf parse (same result, one more copy). Typed errors only."""
+    Fast paths: `data` is exactly one chunk field whose payload (field 12) comes first, followed by a
+    header in protobuf's own encoding without a payload (what `chunk_wire` makes): three varints find the
+    payload and protobuf parses the header alone. Or one whose payload occurs once anywhere: a walk over
+    the fields finds it. Either way protobuf parses the header with the payload cut out, which is what it
+    would make of the whole. Anything else goes through a full protobuf parse (same result, one more
+    copy). Typed errors only."""
     view = memoryview(data)
+    first = _payload_first(view)
+    if first is not None:
+        return first
     span = _single_chunk_payload(view)
     if span is None:
         frame = parse_frame(data)
@@ -196,6 +203,28 @@ def parse_wire(data: bytes) -> tuple[pb.Frame, memoryview | bytes | None]:
     except DecodeError as e:
         raise InvalidFrame(f"chunk header does not parse: {e}") from None
     return pb.Frame(chunk=chunk), view[pay_start:pay_end]
+
+
+def _payload_first(view: memoryview) -> tuple[pb.Frame, memoryview] | None:
+    """(frame, payload view) when `view` is one Frame.chunk field spanning the buffer that starts with
+    its payload and goes on with a canonical payload-free header; None to try the other paths."""
+    end = len(view)
+    if end < 3 or view[0] != _CHUNK_TAG[0]:
+        return None
+    length, pos = _read_varint(view, 1, end)
+    if length is None or pos + length != end or pos >= end or view[pos] != _PAYLOAD_TAG[0]:
+        return None
+    n, pay_start = _read_varint(view, pos + 1, end)
+    if n is None or pay_start + n > end:
+        return None
+    head = bytes(view[pay_start + n:])
+    try:
+        chunk = pb.Chunk.FromString(head)
+    except DecodeError:
+        return None  # the general paths name the error
+    if chunk.payload or chunk.SerializeToString() != head:  # a second payload field, or not canonical
+        return None
+    return pb.Frame(chunk=chunk), view[pay_start:pay_start + n]
 
 
 def _single_chunk_payload(buf: memoryview) -> tuple[int, int, int, int] | None:

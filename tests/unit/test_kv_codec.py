@@ -48,12 +48,45 @@ def test_chunk_round_trip_is_bit_exact():
 
 
 @given(layer=st.integers(0, 2), a=st.integers(0, 9), n=st.integers(1, 10))
-def test_chunk_wire_is_exactly_what_protobuf_serializes(layer, a, n):
+def test_chunk_wire_is_the_message_protobuf_builds_payload_first(layer, a, n):
     b = min(a + n, NUM_TOKENS)
-    data = codec.chunk_wire(LAYOUT, layer, a, b, *kv_bytes(layer, a, b))
-    assert data == codec.parse_frame(data).SerializeToString()  # hand-appended payload field, same bytes
+    k, v = kv_bytes(layer, a, b)
+    data = codec.chunk_wire(LAYOUT, layer, a, b, k, v)
+    whole = codec.parse_frame(data)  # protobuf's own parse of the hand-made wire
+    assert whole.chunk.payload == bytes(k) + bytes(v) and whole.chunk.checksum == codec.checksum(k, v)
+    assert (whole.chunk.layer, whole.chunk.token_start, whole.chunk.token_end) == (layer, a, b)
+    assert len(data) == len(whole.SerializeToString())  # same fields, payload moved to the front
+    frame, payload = codec.parse_wire(data)  # the payload-first fast path: a view, not a copy
+    assert isinstance(payload, memoryview) and bytes(payload) == whole.chunk.payload
+    frame.chunk.payload = bytes(payload)
+    assert frame == whole
     big = codec.chunk_wire(LAYOUT, 0, 0, 1, memoryview(b"k" * 70000), memoryview(b"v" * 70000))
-    assert big == codec.parse_frame(big).SerializeToString()  # multi-byte length varints
+    frame, payload = codec.parse_wire(big)  # multi-byte length varints
+    assert bytes(payload) == b"k" * 70000 + b"v" * 70000 and frame.chunk.byte_length == 140000
+
+
+def test_payload_last_and_repeated_payload_frames_parse_as_protobuf_does():
+    """The other encodings of a chunk: protobuf's own (payload last) takes the field walk; a second
+    payload field (protobuf keeps the last one) is never served from the first."""
+    k, v = kv_bytes(1, 2, 5)
+    msg = codec.parse_frame(codec.chunk_wire(LAYOUT, 1, 2, 5, k, v))
+    frame, payload = codec.parse_wire(msg.SerializeToString())
+    assert bytes(payload) == msg.chunk.payload and frame.chunk.token_end == 5
+    head = pb.Chunk()
+    head.CopyFrom(msg.chunk)
+    head.ClearField("payload")
+
+    def field(data: bytes) -> bytes:
+        return codec._PAYLOAD_TAG + codec._varint(len(data)) + data
+
+    body = field(bytes(k) + bytes(v)) + head.SerializeToString() + field(b"xyz")
+    data = codec._CHUNK_TAG + codec._varint(len(body)) + body
+    whole = pb.Frame.FromString(data)
+    frame, payload = codec.parse_wire(data)
+    assert bytes(payload) == whole.chunk.payload == b"xyz"
+    body = field(bytes(k) + bytes(v)) + head.SerializeToString() + field(b"")  # an empty last one wins too
+    frame, payload = codec.parse_wire(codec._CHUNK_TAG + codec._varint(len(body)) + body)
+    assert bytes(payload) == b"" and frame.chunk.token_end == 5
 
 
 @given(start=st.integers(0, 50), length=st.integers(1, 300), target=st.integers(1, 5000))
