@@ -59,6 +59,13 @@ def _exp(x):
     return p * _i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
+@_jit(fastmath=True, inline="always")
+def _widen(src, dst):
+    """bf16 bits -> float32, element by element (vectorized)."""
+    for i in range(src.shape[0]):
+        dst[i] = _bf16_to_f32(src[i])
+
+
 @functools.lru_cache(maxsize=None)
 def _decode_kernel(dim: int, group: int):
     """The kernel for one head size and grouped-query ratio: both are compile-time constants inside
@@ -76,6 +83,7 @@ def _decode_kernel(dim: int, group: int):
         for b in range(rows):
             longest = max(longest, ctx_lens[b])
         s = np.empty((q_heads, longest), np.float32)
+        slot = np.empty(longest, np.int64)
         qf = np.empty((q_heads, dim), np.float32)
         row = np.empty(width, np.float32)
         acc = np.empty((q_heads, dim), np.float32)
@@ -84,20 +92,16 @@ def _decode_kernel(dim: int, group: int):
             for h in range(q_heads):
                 for d in range(dim):
                     qf[h, d] = _bf16_to_f32(q[b, h, d]) * scale
-            t = 0
-            while t < n:  # scores: every head against slot t, one K row (all KV heads) at a time
-                first = page_index[b, t // page_size] * page_size
-                for j in range(min(page_size, n - t)):
-                    kt = k_slots[first + j]
-                    for i in range(width):
-                        row[i] = _bf16_to_f32(kt[i])
-                    for h in range(q_heads):
-                        base = (h // group) * dim
-                        a = np.float32(0.0)
-                        for d in range(dim):
-                            a += qf[h, d] * row[base + d]
-                        s[h, t + j] = a
-                t += page_size
+            for t in range(n):  # flat pool slot of each of the row's tokens
+                slot[t] = page_index[b, t // page_size] * page_size + t % page_size
+            for t in range(n):  # scores: every head against slot t, one K row (all KV heads) at a time
+                _widen(k_slots[slot[t]], row)
+                for h in range(q_heads):
+                    base = (h // group) * dim
+                    a = np.float32(0.0)
+                    for d in range(dim):
+                        a += qf[h, d] * row[base + d]
+                    s[h, t] = a
             for h in range(q_heads):
                 m = s[h, 0]
                 for i in range(1, n):
@@ -110,19 +114,13 @@ def _decode_kernel(dim: int, group: int):
                 qf[h, 0] = np.float32(1.0) / total  # qf is free now: each head's normalizer
                 for d in range(dim):
                     acc[h, d] = 0.0
-            t = 0
-            while t < n:  # weighted sum of V rows
-                first = page_index[b, t // page_size] * page_size
-                for j in range(min(page_size, n - t)):
-                    vt = v_slots[first + j]
-                    for i in range(width):
-                        row[i] = _bf16_to_f32(vt[i])
-                    for h in range(q_heads):
-                        base = (h // group) * dim
-                        p = s[h, t + j]
-                        for d in range(dim):
-                            acc[h, d] += p * row[base + d]
-                t += page_size
+            for t in range(n):  # weighted sum of V rows
+                _widen(v_slots[slot[t]], row)
+                for h in range(q_heads):
+                    base = (h // group) * dim
+                    p = s[h, t]
+                    for d in range(dim):
+                        acc[h, d] += p * row[base + d]
             for h in range(q_heads):
                 inv = qf[h, 0]
                 for d in range(dim):
