@@ -4,11 +4,12 @@ straight from the page pools through the page table (no gather, no dense copy).
 Why: at batch 16 and context ~300 the decode step's attention is ~30% of the step (bench `step16`). Torch's
 SDPA needs K/V gathered out of the pages into one padded tensor per group, then runs a small GEMM per
 (sequence, head): ~5 us each, mostly call overhead, and it reads the gathered copy once more. This kernel
-reads each sequence's pages once, for every head of a row at a time. Measured on the development machine
-(one thread, SmolLM2 shapes, 16 rows x ~300 slots on scattered pages): ~0.6 ms a layer vs ~1.0 ms for
-gather + SDPA; whole decode steps in one process, alternating: 80.6 vs 87.7 ms (batch 16, SDPA on the
-dense copies), 70.5 vs 80.4 ms (batch 4), 42.3 vs 45.8 ms (batch 1). float32 is ~2x the work per slot and
-keeps SDPA.
+reads each sequence's pages once, for every head of a row at a time, and needs no padding for rows of
+different lengths. Measured on the development machine (one thread, SmolLM2 shapes, thread CPU time, in
+one process alternating with the SDPA path): a layer of 16 rows x ~300 slots ~1.0 ms (scores ~0.42,
+softmax ~0.12, weighted sum ~0.52); decode step at batch 4 72.4 vs 78.6 ms, at batch 16 77.3 vs 78.7 ms
+(SDPA reading the dense copies of `dense_decode.py` there); 16 ragged requests (bench `batch`) 12.8-14.5 s
+vs 14.7-15.8 s. float32 keeps SDPA.
 
     attend_decode_bf16(q_bits, k_pool_bits, v_pool_bits, page_index, ctx_lens, scale) -> out bits
     # q [B, q_heads, head_dim]; pools [num_pages, page_size, kv_heads, head_dim]; page_index [B, >= pages]

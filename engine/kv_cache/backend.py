@@ -144,16 +144,17 @@ class RawKVBackend:
 
     @property
     def ragged_decode(self) -> bool:
-        """Decode groups cost no padding here (the paged kernel reads each row's own slots), so the
-        context builder need not split them into length buckets."""
-        return (self.paged_kernel and self._kernel_dtype and type(self)._load is RawKVBackend._load
+        """Decode groups go to the paged kernel, which reads raw bf16 cells of CPU pages exactly as this
+        class stores them (formats that store or load otherwise never qualify). Such groups cost no
+        padding, so the context builder need not split them into length buckets."""
+        return (self.paged_kernel and self._kernel_dtype and self.storage_format == "raw"
+                and type(self)._load is RawKVBackend._load
                 and type(self)._attend_group is RawKVBackend._attend_group)
 
     def _takes_kernel(self, g: AttnGroup) -> bool:
-        """Decode groups of raw bf16 pages on CPU, unless observed (eviction statistics come from the SDPA
+        """A decode group of a kernel backend, unless observed (eviction statistics come from the SDPA
         path's probabilities) or windowed (the kernel attends every slot below the row's count)."""
-        return (self.paged_kernel and self._kernel_dtype and g.q_len == 1 and g.observe is None
-                and not g.windowed and type(self)._load is RawKVBackend._load)
+        return g.q_len == 1 and g.observe is None and not g.windowed and self.ragged_decode
 
     def _attend_kernel(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor:
         if self._pool_bits is None:
