@@ -44,7 +44,6 @@ class RawKVBackend:
     _written: tuple | None = None  # (layer, slots, k, v) of the last `write`
     paged_kernel = True  # bf16 on CPU: decode groups by the numba paged kernel (see `_takes_kernel`)
     _kernel_dtype = False  # bf16 pools on CPU (set in __init__; formats with their own init keep False)
-    _pool_bits: dict[int, tuple[np.ndarray, np.ndarray]] | None = None  # layer -> K, V pool bits (views)
 
     def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
         self.spec = spec
@@ -58,6 +57,7 @@ class RawKVBackend:
             self.k[layer] = torch.zeros(shape, dtype=dt, device=device)
             self.v[layer] = torch.zeros(shape, dtype=dt, device=device)
         self._kernel_dtype = dt == torch.bfloat16 and torch.device(device).type == "cpu"
+        self._pool_bits: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> K, V bits (kernel's views)
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, self.spec.num_kv_heads, self.spec.head_dim)  # [num_slots, kv_heads, head_dim]
@@ -157,8 +157,6 @@ class RawKVBackend:
         return g.q_len == 1 and g.observe is None and not g.windowed and self.ragged_decode
 
     def _attend_kernel(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor:
-        if self._pool_bits is None:
-            self._pool_bits = {}
         pools = self._pool_bits.get(layer)
         if pools is None:  # views of the pool tensors, which live as long as the backend
             pools = self._pool_bits[layer] = (bits(self.k[layer]), bits(self.v[layer]))
