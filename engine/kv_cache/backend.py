@@ -13,7 +13,9 @@ SDPA per attention group (a group is a contiguous token range, or a length bucke
 `token_rows`); a group's pages are gathered into a workspace kept across layers and steps, except decode
 groups of raw pages large enough to spill the caches that continue from the previous step: those read a
 dense copy that grows by one slot per row and step (`dense_decode.py`). bfloat16 pages on CPU: decode
-groups run the numba paged kernel of `engine/cpu_attention.py` instead (no gather, no dense copy).
+groups run the numba paged kernel of `engine/cpu_attention.py` instead (no gather, no dense copy), and
+groups of several queries per row (prefill chunks, verify steps) the AVX512-BF16 kernel of
+`engine/cpu_prefill_attention.py` where the CPU has it.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext, AttnGroup
+from engine import cpu_prefill_attention
 from engine.cpu_attention import attend_decode_bf16
 from engine.cpu_kernels import bits, from_bits
 from engine.kv_cache.dense_decode import DenseDecode
@@ -43,6 +46,7 @@ class RawKVBackend:
     _dense: DenseDecode | None = None
     _written: tuple | None = None  # (layer, slots, k, v) of the last `write`
     paged_kernel = True  # bf16 on CPU: decode groups by the numba paged kernel (see `_takes_kernel`)
+    prefill_kernel = True  # bf16 on CPU: multi-query groups by the native kernel (see `_takes_prefill_kernel`)
     _kernel_dtype = False  # bf16 pools on CPU (set in __init__; formats with their own init keep False)
 
     def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
@@ -156,6 +160,14 @@ class RawKVBackend:
         path's probabilities) or windowed (the kernel attends every slot below the row's count)."""
         return g.q_len == 1 and g.observe is None and not g.windowed and self.ragged_decode
 
+    def _takes_prefill_kernel(self, g: AttnGroup, q: torch.Tensor) -> bool:
+        """A group of several queries per row (prefill chunk, verify step) of raw bf16 CPU pages, neither
+        observed nor windowed (as `_takes_kernel`), where the native kernel runs and takes the shapes."""
+        return (g.q_len > 1 and g.observe is None and not g.windowed and self.prefill_kernel
+                and self._kernel_dtype and self.storage_format == "raw" and type(self)._load is RawKVBackend._load
+                and cpu_prefill_attention.supports(q.shape[-1], q.shape[-2], self.spec.num_kv_heads)
+                and cpu_prefill_attention.available())
+
     def _attend_kernel(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor:
         pools = self._pool_bits.get(layer)
         if pools is None:  # views of the pool tensors, which live as long as the backend
@@ -166,6 +178,11 @@ class RawKVBackend:
         b, ql = g.batch, g.q_len
         if self._takes_kernel(g):
             return self._attend_kernel(layer, q, g, ctx.scale)
+        if self._takes_prefill_kernel(g, q):
+            page_index, ctx_lens = g.host_rows()
+            out = cpu_prefill_attention.prefill_attention_bf16(q, self.k[layer], self.v[layer], page_index,
+                                                               ctx_lens, ql, ctx.scale)
+            return out.view(b * ql, *q.shape[1:])
         kv = None
         if self._dense is not None:
             w = self._written  # this layer's new rows, when they are this step's (same slots tensor)
