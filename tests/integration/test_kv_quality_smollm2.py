@@ -8,13 +8,14 @@ Why KL and not the issue's perplexity gate (int8 < 0.2%) on this one window: her
 weights' GEMM blocking alone (raw pages both times) moves raw's perplexity by +0.55% at the same KL per
 token as int8 pages (0.0019 nats); the 0.2% gate is judged by the harness on the mean of six 2,048 + 512
 windows.
-kivi4 (4-bit, its full-precision tail the page a query sits in: < 16 tokens) < 1% at the issue's 2,048 +
-512. Bytes per token vs raw bfloat16: <= 0.53x (kivi4 <= 0.35x)."""
+kivi4 (4-bit, its full-precision tail the page a query sits in: < 16 tokens): KL < 0.02 nats at the issue's
+2,048 + 512 (its 1% perplexity gate is judged by the harness on six windows, like int8's). Bytes per
+token vs raw bfloat16: <= 0.53x (kivi4 <= 0.35x)."""
 from __future__ import annotations
 
 import pytest
 
-from bench.kv_quality import corpus_ids, perplexity, perplexity_of, scored_logprobs
+from bench.kv_quality import corpus_ids, perplexity_of, scored_logprobs
 from engine import LLM
 from tests.conftest import assert_engine_empty
 
@@ -42,17 +43,24 @@ def test_quantized_pages_keep_the_next_token_distribution(raw_scores, fmt, max_k
     assert_engine_empty(llm)
 
 
-def test_kivi4_keeps_perplexity_at_the_gate_size():
-    """kivi4 at the issue's own size (2,048 prefill + 512 scored in chunks of 128; ~10 s a run): at 256
-    scored tokens one window's change wanders by about a percent (1,024 + 256: +1.7%), at 512 it holds
-    (four windows of the bench text: +0.37 / +0.57 / -0.11 / +0.72%; this is the first)."""
+def test_kivi4_keeps_the_next_token_distribution_at_the_gate_size():
+    """kivi4 at the issue's own size (2,048 prefill + 512 scored in chunks of 128; ~10 s a run), judged as
+    int8 and fp8 are: the KL per scored token from raw pages (measured 0.0093 nats; int8 0.0021) and a 3%
+    sanity bound on this window's perplexity. Its 1% perplexity gate is the harness's, on the mean of six
+    windows (`bench/kv_quality.py --configs raw,kivi4 --only ppl`: +0.22% +- 0.30% on the AMD machine of
+    stop 20): this first window alone read +0.37% on one machine and +1.43% on another (+1.59% against
+    raw read through SDPA instead of the native prefill kernel), with raw's own perplexity moving 0.2%
+    between those two attention paths."""
     kw = dict(dtype="bfloat16", num_pages=200, max_model_len=2624, max_num_batched_tokens=2048)
     raw = LLM("smollm2-135m", **kw)
     ids = corpus_ids(raw.tokenizer, 2560)
-    base = perplexity(raw, ids, 2048, 128)
+    base = scored_logprobs(raw, ids, 2048, 128)
     llm = LLM("smollm2-135m", kv_storage="kivi4", **kw)
-    ppl = perplexity(llm, ids, 2048, 128)
-    assert abs(ppl / base - 1) < 0.01, (ppl, base)
+    logp = scored_logprobs(llm, ids, 2048, 128)
+    kl = (base.exp() * (base - logp)).sum(-1)  # KL(raw || kivi4) per scored position
+    assert kl.mean().item() < 0.02, kl.mean().item()
+    ppl, base_ppl = perplexity_of(logp, ids, 2048), perplexity_of(base, ids, 2048)
+    assert abs(ppl / base_ppl - 1) < 0.03, (ppl, base_ppl)
     assert llm.kv_spec.bytes_per_token_layer() <= 0.35 * raw.kv_spec.bytes_per_token_layer()
     assert_engine_empty(llm)
     assert llm.backend.num_staged == 0  # no full-precision staging row left
