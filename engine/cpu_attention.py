@@ -20,9 +20,13 @@ Math: scores, softmax and the weighted sum in float32; exp is a polynomial (`_ex
 the output rounded once to bf16. Grouped-query heads: q head i reads KV head i // (q_heads // kv_heads).
 Used by `RawKVBackend` for decode groups of bf16 pages on CPU (`kv_cache/backend.py`); float32 keeps
 SDPA (its logits must match transformers'), as do groups that record attention (eviction observers).
+At head_dim 64, where the CPU has AVX512-BF16 and a C compiler is found (`engine.cpu_native`), the same
+call runs the C kernel of `engine/csrc/decode_attention_bf16.c` instead (same contract; its module map
+says how): 16 x ~310 slots, SmolLM2's heads, 0.17 vs 0.39 ms a layer on the AMD EPYC machine of stop 20.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
@@ -31,6 +35,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from engine import cpu_native
 from engine.cpu_kernels import _bf16_to_f32, _jit, _round_bf16
 
 
@@ -141,6 +146,36 @@ def attend_decode_bf16(q_bits: np.ndarray, k_pool_bits: np.ndarray, v_pool_bits:
         raise ValueError(f"slot counts {ctx_lens.min()}..{ctx_lens.max()} outside [1, {page_index.shape[1]} pages "
                          f"x {k_pool_bits.shape[1]} slots]")
     out = np.empty(q_bits.shape, np.uint16)
+    lib = _native()
+    if lib is not None and q_bits.shape[2] == 64 and k_pool_bits.flags.c_contiguous and v_pool_bits.flags.c_contiguous:
+        rows, heads = q_bits.shape[:2]
+        if rows == 0:
+            return out
+        q_bits = np.ascontiguousarray(q_bits)
+        page_index = np.ascontiguousarray(page_index, dtype=np.int64)
+        ctx_lens = np.ascontiguousarray(ctx_lens, dtype=np.int64)
+        work = _WORK.get(lib.pd_decode_work_bytes(int(ctx_lens.max()), heads))
+        lib.pd_decode_attention_bf16(q_bits.ctypes.data, k_pool_bits.ctypes.data, v_pool_bits.ctypes.data,
+                                     k_pool_bits.shape[1], page_index.ctypes.data, page_index.shape[1],
+                                     ctx_lens.ctypes.data, rows, heads, k_pool_bits.shape[2], float(scale),
+                                     out.ctypes.data, work)
+        return out
     kernel = _decode_kernel(q_bits.shape[2], q_bits.shape[1] // k_pool_bits.shape[2])
     kernel(q_bits, k_pool_bits, v_pool_bits, page_index, ctx_lens, np.float32(scale), out)
     return out
+
+
+_WORK = cpu_native.Workspace()
+
+
+def _native():
+    """The C kernel of engine/csrc/decode_attention_bf16.c (AVX512-BF16, head_dim 64), or None."""
+    lib = cpu_native.library("decode_attention_bf16")
+    if lib is not None and not getattr(lib, "_pd_typed", False):
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        lib.pd_decode_work_bytes.restype = i
+        lib.pd_decode_work_bytes.argtypes = [i, i]
+        lib.pd_decode_attention_bf16.restype = None
+        lib.pd_decode_attention_bf16.argtypes = [p, p, p, i, p, i, p, i, i, i, ctypes.c_float, p, p]
+        lib._pd_typed = True
+    return lib

@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 from filelock import FileLock
 
 from engine.loader import cache_root
@@ -31,7 +32,8 @@ from engine.loader import cache_root
 log = logging.getLogger(__name__)
 SOURCES = Path(__file__).resolve().parent / "csrc"
 # ISA extensions a library is compiled for; the library checks at run time that the CPU has them.
-FLAGS = {"attention_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]}
+_AVX512_BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+FLAGS = {"attention_bf16": _AVX512_BF16, "decode_attention_bf16": _AVX512_BF16}
 
 
 def enabled() -> bool:
@@ -58,13 +60,29 @@ def library(name: str) -> ctypes.CDLL | None:
     return _load(name) if enabled() else None
 
 
+class Workspace:
+    """Scratch memory for a kernel, kept across calls (a fresh multi-MB buffer per layer and step would
+    fault in new pages each time)."""
+
+    def __init__(self):
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes: int) -> int:
+        """Address of at least `nbytes` bytes, 64-byte aligned (the kernels' aligned loads and stores)."""
+        if self.buf.numel() < nbytes + 64:
+            self.buf = torch.empty(nbytes + 64, dtype=torch.uint8)
+        addr = self.buf.data_ptr()
+        return addr + (-addr) % 64
+
+
 def _build(name: str) -> Path:
     src = SOURCES / f"{name}.c"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     flags = ["-O3", "-shared", "-fPIC", *FLAGS.get(name, [])]
-    key = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    parts = [src.read_bytes()] + [h.read_bytes() for h in sorted(SOURCES.glob("*.h"))]  # shared headers
+    key = hashlib.sha256(b"".join(parts) + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = cache_root() / "native"
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"{name}-{key}.so"

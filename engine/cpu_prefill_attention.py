@@ -50,20 +50,7 @@ def supports(head_dim: int, heads: int, kv_heads: int) -> bool:
     return head_dim % 64 == 0 and heads % kv_heads == 0
 
 
-class _Workspace:
-    """Scratch memory kept across calls (a fresh multi-MB buffer per layer would fault in new pages)."""
-
-    def __init__(self):
-        self.buf = torch.empty(0, dtype=torch.uint8)
-
-    def get(self, nbytes: int) -> int:
-        if self.buf.numel() < nbytes + 64:
-            self.buf = torch.empty(nbytes + 64, dtype=torch.uint8)
-        addr = self.buf.data_ptr()
-        return addr + (-addr) % 64  # 64-byte aligned for the kernel's aligned loads
-
-
-_WORK = _Workspace()
+_WORK = cpu_native.Workspace()
 
 
 def prefill_attention_bf16(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -19,14 +19,10 @@
  *   work  scratch of pd_prefill_work_bytes(max ctx_len, kv_heads, dim) bytes, 64-byte aligned
  * dim must be a multiple of 64.
  */
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
+#include "bf16_common.h"
 
 #define ROWS 16 /* query rows per block */
 #define PV_ROWS 4 /* rows whose output accumulators are live at once in the weighted sum */
-
-static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 int64_t pd_prefill_work_bytes(int64_t max_ctx, int64_t kv_heads, int64_t dim) {
     int64_t keys = round_up(max_ctx, 16);
@@ -34,12 +30,6 @@ int64_t pd_prefill_work_bytes(int64_t max_ctx, int64_t kv_heads, int64_t dim) {
     int64_t s = ROWS * keys * 4 + ROWS * keys * 2; /* scores (float32) and probabilities (bf16) */
     int64_t q = ROWS * dim * 2;
     return kv + s + q + 4 * 64;
-}
-
-int pd_cpu_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512bf16");
 }
 
 /* K of every KV head of one sequence -> kt[g][tile][pair p][lane][2]: one zmm = pair p of 16 keys.
@@ -91,41 +81,6 @@ static void scores16(const uint16_t *qb, const uint32_t *kt, int64_t dim, int64_
 #pragma GCC unroll 16
         for (int r = 0; r < ROWS; r++) _mm512_store_ps(s + r * s_stride + tile * 16, _mm512_mul_ps(acc[r], vscale));
     }
-}
-
-/* e**x for float32 lanes (softmax arguments, x <= 0): 2**(x log2 e) split into 2**n * 2**f, f in
- * [-0.5, 0.5], 2**f by its Taylor series to degree 7 (relative error < 1e-7 before rounding). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* below: 0 after scalef (flushes) */
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f)); /* f ln 2 */
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* Row softmax over keys [0, lim): P (bf16) = exp(S - max), zero on [lim, width); returns the sum. */
-static float softmax_row(const float *s, int64_t lim, int64_t width, uint16_t *prob) {
-    __m512 m = _mm512_set1_ps(-__builtin_inff());
-    int64_t j = 0;
-    for (; j + 16 <= lim; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-    if (j < lim) m = _mm512_mask_max_ps(m, (__mmask16)((1u << (lim - j)) - 1), m, _mm512_loadu_ps(s + j));
-    __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-    __m512 sum = _mm512_setzero_ps();
-    for (j = 0; j < width; j += 16) {
-        __mmask16 live = j + 16 <= lim ? 0xFFFF : (j < lim ? (__mmask16)((1u << (lim - j)) - 1) : 0);
-        __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vmax)));
-        sum = _mm512_add_ps(sum, e);
-        _mm256_storeu_si256((__m256i *)(prob + j), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-    return _mm512_reduce_add_ps(sum);
 }
 
 /* out rows r0..r0+PV_ROWS of one head: sum over key pairs of P[r] * V, divided by the row sums. */

@@ -1,6 +1,7 @@
-"""engine.cpu_attention: the numba paged decode attention against float64 attention over the same pages
-(grouped-query ratios, page sizes, scattered and padded page tables), its polynomial exp, and the backend's
-choice of it (bf16 decode groups on CPU; float32, observed and windowed groups keep SDPA)."""
+"""engine.cpu_attention: the paged decode attention (numba, and the AVX512-BF16 C kernel for head_dim 64
+where it runs) against float64 attention over the same pages (grouped-query ratios, page sizes,
+scattered and padded page tables), numba's polynomial exp, and the backend's choice of it (bf16 decode
+groups on CPU; float32, observed and windowed groups keep SDPA)."""
 from __future__ import annotations
 
 import random
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from engine import SamplingParams
 from engine.attention_context import ObserveSpec, SeqLayout, build_context
+from engine import cpu_attention
 from engine.cpu_attention import _exp, attend_decode_bf16
 from engine.cpu_kernels import _jit, bits, from_bits
 from engine.kv_cache.backend import RawKVBackend, make_backend
@@ -37,9 +39,15 @@ def _reference(q, k_pool, v_pool, page_index, lens, scale):
     return out
 
 
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 32)])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,native", [
+    (9, 3, 64, "on"), (10, 2, 64, "on"), (9, 3, 64, "off"), (10, 2, 64, "off"), (4, 4, 16, "off"), (8, 2, 32, "off")])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_paged_kernel_matches_float64_attention(q_heads, kv_heads, head_dim, page_size):
+def test_paged_kernel_matches_float64_attention(q_heads, kv_heads, head_dim, page_size, native, monkeypatch):
+    """head_dim 64 takes the C kernel of csrc/decode_attention_bf16.c where the CPU has AVX512-BF16
+    (native "on"; (10, 2) has 5 query heads per KV head: one block of 4 and one of 1), numba otherwise."""
+    if native == "on" and cpu_attention._native() is None:
+        pytest.skip("the C decode kernel does not run here (no compiler or no AVX512-BF16)")
+    monkeypatch.setenv("PDSERVE_NATIVE", "1" if native == "on" else "0")
     g = torch.Generator().manual_seed(q_heads * 100 + page_size)
     lens = [1, 2, page_size, page_size + 1, 37, 130]
     num_pages = 2 + sum(-(-n // page_size) for n in lens)

@@ -163,15 +163,17 @@ def tiny64_dir(tmp_path_factory):  # head_dim 64, the kernel's shape (the defaul
 
 
 @needs_kernel
-def test_bf16_engine_generates_alike_with_and_without_the_kernel(tiny64_dir, monkeypatch):
-    """Ragged prompts, chunked prefill and preemption in bf16: logits within bf16 noise of SDPA's, and
-    both runs end with no pages held."""
+@pytest.mark.parametrize("switch", ["prefill_kernel", "paged_kernel"])
+def test_bf16_engine_generates_alike_with_and_without_the_kernel(tiny64_dir, monkeypatch, switch):
+    """Ragged prompts, chunked prefill and preemption in bf16, with the native multi-query kernel
+    (prefill_kernel) or the decode kernel (paged_kernel: C at head_dim 64) switched on and off: logits
+    within bf16 noise of SDPA's, and both runs end with no pages held."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 90, 41, 170, 9)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     def run(kernel: bool):
-        monkeypatch.setattr(RawKVBackend, "prefill_kernel", kernel)
+        monkeypatch.setattr(RawKVBackend, switch, kernel)
         llm = LLM(model=str(tiny64_dir), dtype="bfloat16", num_pages=80, page_size=4, keep_logits=True,
                   max_num_batched_tokens=64)
         outs = llm.generate(prompts, params)
