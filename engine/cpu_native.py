@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).resolve().parent / "csrc"
 # ISA extensions a library is compiled for; the library checks at run time that the CPU has them.
 _AVX512_BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
-FLAGS = {"attention_bf16": _AVX512_BF16, "decode_attention_bf16": _AVX512_BF16}
+FLAGS = {"attention_bf16": _AVX512_BF16, "decode_attention_bf16": _AVX512_BF16, "swiglu_bf16": _AVX512_BF16}
 
 
 def enabled() -> bool:

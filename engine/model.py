@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext
 from engine.config import ModelConfig
+from engine.cpu_activations import swiglu
 from engine.cpu_kernels import bits, from_bits, rms_norm_bf16
 from engine.linear import Linear
 from engine.rope import RotaryTable, apply_rotary
@@ -121,8 +122,7 @@ class LlamaForward:
             o = backend.attend(i, q, ctx)  # [num_tokens, q_heads, head_dim]
             x = self._residual(lw.o, o.reshape(t, nq), x)
             h = self._norm(x, lw.post_norm)
-            gate, up = lw.gate_up(h).chunk(2, dim=-1)
-            x = self._residual(lw.down, F.silu(gate) * up, x)
+            x = self._residual(lw.down, swiglu(lw.gate_up(h)), x)  # silu(gate) * up
             if layer_hook is not None:
                 layer_hook(i)
         return self._norm(x, self.final_norm) if self.is_last else x
