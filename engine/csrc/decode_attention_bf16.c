@@ -46,23 +46,12 @@ static inline __m512 sum_lanes16(const __m512 *a) {
 }
 
 /* s[t] = scale * q . K[t] for t in [0, keys) (keys a multiple of 16; slots >= n read a zero row) */
-/* Pull slots [t0, t1)'s whole rows (every KV head: row_bytes) of a pool towards L1: pages are scattered
- * (a page of SmolLM2's KV is 6 KB), and hardware prefetchers stop at 4 KB boundaries. */
-static inline void prefetch_rows(const uint16_t *pool, const int64_t *slot_off, int64_t t0, int64_t t1,
-                                 int64_t row_bytes) {
-    for (int64_t t = t0; t < t1; t++)
-        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch((const char *)(pool + slot_off[t]) + o, _MM_HINT_T0);
-}
-
 static void scores(const uint16_t *qh, const uint16_t *k_pool, const int64_t *slot_off, int64_t n,
-                   int64_t keys, int64_t g_off, float scale, float *s, int64_t prefetch_bytes) {
+                   int64_t keys, int64_t g_off, float scale, float *s) {
     __m512bh q0 = (__m512bh)_mm512_loadu_si512((const void *)qh);
     __m512bh q1 = (__m512bh)_mm512_loadu_si512((const void *)(qh + 32));
     __m512 vscale = _mm512_set1_ps(scale);
-    if (prefetch_bytes) prefetch_rows(k_pool, slot_off, 0, n < 16 ? n : 16, prefetch_bytes);
     for (int64_t t0 = 0; t0 < keys; t0 += 16) {
-        if (prefetch_bytes && t0 + 16 < n)  /* the next block, while this one computes */
-            prefetch_rows(k_pool, slot_off, t0 + 16, t0 + 32 < n ? t0 + 32 : n, prefetch_bytes);
         __m512 a[16];
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++) {
@@ -98,14 +87,11 @@ static float softmax_split(const float *s, int64_t n, int64_t keys, uint16_t *hi
 /* out[h] for NH query heads of one KV head: sum over slot pairs of P[h] * V, times inv[h] */
 static inline __attribute__((always_inline)) void weighted_sum(
         int NH, const uint16_t *const *prob, const uint16_t *const *prob_lo, const uint16_t *v_pool, const int64_t *slot_off, int64_t n,
-        int64_t g_off, const float *inv, uint16_t *const *out, int64_t prefetch_bytes) {
+        int64_t g_off, const float *inv, uint16_t *const *out) {
     __m512 acc[4][4];
-    if (prefetch_bytes) prefetch_rows(v_pool, slot_off, 0, n < 16 ? n : 16, prefetch_bytes);
     for (int h = 0; h < NH; h++)
         for (int k = 0; k < 4; k++) acc[h][k] = _mm512_setzero_ps();
     for (int64_t m = 0; 2 * m < n; m++) {
-        if (prefetch_bytes && (m & 7) == 0 && 2 * m + 16 < n)  /* 16 slots ahead, 16 at a time */
-            prefetch_rows(v_pool, slot_off, 2 * m + 16, 2 * m + 32 < n ? 2 * m + 32 : n, prefetch_bytes);
         const uint16_t *va = v_pool + slot_off[2 * m] + g_off;
         const uint16_t *vb = 2 * m + 1 < n ? v_pool + slot_off[2 * m + 1] + g_off : ZERO_ROW;
         __m512i a0 = _mm512_loadu_si512((const void *)va), a1 = _mm512_loadu_si512((const void *)(va + 32));
@@ -157,19 +143,17 @@ void pd_decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const u
                 uint16_t *dst[4];
                 for (int i = 0; i < nh; i++) {
                     int64_t h = h0 + i;
-                    int64_t pf = g == 0 && i == 0 ? kv_heads * DIM * 2 : 0;  /* first pass over the rows */
-                    scores(q + (b * heads + h) * DIM, k_pool, slot_off, n, keys, g * DIM, scale, s + h * stride, pf);
+                    scores(q + (b * heads + h) * DIM, k_pool, slot_off, n, keys, g * DIM, scale, s + h * stride);
                     pr[i] = prob + h * stride;
                     pl[i] = prob_lo + h * stride;
                     inv[i] = softmax_split(s + h * stride, n, keys, (uint16_t *)pr[i], (uint16_t *)pl[i]);
                     dst[i] = out + (b * heads + h) * DIM;
                 }
-                int64_t pf_v = g == 0 && h0 == 0 ? kv_heads * DIM * 2 : 0;
                 switch (nh) {  /* a constant head count per call: the accumulators stay in registers */
-                    case 1: weighted_sum(1, pr, pl, v_pool, slot_off, n, g * DIM, inv, dst, pf_v); break;
-                    case 2: weighted_sum(2, pr, pl, v_pool, slot_off, n, g * DIM, inv, dst, pf_v); break;
-                    case 3: weighted_sum(3, pr, pl, v_pool, slot_off, n, g * DIM, inv, dst, pf_v); break;
-                    default: weighted_sum(4, pr, pl, v_pool, slot_off, n, g * DIM, inv, dst, pf_v); break;
+                    case 1: weighted_sum(1, pr, pl, v_pool, slot_off, n, g * DIM, inv, dst); break;
+                    case 2: weighted_sum(2, pr, pl, v_pool, slot_off, n, g * DIM, inv, dst); break;
+                    case 3: weighted_sum(3, pr, pl, v_pool, slot_off, n, g * DIM, inv, dst); break;
+                    default: weighted_sum(4, pr, pl, v_pool, slot_off, n, g * DIM, inv, dst); break;
                 }
             }
         }
