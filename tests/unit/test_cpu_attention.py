@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine import SamplingParams
 from engine.attention_context import ObserveSpec, SeqLayout, build_context
-from engine import cpu_attention
+from engine import cpu_attention, cpu_prefill_attention
 from engine.cpu_attention import _exp, attend_decode_bf16
 from engine.cpu_kernels import _jit, bits, from_bits
 from engine.kv_cache.backend import RawKVBackend, make_backend
@@ -122,20 +122,27 @@ def test_backend_takes_the_kernel_for_bf16_decode_groups_only(dtype, monkeypatch
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+def tiny_dirs(tmp_path_factory):
+    """head_dim 16 (the default tiny config) and 64 (the native kernels' shape)."""
+    return {16: write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1),
+            64: write_tiny("llama", tmp_path_factory.mktemp("tiny64") / "llama", initializer_range=0.1,
+                           hidden_size=128, num_attention_heads=2, num_key_value_heads=1)}
 
 
-def test_bf16_engine_decodes_alike_with_and_without_the_kernel(tiny_dir, monkeypatch):
-    """Ragged prompts, chunked prefill and preemption in bf16: the kernel's logits stay within bf16 noise
-    of SDPA's, and both runs end with no pages held."""
+@pytest.mark.parametrize("head_dim,switch", [(16, "paged_kernel"), (64, "paged_kernel"), (64, "prefill_kernel")])
+def test_bf16_engine_generates_alike_with_and_without_the_kernel(tiny_dirs, monkeypatch, head_dim, switch):
+    """Ragged prompts, chunked prefill and preemption in bf16, with the decode kernel (paged_kernel: numba
+    at head_dim 16, C at 64 where it runs) or the native multi-query kernel (prefill_kernel) switched on and
+    off: logits within bf16 noise of SDPA's, and both runs end with no pages held."""
+    if switch == "prefill_kernel" and not cpu_prefill_attention.available():
+        pytest.skip("the native multi-query kernel does not run here: SDPA either way")
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 90, 41, 170, 9)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     def run(kernel: bool):
-        monkeypatch.setattr(RawKVBackend, "paged_kernel", kernel)
-        llm = LLM(model=str(tiny_dir), dtype="bfloat16", num_pages=80, page_size=4, keep_logits=True,
+        monkeypatch.setattr(RawKVBackend, switch, kernel)
+        llm = LLM(model=str(tiny_dirs[head_dim]), dtype="bfloat16", num_pages=80, page_size=4, keep_logits=True,
                   max_num_batched_tokens=64)
         outs = llm.generate(prompts, params)
         assert_engine_empty(llm)
