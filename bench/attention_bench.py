@@ -84,16 +84,16 @@ def decode_case(batch: int, ctx: int, layers: int, repeats: int, gen: torch.Gene
     page_index = page_index.numpy().astype(np.int64)
     lens = np.array([ctx - 8 + (i * 7) % 17 for i in range(batch)], dtype=np.int64)  # ragged, as in a batch
     q = bits(torch.randn(batch, HEADS, DIM, generator=gen).to(torch.bfloat16))
-    lib = cpu_attention._native
+    lib = cpu_attention.native_library
 
     def run(native: bool):
         def step():  # one call per "layer", each on its own pools
-            cpu_attention._native = lib if native else (lambda: None)
+            cpu_attention.native_library = lib if native else (lambda: None)
             try:
                 for kp, vp in layer_pools:
                     cpu_attention.attend_decode_bf16(q, kp, vp, page_index, lens, 0.125)
             finally:
-                cpu_attention._native = lib
+                cpu_attention.native_library = lib
         return step
 
     a, b = interleave(run(True), run(False), repeats)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--layers", type=int, default=30, help="separate page pools the decode case cycles through")
     args = p.parse_args(argv)
-    if not (cpu_prefill_attention.available() and cpu_attention._native() is not None):
+    if not (cpu_prefill_attention.available() and cpu_attention.native_library() is not None):
         print("native kernels unavailable here (no C compiler or no AVX512-BF16): nothing to compare")
         return 1
     gen = torch.Generator().manual_seed(0)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for q_len, cached in ((512, 0), (128, 0), (256, 256), (128, 384), (16, 300), (4, 300)):
         a, b = prefill_case(q_len, cached, args.repeats, gen)
         rows.append((f"prefill q_len {q_len} after {cached} (vs SDPA)", f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x"))
-    for batch, ctx in ((16, 300), (4, 300), (1, 300)):
+    for batch, ctx in ((16, 300), (4, 300), (2, 300)):  # one row takes numba (cpu_attention.NATIVE_MIN_ROWS)
         a, b = decode_case(batch, ctx, args.layers, args.repeats, gen)
         rows.append((f"decode {batch} x ~{ctx}, a layer (vs numba)", f"{a:.3f}", f"{b:.3f}", f"{a / b:.2f}x"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

@@ -26,6 +26,11 @@ def _lib():
     return lib
 
 
+def available() -> bool:
+    """Whether the kernel runs here (and, called at model load, builds or loads it then)."""
+    return _lib() is not None
+
+
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [tokens, 2 * inter]; the kernel for contiguous bf16 CPU rows."""
     if gate_up.dtype == torch.bfloat16 and gate_up.device.type == "cpu" and gate_up.dim() == 2 \

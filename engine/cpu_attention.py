@@ -20,8 +20,8 @@ Math: scores, softmax and the weighted sum in float32; exp is a polynomial (`_ex
 the output rounded once to bf16. Grouped-query heads: q head i reads KV head i // (q_heads // kv_heads).
 Used by `RawKVBackend` for decode groups of bf16 pages on CPU (`kv_cache/backend.py`); float32 keeps
 SDPA (its logits must match transformers'), as do groups that record attention (eviction observers).
-At head_dim 64, where the CPU has AVX512-BF16 and a C compiler is found (`engine.cpu_native`), the same
-call runs the C kernel of `engine/csrc/decode_attention_bf16.c` instead (same contract; its module map
+At head_dim 64 and 2 rows or more (`NATIVE_MIN_ROWS`), where the CPU has AVX512-BF16 and a C compiler is
+found (`engine.cpu_native`), the same call runs the C kernel of `engine/csrc/decode_attention_bf16.c` instead (same contract; its module map
 says how). On the AMD EPYC machine of stop 20, SmolLM2's heads, 16 rows x ~300 slots: 0.17 vs 0.39 ms a
 layer with the pages in cache, 0.53 vs 0.79 ms read from memory (`bench/attention_bench.py`); the batch-16
 decode step 69.1 vs 75.3 ms (interleaved in one process).
@@ -148,11 +148,10 @@ def attend_decode_bf16(q_bits: np.ndarray, k_pool_bits: np.ndarray, v_pool_bits:
         raise ValueError(f"slot counts {ctx_lens.min()}..{ctx_lens.max()} outside [1, {page_index.shape[1]} pages "
                          f"x {k_pool_bits.shape[1]} slots]")
     out = np.empty(q_bits.shape, np.uint16)
-    lib = _native()
-    if lib is not None and q_bits.shape[2] == 64 and k_pool_bits.flags.c_contiguous and v_pool_bits.flags.c_contiguous:
-        rows, heads = q_bits.shape[:2]
-        if rows == 0:
-            return out
+    lib = native_library()
+    rows, heads = q_bits.shape[:2]
+    if lib is not None and rows >= NATIVE_MIN_ROWS and q_bits.shape[2] == 64 and k_pool_bits.flags.c_contiguous \
+            and v_pool_bits.flags.c_contiguous:
         q_bits = np.ascontiguousarray(q_bits)
         page_index = np.ascontiguousarray(page_index, dtype=np.int64)
         ctx_lens = np.ascontiguousarray(ctx_lens, dtype=np.int64)
@@ -168,9 +167,13 @@ def attend_decode_bf16(q_bits: np.ndarray, k_pool_bits: np.ndarray, v_pool_bits:
 
 
 _WORK = cpu_native.Workspace()
+# Rows from which the C kernel takes a decode group. Decode steps of SmolLM2 at context ~300, interleaved in
+# one process (AMD EPYC, stop 20), C / numba: 1 row 21.52 / 20.95 and 20.95 / 20.43 ms, 4 rows 40.6 / 41.5 and
+# 39.9 / 39.5, 16 rows 69.1 / 75.3 ms.
+NATIVE_MIN_ROWS = 2
 
 
-def _native():
+def native_library():
     """The C kernel of engine/csrc/decode_attention_bf16.c (AVX512-BF16, head_dim 64), or None."""
     lib = cpu_native.library("decode_attention_bf16")
     if lib is not None and not getattr(lib, "_pd_typed", False):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext
 from engine.config import ModelConfig
+from engine import cpu_activations
 from engine.cpu_activations import swiglu
 from engine.cpu_kernels import bits, from_bits, rms_norm_bf16
 from engine.linear import Linear
@@ -70,6 +71,7 @@ class LlamaForward:
         if dtype == torch.bfloat16 and self.device.type == "cpu":
             norms = [lw.input_norm for lw in self.layers] + [lw.post_norm for lw in self.layers]
             self._norm_bits = {id(t): bits(t) for t in norms + ([self.final_norm] if self.is_last else [])}
+            cpu_activations.available()  # build/load the SwiGLU kernel now, not in a request's first step
 
     def _layer(self, w: Callable[[str], torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext, AttnGroup
 from engine import cpu_prefill_attention
-from engine.cpu_attention import attend_decode_bf16
+from engine.cpu_attention import attend_decode_bf16, native_library as native_decode_library
 from engine.cpu_kernels import bits, from_bits
 from engine.kv_cache.dense_decode import DenseDecode
 from engine.kv_cache.spec import KVPageSpec
@@ -61,6 +61,9 @@ class RawKVBackend:
             self.k[layer] = torch.zeros(shape, dtype=dt, device=device)
             self.v[layer] = torch.zeros(shape, dtype=dt, device=device)
         self._kernel_dtype = dt == torch.bfloat16 and torch.device(device).type == "cpu"
+        if self._kernel_dtype:  # build/load the native kernels now, not inside a served request's first step
+            cpu_prefill_attention.available()
+            native_decode_library()
         self._pool_bits: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> K, V bits (kernel's views)
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:

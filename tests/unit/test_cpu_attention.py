@@ -45,7 +45,7 @@ def _reference(q, k_pool, v_pool, page_index, lens, scale):
 def test_paged_kernel_matches_float64_attention(q_heads, kv_heads, head_dim, page_size, native, monkeypatch):
     """head_dim 64 takes the C kernel of csrc/decode_attention_bf16.c where the CPU has AVX512-BF16
     (native "on"; (10, 2) has 5 query heads per KV head: one block of 4 and one of 1), numba otherwise."""
-    if native == "on" and cpu_attention._native() is None:
+    if native == "on" and cpu_attention.native_library() is None:
         pytest.skip("the C decode kernel does not run here (no compiler or no AVX512-BF16)")
     monkeypatch.setenv("PDSERVE_NATIVE", "1" if native == "on" else "0")
     g = torch.Generator().manual_seed(q_heads * 100 + page_size)
