@@ -21,8 +21,8 @@ the output rounded once to bf16. Grouped-query heads: q head i reads KV head i /
 Used by `RawKVBackend` for decode groups of bf16 pages on CPU (`kv_cache/backend.py`); float32 keeps
 SDPA (its logits must match transformers'), as do groups that record attention (eviction observers).
 At head_dim 64 and 2 rows or more (`NATIVE_MIN_ROWS`), where the CPU has AVX512-BF16 and a C compiler is
-found (`engine.cpu_native`), the same call runs the C kernel of `engine/csrc/decode_attention_bf16.c` instead (same contract; its module map
-says how). On the AMD EPYC machine of stop 20, SmolLM2's heads, 16 rows x ~300 slots: 0.17 vs 0.39 ms a
+found (`engine.cpu_native`), the same call runs the C kernel of `engine/csrc/decode_attention_bf16.c`
+instead (same contract; its module map says how). On the AMD EPYC machine of stop 20, SmolLM2's heads, 16 rows x ~300 slots: 0.17 vs 0.39 ms a
 layer with the pages in cache, 0.53 vs 0.79 ms read from memory (`bench/attention_bench.py`); the batch-16
 decode step 69.1 vs 75.3 ms (interleaved in one process).
 """
