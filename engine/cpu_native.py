@@ -55,6 +55,17 @@ def _load(name: str) -> ctypes.CDLL | None:
     return lib
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo), empty where that file is missing."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
 def library(name: str) -> ctypes.CDLL | None:
     """The compiled library `csrc/<name>.c`, or None where it cannot run (see the module map)."""
     return _load(name) if enabled() else None

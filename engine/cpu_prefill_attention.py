@@ -43,7 +43,9 @@ def _lib():
 
 
 def available() -> bool:
-    return _lib() is not None
+    """The kernel runs here. Not on CPUs with AMX: there torch's flash attention runs its GEMMs on AMX tiles,
+    and this kernel, measured only on a CPU without them, may well be the slower path (unmeasured)."""
+    return "amx_bf16" not in cpu_native.cpu_flags() and _lib() is not None
 
 
 def supports(head_dim: int, heads: int, kv_heads: int) -> bool:

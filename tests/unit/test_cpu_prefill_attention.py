@@ -143,6 +143,9 @@ def test_native_off_or_unbuildable_leaves_the_torch_path(monkeypatch, tmp_path):
     monkeypatch.setenv("PDSERVE_NATIVE", "0")
     assert not cpu_prefill_attention.available()
     monkeypatch.delenv("PDSERVE_NATIVE")
+    with monkeypatch.context() as m:  # a CPU with AMX keeps torch's flash attention (see available())
+        m.setattr(cpu_native, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+        assert not cpu_prefill_attention.available()
     monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that always fails
     cpu_native._load.cache_clear()
