@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -73,16 +74,19 @@ def library(name: str) -> ctypes.CDLL | None:
 
 class Workspace:
     """Scratch memory for a kernel, kept across calls (a fresh multi-MB buffer per layer and step would
-    fault in new pages each time)."""
+    fault in new pages each time). One buffer per thread: ctypes releases the GIL during a call, so two
+    engines stepping in two threads of one process run their kernels at the same time."""
 
     def __init__(self):
-        self.buf = torch.empty(0, dtype=torch.uint8)
+        self._local = threading.local()
 
     def get(self, nbytes: int) -> int:
-        """Address of at least `nbytes` bytes, 64-byte aligned (the kernels' aligned loads and stores)."""
-        if self.buf.numel() < nbytes + 64:
-            self.buf = torch.empty(nbytes + 64, dtype=torch.uint8)
-        addr = self.buf.data_ptr()
+        """Address of at least `nbytes` bytes, 64-byte aligned (the kernels' aligned loads and stores),
+        valid until this thread's next `get`."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes + 64:
+            buf = self._local.buf = torch.empty(nbytes + 64, dtype=torch.uint8)
+        addr = buf.data_ptr()
         return addr + (-addr) % 64
 
 

@@ -154,3 +154,21 @@ def test_native_off_or_unbuildable_leaves_the_torch_path(monkeypatch, tmp_path):
         assert not list((tmp_path / "native").glob("*.so"))  # nothing half-written left behind
     finally:
         cpu_native._load.cache_clear()
+
+
+@needs_kernel
+def test_threads_running_the_kernel_at_once_do_not_share_scratch():
+    """ctypes lets go of the GIL during a call: two engines in two threads run kernels concurrently, each
+    with its own workspace (one shared buffer would mix their repacked K/V)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [_case(1, 300, 40 * i, 9, 3, 64, 16, seed=i) for i in range(4)]
+    want = [prefill_attention_bf16(q, k, v, p, n, 300, 0.125) for q, k, v, p, n in cases]
+
+    def run(i):
+        q, k, v, p, n = cases[i % 4]
+        return i % 4, prefill_attention_bf16(q, k, v, p, n, 300, 0.125)
+
+    with ThreadPoolExecutor(4) as pool:
+        for i, got in pool.map(run, range(32)):
+            assert torch.equal(got, want[i])
