@@ -3,7 +3,9 @@
 Called by `engine.runner.ModelRunner` once per step with packed token ids, explicit positions and an
 `AttentionContext`; K/V go to, and attention comes from, the KV backend (keys stored after RoPE). The
 model holds plain tensors (no nn.Module): q/k/v and gate/up projections are fused into one matmul each,
-which is where most of the CPU time goes. GQA, RMSNorm, SwiGLU, tied embeddings.
+which is where most of the CPU time goes. GQA, RMSNorm, SwiGLU, tied embeddings. bf16 on CPU: RMSNorm by
+a numba kernel (`cpu_kernels`), SwiGLU's activation by a C kernel (`cpu_activations`), each rounding
+where Hugging Face rounds.
 
 Tensor parallelism (`engine.parallel`): a rank builds this with its shard of the weights, a config with
 its local head counts and an `all_reduce` callable; o and down are then row-parallel (partial sums
