@@ -9,8 +9,6 @@ machine of stop 20, ~3% of a 512-token prefill step. Where the kernel does not r
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 
@@ -18,12 +16,7 @@ from engine import cpu_native
 
 
 def _lib():
-    lib = cpu_native.library("swiglu_bf16")
-    if lib is not None and not getattr(lib, "_pd_typed", False):
-        lib.pd_swiglu_bf16.restype = None
-        lib.pd_swiglu_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        lib._pd_typed = True
-    return lib
+    return cpu_native.library("swiglu_bf16")
 
 
 def available() -> bool:

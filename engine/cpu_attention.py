@@ -22,13 +22,12 @@ Used by `RawKVBackend` for decode groups of bf16 pages on CPU (`kv_cache/backend
 SDPA (its logits must match transformers'), as do groups that record attention (eviction observers).
 At head_dim 64 and 2 rows or more (`NATIVE_MIN_ROWS`), where the CPU has AVX512-BF16 and a C compiler is
 found (`engine.cpu_native`), the same call runs the C kernel of `engine/csrc/decode_attention_bf16.c`
-instead (same contract; its module map says how). On the AMD EPYC machine of stop 20, SmolLM2's heads, 16 rows x ~300 slots: 0.17 vs 0.39 ms a
-layer with the pages in cache, 0.53 vs 0.79 ms read from memory (`bench/attention_bench.py`); the batch-16
-decode step 69.1 vs 75.3 ms (interleaved in one process).
+instead (same contract; its module map says how). On the AMD EPYC machine of stop 20, SmolLM2's heads,
+16 rows x ~300 slots: 0.17 vs 0.39 ms a layer with the pages in cache, 0.53 vs 0.79 ms read from memory
+(`bench/attention_bench.py`); the batch-16 decode step 69.1 vs 75.3 ms (interleaved in one process).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 
@@ -175,12 +174,4 @@ NATIVE_MIN_ROWS = 2
 
 def native_library():
     """The C kernel of engine/csrc/decode_attention_bf16.c (AVX512-BF16, head_dim 64), or None."""
-    lib = cpu_native.library("decode_attention_bf16")
-    if lib is not None and not getattr(lib, "_pd_typed", False):
-        p, i = ctypes.c_void_p, ctypes.c_int64
-        lib.pd_decode_work_bytes.restype = i
-        lib.pd_decode_work_bytes.argtypes = [i, i]
-        lib.pd_decode_attention_bf16.restype = None
-        lib.pd_decode_attention_bf16.argtypes = [p, p, p, i, p, i, p, i, i, i, ctypes.c_float, p, p]
-        lib._pd_typed = True
-    return lib
+    return cpu_native.library("decode_attention_bf16")

@@ -35,6 +35,16 @@ SOURCES = Path(__file__).resolve().parent / "csrc"
 # ISA extensions a library is compiled for; the library checks at run time that the CPU has them.
 _AVX512_BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
 FLAGS = {"attention_bf16": _AVX512_BF16, "decode_attention_bf16": _AVX512_BF16, "swiglu_bf16": _AVX512_BF16}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+# The exported functions' ctypes signatures, set once when a library loads: (restype, argtypes).
+SIGNATURES = {
+    "attention_bf16": {"pd_prefill_work_bytes": (_I, [_I, _I, _I]),
+                       "pd_prefill_attention_bf16": (None, [_P, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I,
+                                                            _F, _P, _P])},
+    "decode_attention_bf16": {"pd_decode_work_bytes": (_I, [_I, _I]),
+                              "pd_decode_attention_bf16": (None, [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _F, _P, _P])},
+    "swiglu_bf16": {"pd_swiglu_bf16": (None, [_P, _I, _I, _P])},
+}
 
 
 def enabled() -> bool:
@@ -53,6 +63,8 @@ def _load(name: str) -> ctypes.CDLL | None:
     if not lib.pd_cpu_supported():
         log.info("native kernel %s: this CPU lacks its instruction set, using the torch path", name)
         return None
+    for fn, (restype, argtypes) in SIGNATURES.get(name, {}).items():
+        getattr(lib, fn).restype, getattr(lib, fn).argtypes = restype, argtypes
     return lib
 
 
@@ -68,7 +80,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 def library(name: str) -> ctypes.CDLL | None:
-    """The compiled library `csrc/<name>.c`, or None where it cannot run (see the module map)."""
+    """The compiled library `csrc/<name>.c`, its functions typed per SIGNATURES, or None where it cannot
+    run (see the module map)."""
     return _load(name) if enabled() else None
 
 

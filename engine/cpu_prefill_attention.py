@@ -18,28 +18,16 @@ kernel runs here (compiler, CPU with AVX512-BF16, PDSERVE_NATIVE not 0); `RawKVB
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import torch
 
 from engine import cpu_native
 
 _LIB = "attention_bf16"
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
 
 
 def _lib():
-    lib = cpu_native.library(_LIB)
-    if lib is not None and not getattr(lib, "_pd_typed", False):
-        lib.pd_prefill_work_bytes.restype = _I
-        lib.pd_prefill_work_bytes.argtypes = [_I, _I, _I]
-        lib.pd_prefill_attention_bf16.restype = None
-        lib.pd_prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I,
-                                                  ctypes.c_float, _P, _P]
-        lib._pd_typed = True
-    return lib
+    return cpu_native.library(_LIB)
 
 
 def available() -> bool:
