@@ -9,6 +9,8 @@ the same machine, oneDNN's GEMV measured ~3.6-4 GB/s in a run where the numba ke
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -19,8 +21,17 @@ from engine.cpu_kernels import bits, from_bits
 PACK_ROWS = 16  # the batch size oneDNN packs bf16 weights for (see Linear.__init__)
 
 
-def _packing_available() -> bool:
-    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+@functools.cache
+def _packing_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU: tried once on a small weight, since its bf16 path
+    needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT and raises on AVX2-only machines (seen on an AMD EPYC)."""
+    if not (hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), PACK_ROWS)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Linear:
@@ -34,7 +45,8 @@ class Linear:
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2:
             self.gemv = (bits(weight), None if bias is None else bits(bias))
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and _packing_available():
+        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) \
+                and _packing_available(weight.dtype):
             # oneDNN picks its blocking from the batch size given here: packed for 1 row it is a GEMV
             # layout, ~20-30% slower at 3-512 rows than one packed for 16 (any size >= 4 measured the same)
             rows = PACK_ROWS if self.gemv is not None else 1  # bf16's single rows go to the GEMV
