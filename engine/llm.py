@@ -83,6 +83,7 @@ class LLM:
         self.runner = (ModelRunner(self.model, self.backend, page_size) if not parallel else
                        make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device))
         eos = tuple(c.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        self.eos_token_ids = eos  # (the sampler masks them under min_tokens; the scheduler stops on them)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                                    self.tables, eos)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -261,7 +262,8 @@ class LLM:
             req = c.request
             sample = None
             if c.sample:
-                sample = SampleRequest(req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids)
+                sample = SampleRequest(req.params, req.seed, req.num_output, req.prompt_token_ids,
+                                       req.output_token_ids, self.eos_token_ids)
             seqs.append(SeqStep(req.request_id, req.token_ids[c.start:c.start + c.num_tokens], c.start,
                                 c.num_cached, self.tables.get(req.request_id).pages,
                                 [c.num_tokens - 1] if c.sample else [], sample))
