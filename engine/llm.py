@@ -83,7 +83,6 @@ class LLM:
         self.runner = (ModelRunner(self.model, self.backend, page_size) if not parallel else
                        make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device))
         eos = tuple(c.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
-        self.eos_token_ids = eos  # (the sampler masks them under min_tokens; the scheduler stops on them)
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                                    self.tables, eos)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -274,6 +273,11 @@ class LLM:
         enough)? The KV sender asks, to ship the kept pages once instead of each layer as computed."""
         req = self.requests.get(request_id)
         return req is not None and self.evictor.will_evict(req)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a request (the scheduler's); the sampler masks them while under min_tokens."""
+        return self.scheduler.eos
 
     @property
     def num_evicted_tokens(self) -> int:

@@ -11,6 +11,7 @@ same tokens in any batch, on any worker, after any preemption. Sampling uses the
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ class SampleRequest:
     output_index: int  # index of the token being sampled among the request's outputs
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    eos_token_ids: tuple[int, ...] = ()  # the model's EOS ids: masked with stop_token_ids under min_tokens
+    eos_token_ids: Collection[int] = ()  # the model's EOS ids: masked with stop_token_ids under min_tokens
 
 
 def noise_key(seed: int, output_index: int) -> int:
