@@ -183,3 +183,17 @@ def test_continuous_usage_counts_the_tokens_streamed_so_far(served, chat):
     assert sent == N
     alone = stream(srv, {"ignore_eos": True, "stream_options": {"continuous_usage_stats": True}}, chat)
     assert [e["usage"] for e in alone] == [e["usage"] for e in events[:-1]]  # no usage-only chunk
+
+
+def test_a_resumed_request_owes_min_tokens_less_what_was_streamed():
+    from types import SimpleNamespace
+
+    from cluster.recovery import resume_plan
+
+    f = SimpleNamespace(wid="r#1", prompt_ids=[5, 6], output_ids=[7, 8, 9],
+                        params=SamplingParams(max_tokens=10, min_tokens=5, seed=1))
+    prompt, params = resume_plan(f)
+    assert prompt == [5, 6, 7, 8, 9] and (params.max_tokens, params.min_tokens) == (7, 2)
+    f.output_ids = [7] * 6
+    assert resume_plan(f)[1].min_tokens == 0
+    params.validate(256)
