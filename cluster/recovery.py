@@ -131,17 +131,20 @@ def harmed_by(f, w) -> bool:
 def resume_plan(f) -> tuple[list[int], SamplingParams]:
     """What to run elsewhere: the prompt plus what was streamed, for the tokens still owed."""
     done = len(f.output_ids)
-    params = dataclasses.replace(f.params, max_tokens=f.params.max_tokens - done)
+    params = dataclasses.replace(f.params, max_tokens=f.params.max_tokens - done,
+                                 min_tokens=max(0, f.params.min_tokens - done))
     assert params.max_tokens >= 1, (f.wid, done)  # a flight that produced all its tokens is finished
     return list(f.prompt_ids) + list(f.output_ids), params
 
 
-def seam_of(tokenizer, before: list[int]):
+def seam_of(tokenizer, before: list[int], skip_special_tokens: bool = True):
     """The text a resumed stream's first token lacks when detokenized alone (a dropped leading space)."""
     before = list(before)
 
     def seam(first: list[int]) -> str:
-        joined, head, alone = tokenizer.decode(before + first), tokenizer.decode(before), tokenizer.decode(first)
+        def dec(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        joined, head, alone = dec(before + first), dec(before), dec(first)
         tail = joined[len(head):] if joined.startswith(head) else alone
         return tail[:len(tail) - len(alone)] if tail.endswith(alone) else ""
     return seam
@@ -274,7 +277,8 @@ class RecoveryMixin:
             if w is not None:
                 w.flights.discard(f.wid)
         del self._flights[f.wid]
-        f.rebase(f"{f.req.request_id}#{next(self._ids)}", *resume_plan(f), seam_of(self._tokenizer, f.output_ids))
+        seam = seam_of(self._tokenizer, f.output_ids, f.params.skip_special_tokens)
+        f.rebase(f"{f.req.request_id}#{next(self._ids)}", *resume_plan(f), seam)
         self._flights[f.wid] = f
         f.mark("recovered")
         self.ledger.recovered += 1

@@ -261,7 +261,8 @@ class LLM:
             req = c.request
             sample = None
             if c.sample:
-                sample = SampleRequest(req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids)
+                sample = SampleRequest(req.params, req.seed, req.num_output, req.prompt_token_ids,
+                                       req.output_token_ids, self.eos_token_ids)
             seqs.append(SeqStep(req.request_id, req.token_ids[c.start:c.start + c.num_tokens], c.start,
                                 c.num_cached, self.tables.get(req.request_id).pages,
                                 [c.num_tokens - 1] if c.sample else [], sample))
@@ -272,6 +273,11 @@ class LLM:
         enough)? The KV sender asks, to ship the kept pages once instead of each layer as computed."""
         req = self.requests.get(request_id)
         return req is not None and self.evictor.will_evict(req)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a request (the scheduler's); the sampler masks them while under min_tokens."""
+        return self.scheduler.eos
 
     @property
     def num_evicted_tokens(self) -> int:

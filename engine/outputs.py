@@ -4,9 +4,10 @@ The LLM calls `OutputProcessor.advance` after each scheduler update for every re
 Text grows incrementally: only a short window of recent tokens is decoded each step (decoding the whole
 output every step would cost O(length) per token), and a multi-byte character split across tokens is held
 back until complete. Stop strings are searched only in the newly added text plus a tail as long as the
-longest stop string; the text is cut at the first stop and the LLM finishes the request. Until the
-request finishes, a tail of the text that could still become a stop string is held back from `text` and
-`new_text`, so a stream never shows part of a stop string.
+longest stop string; the text is cut at the first stop (after it, with `include_stop_str_in_output`)
+and the LLM finishes the request. As vLLM, text of the first `min_tokens` tokens is not searched (a stop
+may still begin in it and end later). Until the request finishes, a tail of the text that could still
+become a stop string is held back from `text` and `new_text`, so a stream never shows part of a stop string.
 """
 from __future__ import annotations
 
@@ -59,13 +60,14 @@ class OutputProcessor:
         old_len = len(st.text)
         st.text += after[len(before):]
         st.prefix_offset, st.read_offset = st.read_offset, len(ids)
-        if not req.params.stop:
+        p = req.params
+        if not p.stop or len(ids) <= p.min_tokens:
             return False
-        longest = max(len(s) for s in req.params.stop)
-        start = max(0, old_len - longest + 1)
-        hits = [i for i in (st.text.find(s, start) for s in req.params.stop) if i >= 0]
+        start = max(0, old_len - max(len(s) for s in p.stop) + 1)
+        hits = [(i, -len(s), s) for i, s in ((st.text.find(s, start), s) for s in p.stop) if i >= 0]
         if hits:
-            st.text = st.text[:min(hits)]
+            i, _, stop = min(hits)  # the earliest; at one position the longest
+            st.text = st.text[:i + len(stop) if p.include_stop_str_in_output else i]
             return True
         return False
 

@@ -1,12 +1,17 @@
-"""Sampler: penalties, temperature, top-k, top-p, keyed randomness, logprobs.
+"""Sampler: penalties, min_tokens masking, temperature, min-p, top-k, top-p, keyed randomness, logprobs.
 
-Called by the runner with one float32 logits row per sampled sequence. Randomness is keyed by
+Called by the runner with one float32 logits row per sampled sequence (and by spec_decode's verify, one
+row per draft position, each with its own output index). Order, as vLLM: penalties -> while fewer than
+`min_tokens` outputs exist, EOS and `stop_token_ids` get -inf -> greedy argmax, or temperature -> min-p
+(tokens below min_p x the top probability dropped) -> top-k -> top-p -> draw. Logprobs are of the raw
+logits. Randomness is keyed by
 (request seed, output index): the noise for a token depends on nothing else, so a request samples the
 same tokens in any batch, on any worker, after any preemption. Sampling uses the exponential race
 (argmax of p / E with E ~ Exp(1)), which draws exactly from p.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +29,7 @@ class SampleRequest:
     output_index: int  # index of the token being sampled among the request's outputs
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    eos_token_ids: Collection[int] = ()  # the model's EOS ids: masked with stop_token_ids under min_tokens
 
 
 def noise_key(seed: int, output_index: int) -> int:
@@ -45,6 +51,21 @@ def apply_penalties(logits: torch.Tensor, req: SampleRequest) -> torch.Tensor:
     return logits
 
 
+def min_tokens_mask(req: SampleRequest) -> list[int]:
+    """Token ids this position may not sample: EOS and stop ids while fewer than `min_tokens` outputs exist
+    (EOS even with ignore_eos, as vLLM)."""
+    p = req.params
+    if req.output_index >= p.min_tokens:
+        return []
+    return sorted(set(p.stop_token_ids) | set(req.eos_token_ids))
+
+
+def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x the most likely token's (logits already scaled)."""
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if top_k > 0 and top_k < logits.shape[0]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -64,10 +85,17 @@ def sample_one(logits: torch.Tensor, req: SampleRequest) -> SampledToken:
     raw = logits
     needs_penalty = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
     x = apply_penalties(logits.clone(), req) if needs_penalty else logits
+    masked = min_tokens_mask(req)
+    if masked:
+        x = x.clone() if x is raw else x
+        x[masked] = float("-inf")
     if p.greedy:
         token = int(torch.argmax(x))
     else:
-        x = filter_top_k_top_p(x / p.temperature, p.top_k, p.top_p)
+        x = x / p.temperature
+        if p.min_p > 0:
+            x = filter_min_p(x, p.min_p)
+        x = filter_top_k_top_p(x, p.top_k, p.top_p)
         probs = x.softmax(-1)
         g = torch.Generator().manual_seed(noise_key(req.seed, req.output_index))
         race = torch.empty_like(probs).exponential_(generator=g)
@@ -83,10 +111,10 @@ def sample_one(logits: torch.Tensor, req: SampleRequest) -> SampledToken:
 
 
 def sample_batch(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampledToken]:
-    """logits: [n, vocab]; greedy rows without penalties or logprobs share one argmax."""
+    """logits: [n, vocab]; greedy rows without penalties, logprobs or min_tokens masking share one argmax."""
     plain = [i for i, r in enumerate(reqs) if r.params.greedy and r.params.logprobs is None
              and r.params.repetition_penalty == 1.0 and not r.params.presence_penalty
-             and not r.params.frequency_penalty]
+             and not r.params.frequency_penalty and r.output_index >= r.params.min_tokens]
     out: list[SampledToken | None] = [None] * len(reqs)
     if plain:
         rows = logits if len(plain) == len(reqs) else logits[plain]  # all plain: no [n, vocab] copy

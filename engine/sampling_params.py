@@ -1,6 +1,10 @@
 """`SamplingParams`: what a request asks of the sampler, validated at the boundary.
 
 Validation raises `InvalidRequestError` naming the field; the scheduler and sampler then trust the values.
+Fields follow vLLM's names and meaning (the HTTP frontend takes them as top-level body fields):
+`min_tokens` (EOS and `stop_token_ids` are masked, stop strings not searched, until that many tokens),
+`min_p` (drop tokens below min_p x the top token's probability), `include_stop_str_in_output`,
+`skip_special_tokens`, `ignore_eos`, `top_k`, `repetition_penalty`, `stop_token_ids`.
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: SpecRequestOptions | None = None  # engines without speculation ignore it
     kv_eviction: dict | str | None = None  # "off", or fields overriding the pool's EvictionPolicy
+    min_tokens: int = 0  # no EOS / stop token id / stop string ends the output before this many tokens
+    min_p: float = 0.0  # 0 = off; else keep tokens with p >= min_p * max p (after temperature)
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -62,17 +69,23 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not isinstance(self.min_p, (int, float)) or isinstance(self.min_p, bool) or not 0 <= self.min_p <= 1:
+            bad("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or not 0 <= t < vocab_size:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                 bad("stop_token_ids", f"token id {t!r} outside the vocabulary [0, {vocab_size})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")

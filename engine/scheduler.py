@@ -191,7 +191,8 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+        stop_token = (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids
+        if stop_token and req.num_output >= p.min_tokens:  # (the sampler masks them before min_tokens)
             return "stop"
         if req.num_output >= p.max_tokens:
             return "length"

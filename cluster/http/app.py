@@ -75,8 +75,9 @@ def build_app(backend: ServingBackend, api_key: str | None = None, max_body_byte
     async def chat_completions(request: Request):
         return await handle(request, ctx, "chat")
 
-    def model_card() -> dict:
-        return {"id": backend.model_name, "object": "model", "created": created, "owned_by": "pdserve"}
+    def model_card() -> dict:  # (`root`, as vLLM's card has it: `vllm bench serve` reads it)
+        return {"id": backend.model_name, "object": "model", "created": created, "owned_by": "pdserve",
+                "root": backend.model_name, "parent": None}
 
     @app.get("/v1/models")
     async def models():

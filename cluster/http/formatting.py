@@ -4,7 +4,9 @@
 `GenerateDelta` into its choice (`ChoiceState.add`) and asks the formatter for the JSON it sends: a stream
 chunk per delta (`chunk`), the chat role chunk, the usage chunk, or the whole non-streamed response
 (`response`). Both paths format text from the same deltas, so concatenated stream text equals the
-non-streamed text.
+non-streamed text. Stream usage: `stream_options.include_usage` adds a last chunk (no choices) with the
+request's usage, and every other chunk then carries `"usage": null` (OpenAI); `continuous_usage_stats`
+(vLLM) puts on every chunk its choice's usage so far (prompt tokens, completion tokens, total).
 
 pdserve extensions sit on each choice (the openai SDK keeps unknown fields): `token_ids` (option
 `pdserve.return_token_ids`) and `timeline` (option `pdserve.timeline`).
@@ -44,11 +46,12 @@ class ChoiceState:
 
 class Formatter:
     def __init__(self, kind: Kind, response_id: str, model: str, created: int, tokenizer,
-                 logprobs: bool, return_token_ids: bool, return_timeline: bool, include_usage: bool):
+                 logprobs: bool, return_token_ids: bool, return_timeline: bool, include_usage: bool,
+                 continuous_usage: bool = False):
         self.kind, self.id, self.model, self.created = kind, response_id, model, created
         self.tokenizer = tokenizer
         self.want_logprobs, self.want_ids, self.want_timeline = logprobs, return_token_ids, return_timeline
-        self.include_usage = include_usage
+        self.include_usage, self.continuous_usage = include_usage, continuous_usage
         self._token_str: dict[int, str] = {}
 
     # ---- pieces ------------------------------------------------------------------------------
@@ -108,18 +111,23 @@ class Formatter:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     # ---- stream chunks -----------------------------------------------------------------------
-    def _envelope(self, choices: list[dict]) -> dict:
+    def _envelope(self, choices: list[dict], usage: dict | None = None) -> dict:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if self.kind == "chat":
             out["system_fingerprint"] = None
-        if self.include_usage:
-            out["usage"] = None
+        if self.include_usage or self.continuous_usage:
+            out["usage"] = usage if self.continuous_usage else None
         return out
 
-    def role_chunk(self, index: int) -> dict:
+    @staticmethod
+    def _so_far(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def role_chunk(self, index: int, prompt_tokens: int = 0) -> dict:
         return self._envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}])
+                                "logprobs": None, "finish_reason": None}], self._so_far(prompt_tokens, 0))
 
     def chunk(self, choice: ChoiceState, d: GenerateDelta) -> dict | None:
         """The stream chunk for one delta (None when it carries nothing a client would see)."""
@@ -131,7 +139,8 @@ class Formatter:
         else:
             c = {"index": choice.index, "delta": {"content": d.new_text} if d.new_text else {},
                  "logprobs": lp, "finish_reason": d.finish_reason}
-        return self._envelope([self._extensions(c, d.new_token_ids, d.timeline, d.finished)])
+        return self._envelope([self._extensions(c, d.new_token_ids, d.timeline, d.finished)],
+                              self._so_far(choice.prompt_tokens, choice.completion_tokens))
 
     def usage_chunk(self, choices: list[ChoiceState], prompt_groups: list[int]) -> dict:
         out = self._envelope([])

@@ -7,8 +7,9 @@ Life of one HTTP request (`handle`):
     Merged           every sub-request's backend stream runs as a task; items come out as (choice, delta)
     first item       awaited before any byte is sent (while watching for disconnect), so validation,
                      404 and 429 errors become proper HTTP errors even for `stream: true`
-    stream           SSE chunks (`data: {...}`), optional usage chunk, `data: [DONE]`; an error after the
-                     first byte goes out as `data: {"error": ...}`
+    stream           SSE chunks (`data: {...}`; each with its choice's usage so far under
+                     `stream_options.continuous_usage_stats`), the usage chunk under `include_usage`,
+                     `data: [DONE]`; an error after the first byte goes out as `data: {"error": ...}`
     non-stream       all deltas folded into choices, one JSON body
 Any early exit (client disconnect, error, cancellation) cancels the sub-request tasks; the backend's
 generate() then aborts each request, which frees its pages.
@@ -116,10 +117,12 @@ async def _plan(ctx: FrontendContext, req: CompletionRequest | ChatRequest, kind
 
 
 class Merged:
-    """Every sub-request's backend stream as a task; `next()` gives (choice index, delta), None at the end."""
+    """Every sub-request's backend stream as a task; `next()` gives (choice index, delta), None at the end.
+    `req` (the parsed body) names an engine error's field where the body has it (`in_body`)."""
 
-    def __init__(self, backend: ServingBackend, subs: list[GenerateRequest]):
-        self.backend = backend
+    def __init__(self, backend: ServingBackend, subs: list[GenerateRequest],
+                 req: CompletionRequest | ChatRequest | None = None):
+        self.backend, self.req = backend, req
         self.queue: asyncio.Queue = asyncio.Queue()
         self.remaining = len(subs)
         self.tasks = [asyncio.create_task(self._pump(i, r)) for i, r in enumerate(subs)]
@@ -129,7 +132,7 @@ class Merged:
             async for delta in self.backend.generate(req):
                 self.queue.put_nowait((index, delta))
         except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it to an HTTP answer
-            self.queue.put_nowait((index, in_body(e) if isinstance(e, InvalidRequestError) else e))
+            self.queue.put_nowait((index, in_body(e, self.req) if isinstance(e, InvalidRequestError) else e))
 
     async def next(self) -> tuple[int, GenerateDelta] | None:
         if self.remaining == 0:
@@ -169,11 +172,12 @@ async def handle(request: Request, ctx: FrontendContext, kind: Kind):
     req = parse_request(await read_json(request, ctx.max_body_bytes), kind)
     plan = await _plan(ctx, req, kind)
     want_lp = req.logprobs if isinstance(req, ChatRequest) else req.logprobs is not None
-    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    so = req.stream_options if req.stream else None
     fmt = Formatter(kind, plan.response_id, req.model, int(time.time()), ctx.backend.tokenizer(), want_lp,
-                    req.pdserve.return_token_ids, req.pdserve.timeline, include_usage)
+                    req.pdserve.return_token_ids, req.pdserve.timeline, bool(so and so.include_usage),
+                    bool(so and so.continuous_usage_stats))
     choices = [ChoiceState(i) for i in range(len(plan.subs))]
-    merged = Merged(ctx.backend, plan.subs)
+    merged = Merged(ctx.backend, plan.subs, req)
     try:
         first = await _until_disconnect(request, merged.next())
         if req.stream:
@@ -204,9 +208,9 @@ def _event(obj: dict) -> str:
 async def _sse(ctx: FrontendContext, plan: _Plan, merged: Merged, fmt: Formatter, choices: list[ChoiceState],
                item) -> AsyncIterator[str]:
     try:
-        if fmt.kind == "chat":
+        if fmt.kind == "chat":  # (one prompt: the first delta's prompt count is every choice's)
             for c in choices:
-                yield _event(fmt.role_chunk(c.index))
+                yield _event(fmt.role_chunk(c.index, item[1].prompt_tokens))
         while item is not None:
             index, delta = item
             c = choices[index]

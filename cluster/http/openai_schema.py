@@ -5,14 +5,21 @@ Called by `cluster/http/app.py` with the decoded JSON body, before anything reac
     screen_fields(body, kind)  -> 400 naming the first field that is internal, unsupported or unknown
     parse_request(body, kind)  -> CompletionRequest | ChatRequest (strict types; 400 names the field)
     sampling_params(req, i)    -> engine SamplingParams for choice i (seed + i when a seed is given)
-    in_body(error)             -> an engine error's field renamed to where the body has it (`pdserve.top_k`)
+    in_body(error, req)        -> an engine error's field renamed to where the body has it (`pdserve.top_k`)
 
-Every accepted field is listed on the models below (`extra="forbid"`). OpenAI features pdserve does not
-implement (`tools`, `response_format`, `logit_bias`, ...) are accepted only at their neutral value (absent,
-null, false, empty, `{"type": "text"}`) and otherwise answered with a 400 naming them. pdserve's own
-per-request options live under one `pdserve` object (the openai SDK's `extra_body={"pdserve": {...}}`),
-never as loose fields. Fields that name internal state (reservations, transfer parameters, pages, ...) are
-rejected wherever they appear: the server owns that state, clients never set it.
+Every accepted field is listed on the models below (`extra="forbid"`). The sampling extensions of vLLM's
+OpenAI server, which benchmark clients (GuideLLM, AIPerf, `vllm bench serve`) send, are top-level fields
+with vLLM's names and meaning (`VLLMSampling`): ignore_eos, min_tokens, top_k, min_p, repetition_penalty,
+stop_token_ids, include_stop_str_in_output, skip_special_tokens, plus max_completion_tokens and
+`stream_options.continuous_usage_stats`. OpenAI and vLLM features pdserve does not implement (`tools`,
+`response_format`, `logit_bias`, `use_beam_search`, ...) are accepted only at their neutral value (absent,
+null, false, empty, `{"type": "text"}`) and otherwise answered with a 400 naming them: nothing that would
+change the output is ignored. pdserve's own per-request options live under one `pdserve` object (the
+openai SDK's `extra_body={"pdserve": {...}}`), never as loose fields; its older spellings of five vLLM
+fields (`pdserve.ignore_eos`, `.top_k`, `.repetition_penalty`, `.stop_token_ids`, `.skip_special_tokens`)
+are still accepted, and a request giving one both ways with different values gets a 400. Fields that name
+internal state (reservations, transfer parameters, pages, ...) are rejected wherever they appear: the
+server owns that state, clients never set it.
 """
 from __future__ import annotations
 
@@ -33,7 +40,11 @@ UNSUPPORTED: dict[str, tuple] = {
     "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,), "store": (None, False),
     "metadata": (None, {}), "service_tier": (None, "auto", "default"), "verbosity": (None,),
-    "min_p": (None,), "guided_json": (None,), "guided_regex": (None,),
+    # vLLM extensions
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "priority": (None, 0),
 }
 # client-supplied names of server-internal state: rejected at any level of the body
 INTERNAL = {"request_id", "reservation", "reservation_id", "reservations", "nonce", "lease", "lease_s",
@@ -67,27 +78,49 @@ class KVEvictionOptions(_Strict):
     slack: int | None = Field(None, ge=1)
 
 
+# vLLM field -> its value when absent (or null); pdserve.<field> is an older spelling of the first five
+DEFAULTS: dict[str, Any] = {"ignore_eos": False, "top_k": 0, "repetition_penalty": 1.0, "stop_token_ids": [],
+                            "skip_special_tokens": True, "min_tokens": 0, "min_p": 0.0,
+                            "include_stop_str_in_output": False}
+ALIASES = ("ignore_eos", "top_k", "repetition_penalty", "stop_token_ids", "skip_special_tokens")
+
+
 class PdserveOptions(_Strict):
     """pdserve's own per-request options (the `pdserve` object of the body)."""
     timeline: bool = False  # return the request's timeline (queued, first_token, finish, ...) in the response
     return_token_ids: bool = False  # each choice (and stream chunk) carries `token_ids`
     deadline_s: float | None = Field(None, gt=0)  # abort after this many seconds; finish_reason "timeout"
-    ignore_eos: bool = False
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] = Field(default_factory=list)
-    skip_special_tokens: bool = True
     speculative: SpeculativeOptions | None = None
     kv_eviction: Literal["off"] | KVEvictionOptions | None = None  # "off" keeps every prompt token
+    # older spellings of the top-level vLLM fields (ALIASES); None: not given here
+    ignore_eos: bool | None = None
+    top_k: int | None = Field(None, ge=-1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk (no choices) carries the request's usage
+    continuous_usage_stats: bool = False  # every chunk carries its choice's usage so far (vLLM)
 
 
-class _Common(_Strict):
+class VLLMSampling(_Strict):
+    """vLLM's sampling extensions, top-level as vLLM takes them; None (absent or null) means DEFAULTS."""
+    ignore_eos: bool | None = None  # generate past EOS (only max_tokens, stop strings, stop ids end it)
+    min_tokens: int | None = Field(None, ge=0)  # no EOS / stop id / stop string before this many tokens
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)  # drop tokens below min_p x the top token's probability
+    repetition_penalty: float | None = Field(None, gt=0)  # > 1 discourages tokens of the prompt and output
+    stop_token_ids: list[int] | None = None  # these token ids end the output like EOS (and stay in it)
+    include_stop_str_in_output: bool | None = None  # keep the stop string that ended the text
+    skip_special_tokens: bool | None = None  # False: special tokens' text stays in the output
+
+
+class _Common(VLLMSampling):
     model: str
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # the newer OpenAI name of max_tokens
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -132,7 +165,6 @@ class ChatMessage(_Strict):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -182,47 +214,62 @@ def parse_request(body: dict[str, Any], kind: Literal["completion", "chat"]) -> 
         raise InvalidRequestError(_param(err["loc"]), err["msg"]) from None
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
         raise InvalidRequestError("stop", f"at most {MAX_STOP} stop strings")
-    if isinstance(req, ChatRequest):
-        if req.top_logprobs is not None and not req.logprobs:
-            raise InvalidRequestError("top_logprobs", "requires `logprobs: true`")
-        if req.max_tokens is not None and req.max_completion_tokens is not None:
-            raise InvalidRequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("top_logprobs", "requires `logprobs: true`")
+    if None not in (req.max_tokens, req.max_completion_tokens) and req.max_tokens != req.max_completion_tokens:
+        raise InvalidRequestError("max_completion_tokens", f"({req.max_completion_tokens}) differs from max_tokens "
+                                                           f"({req.max_tokens}); give one of them")
+    for name in ALIASES:
+        top, old = getattr(req, name), getattr(req.pdserve, name)
+        if None not in (top, old) and top != old:
+            raise InvalidRequestError(name, f"given as `{name}` ({top!r}) and as `pdserve.{name}` ({old!r}); "
+                                            f"send `{name}` only")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options", "only allowed with `stream: true`")
     return req
 
 
+def vllm_field(req: CompletionRequest | ChatRequest, name: str) -> Any:
+    """The value of a vLLM sampling field: top level, else its `pdserve.` spelling, else its default."""
+    value = getattr(req, name)
+    if value is None and name in ALIASES:
+        value = getattr(req.pdserve, name)
+    return DEFAULTS[name] if value is None else value
+
+
 def sampling_params(req: CompletionRequest | ChatRequest, choice: int, default_max_tokens: int) -> SamplingParams:
     """Engine parameters for choice `choice` of `req` (seeds seed, seed+1, ... so n choices differ)."""
     o = req.pdserve
-    max_tokens = req.max_tokens
-    if isinstance(req, ChatRequest):
-        max_tokens = max_tokens if max_tokens is not None else req.max_completion_tokens
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
+    max_tokens = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
+    logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if isinstance(req, ChatRequest) else req.logprobs
+    vllm = {name: vllm_field(req, name) for name in DEFAULTS}
+    vllm["stop_token_ids"] = list(vllm["stop_token_ids"])
     params = SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=o.top_k, repetition_penalty=o.repetition_penalty,
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-        stop=list([req.stop] if isinstance(req.stop, str) else req.stop or []),
-        stop_token_ids=list(o.stop_token_ids), ignore_eos=o.ignore_eos, logprobs=logprobs,
-        seed=None if req.seed is None else req.seed + choice, skip_special_tokens=o.skip_special_tokens,
+        stop=list([req.stop] if isinstance(req.stop, str) else req.stop or []), logprobs=logprobs,
+        seed=None if req.seed is None else req.seed + choice,
         speculative=SpecRequestOptions(**o.speculative.model_dump()) if o.speculative is not None else None,
         kv_eviction=o.kv_eviction if not isinstance(o.kv_eviction, KVEvictionOptions)
         else o.kv_eviction.model_dump(exclude_none=True),
+        **vllm,
     )
     try:
         params.validate(vocab_size=2**31)  # early 400s; the engine re-checks token ids against its vocabulary
     except InvalidRequestError as e:
-        raise in_body(e) from None
+        raise in_body(e, req) from None
     return params
 
 
-def in_body(e: InvalidRequestError) -> InvalidRequestError:
-    """The engine names its own field (`top_k`); the client sent it as `pdserve.top_k`: name that one."""
-    if e.field in PdserveOptions.model_fields and e.field not in _Common.model_fields:
-        return InvalidRequestError(f"pdserve.{e.field}", str(e).removeprefix(f"{e.field}: "))
+def in_body(e: InvalidRequestError, req: CompletionRequest | ChatRequest | None = None) -> InvalidRequestError:
+    """The engine names its own field (`top_k`); where the client sent it as `pdserve.top_k`, name that one
+    (and `max_completion_tokens` where the body gave the token cap by that name)."""
+    root, why = e.field.split(".")[0], str(e).removeprefix(f"{e.field}: ")
+    in_pdserve = root in ALIASES and req is not None and getattr(req, root) is None
+    if in_pdserve or (root in PdserveOptions.model_fields and root not in _Common.model_fields):
+        return InvalidRequestError(f"pdserve.{e.field}", why)
+    if root == "max_tokens" and req is not None and req.max_tokens is None and req.max_completion_tokens is not None:
+        return InvalidRequestError("max_completion_tokens", why)
     return e

@@ -124,7 +124,8 @@ class SpecDecoder:
             if k > 0:
                 name = o.proposer if o is not None and o.proposer else self.cfg.proposer
                 sampling = None if req.params.greedy else SampleRequest(
-                    req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids)
+                    req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids,
+                    self.llm.eos_token_ids)
                 groups[name].append(DraftState(req.request_id, req.token_ids, req.num_prompt, k, sampling))
         base = sum(c.num_tokens for c in sched.chunks)
         rows = sum(c.sample for c in sched.chunks)  # tokens the step emits without drafts
@@ -219,8 +220,9 @@ class SpecDecoder:
         llm, req, k = self.llm, c.request, len(draft)
         rows = r.logits.cpu()  # [k + 1, vocab]
         outs = req.output_token_ids
-        reqs = [SampleRequest(req.params, req.seed, req.num_output + j, req.prompt_token_ids, outs + draft[:j])
-                for j in range(k + 1)]
+        # row j is output index num_output + j: penalties see draft[:j], min_tokens masks by that index
+        reqs = [SampleRequest(req.params, req.seed, req.num_output + j, req.prompt_token_ids, outs + draft[:j],
+                              llm.eos_token_ids) for j in range(k + 1)]
         targets = sample_batch(rows, reqs)
         m = accepted_length(draft, [t.token_id for t in targets])
         self.trackers[req.request_id].update(k, m)

@@ -1,5 +1,5 @@
-"""Sampler: keyed randomness, greedy/top-k/top-p, temperature statistics, penalties, logprobs; and
-`SamplingParams.validate` naming the bad field."""
+"""Sampler: keyed randomness, greedy/top-k/top-p/min-p, min_tokens masking, temperature statistics,
+penalties, logprobs; and `SamplingParams.validate` naming the bad field."""
 from __future__ import annotations
 
 import math
@@ -15,8 +15,8 @@ torch.set_num_threads(1)
 VOCAB = 64
 
 
-def req(seed=0, index=0, prompt=(), output=(), **params) -> SampleRequest:
-    return SampleRequest(SamplingParams(**params), seed, index, list(prompt), list(output))
+def req(seed=0, index=0, prompt=(), output=(), eos=(), **params) -> SampleRequest:
+    return SampleRequest(SamplingParams(**params), seed, index, list(prompt), list(output), eos)
 
 
 def rand_logits(n: int, vocab: int = VOCAB, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -89,6 +89,34 @@ def test_top_p_samples_only_from_the_nucleus():
     assert set(got) == {0, 1}
     frac0 = got.count(0) / len(got)
     assert abs(frac0 - 0.4 / 0.7) < 0.08  # renormalised within the nucleus
+
+
+def test_min_p_keeps_tokens_above_min_p_times_the_top_probability_after_temperature():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]))
+    got = [sample_one(logits, req(seed=5, index=i, min_p=0.3)).token_id for i in range(400)]
+    assert set(got) == {0, 1, 2}  # threshold 0.3 x 0.4 = 0.12
+    assert abs(got.count(0) / len(got) - 0.4 / 0.85) < 0.08  # renormalised among the kept
+    # as vLLM, min-p sees the tempered distribution: at temperature 2 the probabilities are ~ sqrt(p), so
+    # 0.55 x max keeps three tokens (0.55 x 0.4 on the raw ones would keep two)
+    got = {sample_one(logits, req(seed=6, index=i, temperature=2.0, min_p=0.55)).token_id for i in range(400)}
+    assert got == {0, 1, 2}
+    rows = rand_logits(32, seed=9, scale=0.3)
+    assert [sample_one(rows[i], req(seed=i, index=i, min_p=1.0)).token_id for i in range(32)] == \
+        rows.argmax(-1).tolist()  # min_p = 1 keeps only the top token
+
+
+def test_min_tokens_masks_eos_and_stop_ids_below_the_count():
+    row = torch.zeros(VOCAB)
+    row[5], row[7], row[9] = 9.0, 8.0, 7.0  # EOS 5 is the argmax, stop id 7 second
+    kw = dict(temperature=0.0, min_tokens=3, stop_token_ids=[7], eos=(5,))
+    got = [sample_one(row, req(index=i, **kw)).token_id for i in range(5)]
+    assert got == [9, 9, 9, 5, 5]
+    assert [t.token_id for t in sample_batch(row.repeat(5, 1), [req(index=i, **kw) for i in range(5)])] == got
+    assert sample_one(row, req(index=0, **dict(kw, ignore_eos=True))).token_id == 9  # EOS masked anyway (vLLM)
+    assert sample_one(row, req(index=0, temperature=0.0, min_tokens=3, eos=(5,))).token_id == 7  # only EOS masked
+    sampled = {sample_one(row, req(seed=s, index=2, **dict(kw, temperature=1.0))).token_id for s in range(300)}
+    assert 5 not in sampled and 7 not in sampled and 9 in sampled
+    assert 5 in {sample_one(row, req(seed=s, index=3, **dict(kw, temperature=1.0))).token_id for s in range(50)}
 
 
 # ---- temperature statistics --------------------------------------------------------------------
@@ -186,6 +214,8 @@ def test_logprobs_zero_returns_chosen_only_and_none_returns_nothing():
     ("stop_token_ids", [VOCAB]), ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]),
     ("logprobs", 21), ("logprobs", -1), ("logprobs", 1.0),
     ("seed", -1), ("seed", 1.5),
+    ("min_tokens", -1), ("min_tokens", 1.5), ("min_tokens", True), ("min_tokens", 17),  # (max_tokens is 16)
+    ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")), ("min_p", "0.1"),
 ])
 def test_validate_names_the_bad_field(field, value):
     p = SamplingParams(**{field: value})
@@ -200,6 +230,7 @@ def test_validate_names_the_bad_field(field, value):
     dict(top_k=VOCAB * 10), dict(presence_penalty=-2.0, frequency_penalty=2.0), dict(max_tokens=1),
     dict(stop=["\n", "###"], stop_token_ids=[0, VOCAB - 1]), dict(logprobs=0), dict(logprobs=20),
     dict(seed=0), dict(seed=2 ** 63 - 1), dict(repetition_penalty=0.5),
+    dict(min_tokens=16), dict(min_tokens=0), dict(min_p=0.0), dict(min_p=1.0), dict(min_p=0),
 ])
 def test_validate_accepts_valid_params(kw):
     SamplingParams(**kw).validate(VOCAB)

@@ -219,6 +219,30 @@ def test_stop_inside_an_accepted_run_ends_where_plain_ends(kind, tiny_dir, draft
     finish(spec)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("kind", ["eos", "stop_token"])
+def test_min_tokens_masks_stops_at_every_verify_position(kind, temperature, tiny_dir, draft_dir, reference):
+    """EOS / a stop id that plain greedy decoding emits inside a drafted run, with min_tokens past it: each
+    verify row is masked by its own output index, as plain decoding masks it, so both give the same tokens
+    (with min-p and top-k on, sampled too) and none stops before min_tokens."""
+    prompt, ref = PROMPTS[0], reference[0][0]
+    j = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
+    kw = dict(max_tokens=20, temperature=temperature, seed=3, min_tokens=j + 4, min_p=0.05, top_k=40,
+              ignore_eos=kind != "eos", stop_token_ids=[ref[j]] if kind == "stop_token" else [])
+    plain = make(tiny_dir)
+    spec = make(tiny_dir, spec_config("oracle", reference, draft_dir, tiny_dir, max_draft=8, adaptive=False))
+    if kind == "eos":
+        plain.scheduler.eos = spec.scheduler.eos = {ref[j]}
+    a, b = _run_streamed(plain, prompt, SamplingParams(**kw)), _run_streamed(spec, prompt, SamplingParams(**kw))
+    out = a[-1].token_ids
+    assert b[-1].token_ids == out and (b[-1].text, b[-1].finish_reason) == (a[-1].text, a[-1].finish_reason)
+    assert len(out) >= j + 4 and ref[j] not in out[:j + 4]
+    if temperature == 0.0:
+        assert out[:j] == ref[:j] and len(b) < len(a), "the masked stop was meant to fall inside a drafted run"
+    assert_engine_empty(plain)
+    finish(spec)
+
+
 def test_abort_mid_run_releases_draft_model_state(tiny_dir, draft_dir, reference):
     llm = make(tiny_dir, spec_config("draft_model", reference, draft_dir, tiny_dir))
     ids = [llm.add_request(p, GREEDY) for p in PROMPTS[:4]]

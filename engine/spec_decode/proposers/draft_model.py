@@ -112,5 +112,5 @@ def _draft_token(logits: torch.Tensor, sampling: SampleRequest | None, drafted: 
         return int(torch.argmax(logits))
     params = sampling.params if sampling.params.logprobs is None else dataclasses.replace(sampling.params, logprobs=None)
     req = SampleRequest(params, sampling.seed, sampling.output_index + len(drafted), sampling.prompt_token_ids,
-                        list(sampling.output_token_ids) + drafted)
+                        list(sampling.output_token_ids) + drafted, sampling.eos_token_ids)
     return sample_one(logits.float(), req).token_id
