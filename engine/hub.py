@@ -128,8 +128,8 @@ def hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
         raise HubRepoNotFoundError(repo_id, "no such repository on the Hugging Face Hub",
                                    "check the spelling (org/name, case matters); a private repository needs "
                                    "HF_TOKEN in the environment") from None
-    except (hf.LocalEntryNotFoundError, hf.IncompleteSnapshotError, hf.OfflineModeIsEnabled) as e:
-        raise _not_cached(repo_id, rev, incomplete=isinstance(e, hf.IncompleteSnapshotError)) from None
+    except (hf.LocalEntryNotFoundError, _incomplete_error(hf), hf.OfflineModeIsEnabled) as e:
+        raise _not_cached(repo_id, rev, incomplete=isinstance(e, _incomplete_error(hf))) from None
     except hf.EntryNotFoundError:
         raise HubModelError(repo_id, f"has no config.json at revision {rev!r}",
                             "name a transformers model repository (config.json + safetensors)") from None
@@ -137,6 +137,11 @@ def hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
         status = getattr(getattr(e, "response", None), "status_code", "?")
         raise HubModelError(repo_id, f"the Hub answered HTTP {status}",
                             "retry later, or serve a cached copy with HF_HUB_OFFLINE=1") from None
+
+
+def _incomplete_error(hf) -> type[Exception]:
+    """huggingface_hub >= 2 says when a cached snapshot misses files; older versions have no such error."""
+    return getattr(hf, "IncompleteSnapshotError", hf.LocalEntryNotFoundError)
 
 
 def _not_cached(repo_id: str, rev: str, incomplete: bool) -> ModelNotCachedError:
@@ -159,11 +164,11 @@ def _not_cached(repo_id: str, rev: str, incomplete: bool) -> ModelNotCachedError
 def cached_revisions(repo_id: str) -> list[str]:
     """'main -> 1a2b3c4', ... for what the cache holds of `repo_id` (for error messages)."""
     from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
+    from huggingface_hub.utils import CacheNotFound, CorruptedCacheException
 
     try:
         info = scan_cache_dir(hub_cache_dir())
-    except (CacheNotFound, OSError):
+    except (CacheNotFound, CorruptedCacheException, OSError):  # only a message's detail is lost
         return []
     out = []
     for repo in info.repos:
