@@ -339,7 +339,7 @@ def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: 
     async def teardown() -> None:
         await asyncio.to_thread(_teardown_sync, started, owns_ray)
 
-    return router_cls(rcfg, handles, Tokenizer(resolve_model(spec.model)), serving[0].kv.page_size, teardown)
+    return router_cls(rcfg, handles, Tokenizer(resolve_model(spec.model, spec.revision)), serving[0].kv.page_size, teardown)
 
 
 def _teardown_sync(started, owns_ray: bool) -> None:

@@ -3,7 +3,8 @@
 Subcommands: `serve SPEC` (start the spec's pools on Ray behind the OpenAI-compatible HTTP API, see
 `cluster/launch.py`); `generate PROMPT` (one engine in this process, or with `--spec` through a cluster;
 prints text, TTFT, tok/s); `validate SPEC` (reads a cluster spec, resolves its model and checks the spec
-against it; prints "ok: <summary>" or each problem as `SPEC: <dotted.key>: <reason>` on stderr, exit 2).
+against it -- a Hub id only from the cache, never downloading, `cluster/spec_model.py`; prints "ok: <summary>"
+or each problem as `SPEC: <dotted.key>: <reason>` on stderr, exit 2).
 The bench and the planner own their subcommands (`bench`, `plan`, `profile`): each subpackage's `cli`
 module has `register(subparsers)`, which must stay cheap (heavy imports happen inside the handlers).
 """
@@ -28,7 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
         return generate_on_spec(args.spec, args.prompt, params, chat=args.chat, address=args.address)
 
     try:
-        llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
+        llm = LLM(model=args.model, revision=args.revision, dtype=args.dtype, num_threads=args.threads)
         prompt = args.prompt
         if args.chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
@@ -64,17 +65,23 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from cluster.spec import SpecError, load_spec, resolve_model_config
+    from cluster.spec import SpecError, load_spec
+    from cluster.spec_model import config_for_validate
 
+    note = ""
     try:
         spec = load_spec(args.spec)
         if not args.skip_model:
-            spec.check_against_model(resolve_model_config(spec))
+            config, note = config_for_validate(spec)  # never downloads: a Hub id reads the cache only
+            if config is not None:
+                spec.check_against_model(config)
     except SpecError as e:
         for problem in e.problems:
             print(f"{args.spec}: {problem}", file=sys.stderr)
         return 2
     print(f"ok: {spec.summary()}" + (" (model not checked)" if args.skip_model else ""))
+    if note:
+        print(f"note: {note}")
     return 0
 
 
@@ -89,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text with one in-process engine")
     g.add_argument("prompt")
-    g.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a model directory or a .gguf file")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m, a Hugging Face Hub id (org/name), a model directory or a .gguf file")
+    g.add_argument("--revision", help="with a Hub id: branch, tag or commit (default main)")
     g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)

@@ -62,7 +62,9 @@ class LocalEngineBackend:
     def __init__(self, llm, max_queued: int = 256, default_timeout_s: float = 120.0,
                  model_name: str | None = None, clock=time.monotonic):
         self.llm = llm
-        self.model_name = model_name or Path(llm.model_dir).name
+        given = getattr(llm, "model_name", None)  # a bundled name or Hub id as given; a path: its folder's name
+        self.model_name = model_name or (given if given and not Path(given).expanduser().exists()
+                                         else Path(llm.model_dir).name)
         self.max_queued = max_queued
         self.default_timeout_s = default_timeout_s
         self.clock = clock

@@ -2,7 +2,8 @@
 
 Shape (only `model` is required; the pools the mode needs must be named; defaults fit one laptop):
 
-    model, dtype, mode: disaggregated | colocated
+    model, revision, dtype, mode: disaggregated | colocated   (model: a bundled name, a Hugging Face Hub id
+                  org/name -- revision: its branch, tag or commit --, a model directory or a .gguf file)
     pools:        prefill + decode (disaggregated) or colocated; each: replicas, tensor_parallel,
                   pipeline_parallel, placement (pack | strict_pack), resources {num_cpus, num_gpus,
                   custom} (per rank: a replica reserves tensor_parallel x pipeline_parallel of them), max_num_seqs,
@@ -24,6 +25,7 @@ after the caller resolves the model, `spec.check_against_model(config)` checks w
 (parallelism divides heads and layers, KV pages hold one sequence). Every failure is a `SpecError`
 listing `<dotted.key>: <reason>`. Models are frozen; secrets are never inline, only their sources.
 The engine-facing parts of a pool (kv pages, storage, eviction; speculative) live in `spec_sections.py`.
+The model's own checks (its name at parse time, its config for validate/serve) live in `spec_model.py`.
 Nothing here imports torch or ray (`resolve_model_config` imports the loader lazily).
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
+from cluster.spec_model import name_problems, resolve_model_config  # noqa: F401 (re-exported)
 from cluster.spec_sections import (EvictionSpec, KVPages, ReliabilitySpec, RoutingSpec,  # noqa: F401
                                    SpeculativeSpec, _fail_if, _Section, prefix_problems)
 from engine.config import ModelConfig
@@ -248,7 +251,8 @@ class RaySpec(_Section):
 
 
 class ClusterSpec(_Section):
-    model: str = Field(min_length=1)  # smollm2-135m, a Hugging Face model directory or a .gguf file
+    model: str = Field(min_length=1)  # smollm2-135m, a Hub id (org/name), a model directory or a .gguf file
+    revision: str | None = Field(None, min_length=1)  # Hub ids only: branch, tag or commit (default: main)
     dtype: Dtype = "bfloat16"
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     pools: Pools = Field(default_factory=Pools)
@@ -262,7 +266,7 @@ class ClusterSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":
-        problems = self._mode_problems()
+        problems = name_problems(self.model, self.revision) + self._mode_problems()
         if self.pools.prefill is not None and self.pools.prefill.speculative is not None:
             problems.append(Problem("pools.prefill.speculative", "prefill workers do not decode; set "
                                                                  "speculative on pools.decode"))
@@ -327,6 +331,8 @@ class ClusterSpec(_Section):
         kw = {"model": self.model, "dtype": self.dtype, "page_size": p.kv.page_size, "num_pages": p.kv.num_pages,
               "max_num_seqs": p.max_num_seqs, "max_num_batched_tokens": p.max_num_batched_tokens,
               "max_model_len": p.max_model_len, "kv_storage": p.kv.storage}
+        if self.revision is not None:
+            kw["revision"] = self.revision
         if p.kv.eviction is not None:
             kw["kv_eviction"] = p.kv.eviction.model_dump()
         if p.kv.prefix_caching:
@@ -341,7 +347,8 @@ class ClusterSpec(_Section):
 
     def summary(self) -> str:
         pools = "; ".join(f"{n} {pool.describe()}" for n, pool in self.pools_in_use().items())
-        return (f"{self.mode} {self.model} ({self.dtype}): {pools}; ray {self.ray.address}; "
+        rev = f" at {self.revision}" if self.revision else ""
+        return (f"{self.mode} {self.model}{rev} ({self.dtype}): {pools}; ray {self.ray.address}; "
                 f"http {self.server.host}:{self.server.port}")
 
 
@@ -381,13 +388,3 @@ def load_spec(path: str | Path) -> ClusterSpec:
     """Read and validate a spec file; `SpecError` lists every problem found (model checks come later)."""
     return parse_spec(read_yaml(path), str(path))
 
-
-def resolve_model_config(spec: ClusterSpec) -> ModelConfig:
-    """Resolve `spec.model` (converting a GGUF once into the cache) and read its config."""
-    from engine.errors import PdserveError
-    from engine.loader import load_config, resolve_model  # torch: imported only when a model is resolved
-
-    try:
-        return load_config(resolve_model(spec.model))
-    except PdserveError as e:
-        raise SpecError([Problem("model", str(e))]) from None

@@ -168,8 +168,14 @@ def _suggest(word: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+_TOKEN_KEY = re.compile(r"(hf_|hub_|huggingface_|hugging_face_|use_auth_|access_)?token")
+
+
 def unknown_key_reason(key: str, parent_loc: tuple, root: type[BaseModel]) -> str:
     """'unknown key ...' plus the likely fix: a close spelling here, the same key elsewhere, or the list."""
+    if _TOKEN_KEY.fullmatch(key.lower()):  # a Hugging Face token written into the spec
+        return (f"unknown key {key!r}: a Hugging Face token never goes in a spec (specs get committed and "
+                f"logged); export HF_TOKEN where `pdserve serve` and the Ray workers run")
     parent = model_at(root, parent_loc)
     allowed = list(parent.model_fields) if parent else []
     hint = _suggest(key, allowed)

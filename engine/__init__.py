@@ -1,6 +1,7 @@
 """pdserve engine: model loading, Llama-family forward over a paged KV cache, sampler, `LLM`."""
-from engine.errors import (InvalidRequestError, OutOfPagesError, PdserveError, ReservationError,
-                           UnknownModelError, UnsupportedArchitectureError)
+from engine.errors import (GatedModelError, HubModelError, HubRepoNotFoundError, InvalidRequestError,
+                           ModelNotCachedError, OutOfPagesError, PdserveError, ReservationError, UnknownModelError,
+                           UnknownRevisionError, UnsupportedArchitectureError)
 from engine.kv_cache.spec import KVPageSpec
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -8,7 +9,8 @@ from engine.spec_decode.config import SpeculativeConfig
 
 __all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "KVPageSpec", "PdserveError",
            "InvalidRequestError", "UnknownModelError", "UnsupportedArchitectureError", "OutOfPagesError",
-           "ReservationError"]
+           "ReservationError", "HubModelError", "ModelNotCachedError", "GatedModelError", "HubRepoNotFoundError",
+           "UnknownRevisionError"]
 
 
 def __getattr__(name):  # LLM pulls in torch and transformers; import it lazily

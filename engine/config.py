@@ -1,7 +1,8 @@
 """`ModelConfig`: the frozen subset of a Hugging Face config the engine's forward needs.
 
 Read once by `engine.loader` from `config.json`; the model, the KV page spec and the tokenizer limits all
-come from here. Architectures outside `SUPPORTED` raise `UnsupportedArchitectureError` naming them.
+come from here. Architectures outside `SUPPORTED` raise `UnsupportedArchitectureError` naming them and
+listing what runs (`check_supported`, also used on a Hub config before any weight is downloaded).
 """
 from __future__ import annotations
 
@@ -12,6 +13,20 @@ from engine.errors import UnsupportedArchitectureError
 
 # model_type -> whether q/k/v projections carry a bias by default
 SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(f"{ARCHITECTURES[mt]} ({mt})" for mt in SUPPORTED)
+
+
+def check_supported(d: dict[str, Any], model: str | None = None) -> None:
+    """UnsupportedArchitectureError unless config.json `d` is of a model type the engine runs."""
+    mt = d.get("model_type", "?")
+    if mt not in SUPPORTED:
+        archs = d.get("architectures") or []
+        arch = f"{archs[0]} ({mt})" if archs and isinstance(archs[0], str) else mt
+        raise UnsupportedArchitectureError(arch, supported_architectures(), model)
 
 
 @dataclass(frozen=True)
@@ -35,9 +50,8 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_dict(d: dict[str, Any]) -> "ModelConfig":
-        mt = d.get("model_type", "?")
-        if mt not in SUPPORTED:
-            raise UnsupportedArchitectureError(mt, tuple(SUPPORTED))
+        check_supported(d)
+        mt = d["model_type"]
         heads = d["num_attention_heads"]
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope.setdefault("rope_theta", d.get("rope_theta", rope.get("rope_theta", 10000.0)))

@@ -27,12 +27,39 @@ class UnknownModelError(PdserveError, ValueError):
         super().__init__(f"model {model!r}: {message}")
 
 
-class UnsupportedArchitectureError(PdserveError, ValueError):
-    """The checkpoint is of an architecture the engine does not implement."""
+class HubModelError(UnknownModelError):
+    """A Hugging Face Hub id did not resolve; `fix` says what to do about it (engine/hub.py)."""
 
-    def __init__(self, arch: str, supported: tuple[str, ...]):
+    def __init__(self, model: str, message: str, fix: str):
+        self.fix = fix
+        super().__init__(model, f"{message}; {fix}")
+
+
+class ModelNotCachedError(HubModelError):
+    """The id (at this revision) is not in the local Hugging Face cache and the Hub may not be asked
+    (HF_HUB_OFFLINE) or could not be reached."""
+
+
+class GatedModelError(HubModelError):
+    """The repository is gated: its license must be accepted and HF_TOKEN must carry that account's token."""
+
+
+class HubRepoNotFoundError(HubModelError):
+    """No such repository on the Hub (or a private one the token, if any, cannot read)."""
+
+
+class UnknownRevisionError(HubModelError):
+    """The repository has no such branch, tag or commit."""
+
+
+class UnsupportedArchitectureError(PdserveError, ValueError):
+    """The checkpoint is of an architecture the engine does not implement; `model` names it where known."""
+
+    def __init__(self, arch: str, supported: tuple[str, ...], model: str | None = None):
         self.field = "model"
-        super().__init__(f"architecture {arch!r} is not supported; supported: {', '.join(supported)}")
+        self.model = model
+        where = f"model {model!r}: " if model else ""
+        super().__init__(f"{where}architecture {arch!r} is not supported; supported: {', '.join(supported)}")
 
 
 class OutOfPagesError(PdserveError):

@@ -1,6 +1,7 @@
 """`LLM`: a single-process engine (scheduler + runner), used standalone and as the colocated baseline.
 
     llm = LLM(model="smollm2-135m", dtype="float32", page_size=16, num_pages=512)  # kv_storage="int8"|"fp8"
+    llm = LLM(model="HuggingFaceTB/SmolLM2-135M-Instruct", revision="main")  # a Hub id (engine/hub.py)
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
 Step API for servers: `add_request()` -> repeated `step()` (each returns a `RequestOutput` for every
@@ -49,10 +50,11 @@ class LLM:
                  keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None,
                  kv_storage: str = "raw", kv_eviction: EvictionPolicy | dict | None = None,
                  enable_prefix_caching: bool = False,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, revision: str | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.model_dir = resolve_model(model)
+        self.model_name = model  # as given: what the OpenAI API's `model` field names
+        self.model_dir = resolve_model(model, revision)
         self.config = load_config(self.model_dir)
         self.dtype = dtype
         self.fingerprint = fingerprint(self.model_dir, dtype)

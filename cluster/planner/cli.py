@@ -22,7 +22,8 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="pick parallelism and pool sizes that meet TTFT/TPOT SLOs; write a spec")
-    p.add_argument("--model", required=True, help="a short name (deploy/models/*.yaml) or an HF config.json")
+    p.add_argument("--model", required=True,
+                   help="a short name (deploy/models/*.yaml) or its Hugging Face Hub id, or an HF config.json")
     p.add_argument("--hardware", required=True, help="a name from deploy/hardware.yaml (h100, a100, ...)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (cores for cpu-local)")
@@ -53,8 +54,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--inter-node-gbs", type=float, help="cross-node GB/s per device (default: the table's)")
     p.add_argument("--max-len", type=int, default=0, help="max_model_len (default: the model's, <= 32768)")
-    p.add_argument("--spec-model", help="what the spec's `model:` says (e.g. a local HF directory); "
-                                        "default: the --model name")
+    p.add_argument("--spec-model", help="what the spec's `model:` says (a Hub id org/name, a model directory, "
+                                        "smollm2-135m); default: the model's Hub id (hf_id of its model file)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_plan)
 

@@ -15,7 +15,7 @@ class PlannerError(ValueError):
 class UnknownModelError(PlannerError):
     def __init__(self, name: str, known: list[str], close: list[str]):
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        super().__init__(f"unknown model {name!r}{hint}; known: {', '.join(known)}; "
+        super().__init__(f"unknown model {name!r}{hint}; known: {', '.join(known)} (or their Hub ids); "
                          f"or give a Hugging Face config.json path")
         self.name = name
 

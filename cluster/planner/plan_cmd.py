@@ -66,20 +66,21 @@ def _print(res: SearchResult, out: str, report: str | None) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from cluster.planner.spec_writer import plan_spec, write_spec
+    from cluster.planner.spec_writer import model_notes, plan_spec, spec_model, write_spec
 
     start = time.perf_counter()
     try:
         req, inputs = build_request(args)
+        model_name = spec_model(args.spec_model, req.model)  # the spec's `model:` (a Hub id, by default)
         res = search(req)
     except PlannerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    spec = plan_spec(res.best, args.spec_model or req.model.name, req.dtype, req.nodes, req.hw.is_cpu,
+    spec = plan_spec(res.best, model_name, req.dtype, req.nodes, req.hw.is_cpu,
                      req.model_len, args.ttft_ms, args.tpot_ms)
     header = [f"written by `{inputs['command']}`",
               f"plan: {res.best.describe()}; predicted goodput {res.best.goodput:.2f} req/s",
-              f"latency model: {inputs['latency']}"]
+              f"latency model: {inputs['latency']}"] + model_notes(req.model)
     if req.nodes > 1 and res.best.mode == "disaggregated":
         header.append(f"KV receivers listen beyond loopback: export {'PDSERVE_KV_TOKEN'} on every node")
     write_spec(spec, args.out, header)
@@ -89,6 +90,8 @@ def run_plan(args: argparse.Namespace) -> int:
         path, summary = write_report(args.report, req, res, inputs, args.out)
         report = str(path)
     _print(res, args.out, report)
+    for note in model_notes(req.model):
+        print(f"  {note}")
     for mode, per_gpu in summary.get("whole_plan_goodput_per_gpu", {}).items():
         print(f"  whole-plan simulated goodput, best {mode}: {summary['whole_plan_goodput'][mode]:.2f} req/s "
               f"= {per_gpu:.2f} per GPU")

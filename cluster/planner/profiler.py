@@ -87,7 +87,7 @@ def _engine_for(spec_path: str, grid: str):
     budget = max(max(sum(b) for b in prefill_grid), max(b * n for b, n in decode_grid))
     seqs = max(max(len(b) for b in prefill_grid), max(b for b, _ in decode_grid))
     pages = (budget + seqs * (DECODE_STEPS + 2)) // 16 + seqs + 8
-    llm = LLM(model=spec.model, dtype=spec.dtype, num_pages=pages, max_num_seqs=seqs,
+    llm = LLM(model=spec.model, revision=spec.revision, dtype=spec.dtype, num_pages=pages, max_num_seqs=seqs,
               max_num_batched_tokens=budget, num_threads=1)
     return spec, llm
 

@@ -6,6 +6,14 @@ header saying where it came from. One replica = one engine of tp x pp devices: o
 tp*pp GPUs; on `cpu-local` for one CPU (one single-threaded engine per core). More than one node: Ray
 joins the running cluster (`address: auto`) and KV receivers bind beyond loopback, which the spec
 schema requires to carry an auth token from the environment.
+
+The spec's `model:` (`spec_model`) is what `pdserve serve` loads and `pdserve validate` accepts as written:
+`--spec-model` if given, else the model's Hugging Face Hub id (`hf_id` of `deploy/models/*.yaml`, or the id
+of a Hub-cache snapshot the config was read from), else the local folder the config came from when it
+holds the weights; a config.json with none of these asks for `--spec-model`. The planner also plans
+architectures the engine cannot run (OPT, for DistServe's comparisons): `model_notes` says so in the
+spec's header and on the terminal; `validate` refuses such a spec only once the model's config is in
+the Hugging Face cache (it never downloads), `serve` before any weight is fetched.
 """
 from __future__ import annotations
 
@@ -15,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from cluster.planner.errors import PlannerError
+from cluster.planner.models import ModelSpec
 from cluster.planner.plans import PhaseChoice, Plan
 
 PAGE_SIZE = 16
@@ -45,6 +55,26 @@ def plan_spec(plan: Plan, model_name: str, dtype: str, nodes: int, cpu: bool, ma
     spec["slo"] = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms}
     spec["ray"] = {"address": "local" if nodes == 1 else "auto"}
     return spec
+
+
+def spec_model(override: str | None, model: ModelSpec) -> str:
+    """What the planned spec's `model:` says (see the module map); PlannerError when nothing servable is known."""
+    name = override or model.hf_id or model.local_dir
+    if not name:
+        raise PlannerError(f"{model.name}: a config.json without weights beside it and no Hub id: give "
+                           f"--spec-model (a Hugging Face Hub id org/name or a model directory) for the spec")
+    return name
+
+
+def model_notes(model: ModelSpec) -> list[str]:
+    """A line for the spec header and the terminal when the engine cannot run the model's architecture."""
+    from engine.config import ARCHITECTURES  # lazy: engine's package init is cheap, but keep the core pure
+
+    runs = sorted(ARCHITECTURES.values())
+    if not model.architecture or model.architecture in runs:
+        return []
+    return [f"note: pdserve's engine runs {', '.join(runs)}; {model.architecture} is planned for comparison "
+            f"only (`pdserve serve` refuses it; `pdserve validate` once its config is in the Hugging Face cache)"]
 
 
 def write_spec(spec: dict[str, Any], path: str | Path, header: list[str]) -> None:

@@ -33,7 +33,7 @@ def test_plan_writes_a_valid_spec_and_a_report(tmp_path, prof, capsys):
     out = capsys.readouterr().out
     assert "plan: " in out and "best colocated" in out
     spec = load_spec(tmp_path / "cluster.yaml")  # the same check `pdserve validate --skip-model` runs
-    assert spec.model == "smollm2-135m"
+    assert spec.model == "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hf_id of deploy/models/smollm2-135m.yaml
     pools = spec.pools_in_use()
     assert sum(p.replicas * p.tensor_parallel * p.pipeline_parallel for p in pools.values()) <= 2
     assert all(p.resources.num_gpus == 0 and p.resources.num_cpus == 1 for p in pools.values())

@@ -14,7 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster import cli
-from cluster import spec as spec_mod
+from cluster import spec_model
 from cluster.spec import ClusterSpec, SpecError, load_spec, parse_spec, resolve_model_config
 from engine.config import ModelConfig
 
@@ -110,7 +110,7 @@ BAD = {
     "unknown key, suggestion": ("model: smollm2-135m\npools: {prefill: {replica: 1}, decode: {}}\n",
                                 "pools.prefill.replica", "unknown key 'replica' (did you mean 'replicas'?)"),
     "key at the wrong level": (MINIMAL + "replicas: 2\n", "replicas", "belongs under 'pools.prefill'"),
-    "unknown key, no close match": (MINIMAL + "zzz: 1\n", "zzz", "allowed keys here: model, dtype"),
+    "unknown key, no close match": (MINIMAL + "zzz: 1\n", "zzz", "allowed keys here: model, revision, dtype"),
     "wrong type": ("model: smollm2-135m\npools: {prefill: {}, decode: {max_num_seqs: two}}\n",
                    "pools.decode.max_num_seqs", "expected an integer (got a string)"),
     "section not a mapping": ("model: smollm2-135m\npools: [prefill, decode]\n", "pools",
@@ -215,7 +215,7 @@ def test_unreadable_file_is_a_spec_error(tmp_path):
 @pytest.fixture
 def fake_model(monkeypatch):
     """`validate` resolves the model; the unit tests hand it SmolLM2's config without loading anything."""
-    monkeypatch.setattr(spec_mod, "resolve_model_config", lambda spec: SMOLLM2)
+    monkeypatch.setattr(spec_model, "resolve_model_config", lambda spec: SMOLLM2)
 
 
 def test_validate_ok(fake_model, capsys):
