@@ -45,18 +45,25 @@ class Linear:
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2:
             self.gemv = (bits(weight), None if bias is None else bits(bias))
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) \
-                and _packing_available(weight.dtype):
-            # oneDNN picks its blocking from the batch size given here: packed for 1 row it is a GEMV
-            # layout, ~20-30% slower at 3-512 rows than one packed for 16 (any size >= 4 measured the same)
-            rows = PACK_ROWS if self.gemv is not None else 1  # bf16's single rows go to the GEMV
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        self.widened = None  # (weight, bias) in float32: half-precision CPU weights oneDNN cannot pack
+        if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16):
+            if _packing_available(weight.dtype):
+                # oneDNN picks its blocking from the batch size given here: packed for 1 row it is a GEMV
+                # layout, ~20-30% slower at 3-512 rows than one packed for 16 (any size >= 4 measured the same)
+                rows = PACK_ROWS if self.gemv is not None else 1  # bf16's single rows go to the GEMV
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+            else:
+                # torch's own bf16 GEMM on an AVX2-only CPU ran ~10x slower than float32 (16 x 576 x 1536:
+                # 14 vs 1.4 ms); a float32 copy accumulates in float32 and rounds once, as oneDNN does
+                self.widened = (weight.float(), None if bias is None else bias.float())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._takes_gemv(x):
             return from_bits(cpu_kernels.gemv_bf16(self.gemv[0], bits(x), self.gemv[1]))
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.widened is not None:
+            return F.linear(x.float(), *self.widened).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -68,8 +75,10 @@ class Linear:
         if self.packed is not None and self.bias is None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
         if self.bias is None and x.dim() == 2 and residual.shape == (x.shape[0], self.out_features):
-            return torch.addmm(residual, x, self.weight.t())  # one rounding, as the fused paths
-        return residual + F.linear(x, self.weight, self.bias)
+            if self.widened is not None:  # one rounding, as the fused paths
+                return torch.addmm(residual.float(), x.float(), self.widened[0].t()).to(residual.dtype)
+            return torch.addmm(residual, x, self.weight.t())
+        return residual + self(x)
 
     def _takes_gemv(self, x: torch.Tensor) -> bool:
         """bf16 on CPU, a few rows: the numba GEMV (read at call time: tests move `MAX_ROWS`)."""
@@ -77,4 +86,6 @@ class Linear:
 
     def nbytes(self) -> int:
         n = self.weight.numel() * self.weight.element_size()
+        if self.widened is not None:
+            n += self.widened[0].numel() * 4
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
