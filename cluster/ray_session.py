@@ -96,7 +96,7 @@ def init_ray(address: str = "local", num_cpus: float | None = None) -> bool:
     try:
         import ray
 
-        _reload_ray_auth()
+        reload_ray_auth()
         ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  configure_logging=False, log_to_driver=True)
         node_ip = ray.util.get_node_ip_address()
@@ -164,7 +164,7 @@ def _force_loopback_constant(state: _LocalRay) -> _LocalRay:
     return state
 
 
-def _reload_ray_auth() -> None:
+def reload_ray_auth() -> None:
     """Ray caches the auth mode (RayConfig) and the token (its token loader) in a process on first use; a
     cluster started or joined after another one in the same process must read both again (Ray's CLI and
     tests do the same)."""
@@ -177,14 +177,19 @@ def _reload_ray_auth() -> None:
 def _join(address: str) -> bool:
     import ray
 
-    _reload_ray_auth()
+    reload_ray_auth()
     try:
         ray.init(address=address, include_dashboard=False)
-    except ray.exceptions.AuthenticationError as e:
+    except (ray.exceptions.AuthenticationError, ConnectionError) as e:
+        # (Ray 2.60 reports a refused token as a ConnectionError caused by one naming InvalidAuthToken)
+        chain = [e, e.__cause__, e.__context__]
+        if not any("InvalidAuthToken" in str(x) or isinstance(x, ray.exceptions.AuthenticationError)
+                   for x in chain if x is not None):
+            raise
         raise BackendUnavailableError(
-            f"Ray at {address} refused this process's token ({e}); set {MODE_ENV}=token and the cluster's "
-            f"token ({TOKEN_PATH_ENV}=<file> or {TOKEN_ENV}) in pdserve's environment, as on every node"
-        ) from None
+            f"Ray at {address} refused this process's token (missing or not the cluster's); set {MODE_ENV}=token "
+            f"and the cluster's token ({TOKEN_PATH_ENV}=<file> or {TOKEN_ENV}) in pdserve's environment, as on "
+            "every node") from e
     return True
 
 
