@@ -8,7 +8,7 @@ Called by `cluster/actors.py` (`start_cluster`, its teardown) and the integratio
 
 Local (`ray.address: local`) -- reachable over loopback only, and only with a token:
 - Loopback. Ray binds its servers (GCS, raylet, object manager, dashboard and runtime-env agents, core
-  workers, metrics) to 127.0.0.1 when the node address is loopback and to every interface otherwise; on
+  workers, metrics) to 127.0.0.1 when the node address is loopback, most to every interface otherwise; on
   Linux it makes the address loopback only with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, which it reads once,
   when `ray` is first imported (`ray._private.ray_constants.ENABLE_RAY_CLUSTER`). So the variable is set
   before pdserve imports ray; if something imported ray earlier, the constant is set here too (and put
@@ -31,6 +31,7 @@ that says which variables to set.
 """
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import logging
 import os
@@ -145,6 +146,7 @@ def _prepare_local() -> _LocalRay:
     state.setenv(MODE_ENV, "token")
     if not (os.environ.get(TOKEN_ENV) or os.environ.get(TOKEN_PATH_ENV)):
         state.token_dir = Path(tempfile.mkdtemp(prefix="pdserve-ray-"))  # 0700, this user's
+        atexit.register(shutil.rmtree, state.token_dir, True)  # also if the process ends without shutdown
         path = state.token_dir / "auth_token"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
