@@ -1,14 +1,15 @@
 """Ray actors for the workers, placement groups per pool, and `start_cluster` (what `ClusterRouter.from_spec`
-runs). With `cluster/router.py`'s `from_spec` path, the only code that imports ray.
+runs). With `cluster/router.py`'s `from_spec` path and `cluster/ray_session.py`, the only code that
+imports ray.
 
-Order: `init_ray(address)` (a private local Ray bound to 127.0.0.1 with auth mode set explicitly, or join
-an existing one) -> placement groups per pool (`_placement`: `pool.placement` pack = one group of `replicas`
-bundles, each every rank's `resources`; strict_pack = a STRICT_PACK group per replica, a bundle per rank;
-Ray refuses a pool that cannot be placed) -> one `WorkerActor` per replica, each building its worker on its own
-`WorkerLoop` thread (one torch thread unless `num_threads` says otherwise; a tensor/pipeline-parallel
-engine starts its rank processes as the actor's children, engine/parallel/launcher.py, which exit with
-it) -> `RayHandle`s (the router's
-async handle interface) -> `ClusterRouter` (`router_config`: the spec's deadlines and `reliability`).
+Order: `init_ray(address)` (cluster/ray_session.py: a private local Ray on loopback with a per-cluster
+token, or join an existing one) -> placement groups per pool (`_placement`: `pool.placement` pack = one
+group of `replicas` bundles, each every rank's `resources`; strict_pack = a STRICT_PACK group per replica,
+a bundle per rank; Ray refuses a pool that cannot be placed) -> one `WorkerActor` per replica, each
+building its worker on its own `WorkerLoop` thread (one torch thread unless `num_threads` says otherwise;
+a tensor/pipeline-parallel engine starts its rank processes as the actor's children,
+engine/parallel/launcher.py, which exit with it) -> `RayHandle`s (the router's async handle interface)
+-> `ClusterRouter` (`router_config`: the spec's deadlines and `reliability`).
 Restarts: Ray restarts a dead actor `reliability.actor_max_restarts` times (`actor_options`), but never
 retries a call on the new incarnation (max_task_retries 0): a retried `drain` would hide the death from the
 router, which must see it to recover the requests the old incarnation held. The router takes a restarted
@@ -17,7 +18,7 @@ carries a fresh random `incarnation`); the lost record stays dead (cluster/recov
 Test hooks on `WorkerActor`, called by fault tests on the actor handle and never by the router, a spec or
 HTTP: `slow_steps(delay_s)` (a slow worker) and `rss_bytes()` (memory under repeated faults).
 `shutdown()` stops every actor's loop (its worker aborts what it holds), kills the actors, removes the
-placement groups and, if it started Ray, shuts Ray down.
+placement groups and, if it started Ray, shuts Ray down (`shutdown_ray`: the token file goes with it).
 
 Deltas flow back by long polling: the router keeps one `drain(timeout_s)` call outstanding per actor; the
 actor (a threaded actor: Ray runs its methods on a small thread pool) answers as soon as its step loop
@@ -36,28 +37,10 @@ import time
 import uuid
 from typing import Any
 
+from cluster.ray_session import init_ray, shutdown_ray
 from cluster.serving_api import BackendUnavailableError
 from cluster.worker_loop import DECODE_METHODS, PREFILL_METHODS, WorkerLoop
 from engine.errors import PdserveError
-
-
-# ---- Ray ---------------------------------------------------------------------------------------
-def init_ray(address: str = "local", num_cpus: float | None = None) -> bool:
-    """Start a private local Ray (127.0.0.1, token auth off unless RAY_AUTH_MODE says otherwise) or join
-    `address`; True if this call started it (the caller shuts it down), False if Ray was already up."""
-    if address == "local":
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-machine cluster
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray then binds loopback only
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if address == "local":
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 configure_logging=False, log_to_driver=True)
-    else:
-        ray.init(address=address, include_dashboard=False)
-    return True
 
 
 class WorkerActor:
@@ -311,8 +294,6 @@ def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: 
     """Start (or join) Ray, place every pool, wait until each worker is ready, return the router.
     `transport`: a name in `kv_transfer.contract.TRANSPORTS`, or (fault tests) a transport object that
     pickles to plain data, such as `kv_transfer.fault_transport.FaultyTransport`."""
-    import ray
-
     from cluster.spec import resolve_model_config
     from engine.loader import resolve_model
     from engine.tokenizer import Tokenizer
@@ -320,7 +301,8 @@ def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: 
     config = resolve_model_config(spec)
     spec.check_against_model(config)
     pools = spec.pools_in_use()  # TP/PP degrees and what they cannot run with: check_against_model above
-    owns_ray = init_ray(spec.ray.address, num_cpus)
+    owns_ray = init_ray(spec.ray.address, num_cpus)  # before `import ray`: Ray reads its bind setting then
+    import ray
     kv = {**(kv_configs(spec) if spec.mode == "disaggregated" else {}), "transport": transport}
     started: list[tuple[str, list, Any]] = []
     try:
@@ -351,4 +333,4 @@ def _teardown_sync(started, owns_ray: bool) -> None:
         for g in groups:
             ray.util.remove_placement_group(g)
     if owns_ray:
-        ray.shutdown()
+        shutdown_ray()

@@ -39,10 +39,9 @@ def free_port() -> int:
 
 
 def child_env() -> dict[str, str]:
-    """Ray needs RAY_AUTH_MODE set explicitly; a private local Ray binds loopback only."""
+    """The server's environment: this one, usage stats off. Its private local Ray sets up loopback and a
+    per-cluster token itself (cluster/ray_session.py)."""
     env = dict(os.environ)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     return env
 

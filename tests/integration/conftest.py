@@ -1,10 +1,10 @@
-"""Shared fixtures of the integration tests: a private local Ray per module (started here, shut down at
-the module's end; never `ray stop`)."""
+"""Shared fixtures of the integration tests: a private local Ray per module (started here as `pdserve serve`
+starts it: loopback, a per-cluster token; shut down at the module's end, never `ray stop`)."""
 from __future__ import annotations
 
 import pytest
 
-from cluster.actors import init_ray
+from cluster.ray_session import init_ray, shutdown_ray
 
 
 @pytest.fixture(scope="module")
@@ -12,6 +12,4 @@ def ray_session():
     started = init_ray("local", num_cpus=2)
     yield
     if started:
-        import ray
-
-        ray.shutdown()
+        shutdown_ray()

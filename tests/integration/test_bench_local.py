@@ -38,8 +38,7 @@ def read(out):
 def own_server(tmp_path):
     """`pdserve serve deploy/local.yaml` on a free port, started (and stopped) by this test."""
     port = free_port()
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-               RAY_USAGE_STATS_ENABLED="0")
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")  # its local Ray: loopback, a token of its own
     log = (tmp_path / "own-server.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", SPEC, "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL, cwd=ROOT)

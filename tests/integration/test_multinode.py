@@ -1,18 +1,22 @@
 """Acceptance: a multi-node Ray cluster on one machine (`ray.cluster_utils.Cluster`: a head with no pool
 resources, a node carrying `{prefill: 1}` and one carrying `{decode: 1}`, each its own raylet, all on
-127.0.0.1). A spec shaped like deploy/multinode.yaml (custom resources per pool, a KV auth token from the
-environment of every node; loopback, so no TLS) joins it by its GCS address. Checked:
+127.0.0.1, Ray token auth on with one token file that every node reads, as README "Running Ray safely" asks
+of a multi-node cluster). A spec shaped like deploy/multinode.yaml (custom resources per pool, a KV auth
+token from the environment of every node; loopback, so no TLS) joins it by its GCS address, with the
+cluster's token from the environment. Checked:
 - each actor runs on the node that carries its pool's custom resource, prefill and decode on different nodes;
 - 4 concurrent SmolLM2 (float32) requests are greedy-equal to one `engine.LLM`. Their KV must cross nodes
   over gRPC: failure policy "fail" (no recompute fallback), so a decode token exists only if the prefill
   node's KV arrived; no transfer failed;
 - the workers end with nothing held (leak check); the router shuts down the Ray connection, the test
-  shuts down the cluster it started and restores the environment.
+  shuts down the cluster it started and restores the environment;
+- a driver without the token is refused by the cluster (init_ray raises a typed error naming the variables).
 """
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,7 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster.ray_session import init_ray, reload_ray_auth
 from cluster.router import ClusterRouter
+from cluster.serving_api import BackendUnavailableError
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
 from tests.cluster_helpers import assert_cluster_empty, collect
@@ -32,9 +38,10 @@ MODEL = "smollm2-135m"
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LENGTHS = [24, 57, 90, 123]
 TOKEN_ENV = "PDSERVE_KV_TOKEN"
-# Every node's processes inherit these (set before the nodes start): loopback-only Ray, auth mode set
-# explicitly, and the KV plane's shared token, as deploy/multinode.yaml reads it on each node.
-ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+# Every node's processes inherit these (set before the nodes start): loopback-only Ray, Ray token auth (the
+# token file: RAY_AUTH_TOKEN_PATH, set by the fixture), and the KV plane's shared token, as
+# deploy/multinode.yaml reads it on each node.
+ENV = {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
        TOKEN_ENV: "multinode-test-token"}
 ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # Cluster() overwrites it
 
@@ -42,15 +49,20 @@ ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # Cl
 @pytest.fixture(scope="module")
 def cluster():
     """(Cluster, {pool: id of the node carrying its resource}); the head carries neither."""
-    saved_env = {k: os.environ.get(k) for k in ENV}
+    saved_env = {k: os.environ.get(k) for k in (*ENV, "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
     saved_address = ADDRESS_FILE.read_text() if ADDRESS_FILE.is_file() else None
     temp = tempfile.mkdtemp(prefix="pdmn-")  # short: Ray's unix sockets live under it (108-byte cap)
-    os.environ.update(ENV)
+    token = Path(temp) / "ray_token"  # mkdtemp: 0700
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    os.environ.update(ENV, RAY_AUTH_TOKEN_PATH=str(token))
+    os.environ.pop("RAY_AUTH_TOKEN", None)
     try:
         import ray
         from ray.cluster_utils import Cluster
 
         assert not ray.is_initialized(), "another test left Ray connected"
+        reload_ray_auth()  # this process may have cached another cluster's token
         node = {"node_ip_address": "127.0.0.1", "temp_dir": temp}
         c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, **node})
         try:
@@ -116,3 +128,13 @@ def test_pools_on_their_nodes_and_kv_crosses_nodes(cluster, reference):
             await router.shutdown()
     asyncio.run(main())
     assert not ray.is_initialized(), "the router joined Ray by address: its shutdown disconnects"
+
+
+def test_a_driver_without_the_token_is_refused(cluster, monkeypatch):
+    c, _ = cluster
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-cluster-token")  # takes precedence over the token file
+    with pytest.raises(BackendUnavailableError, match="RAY_AUTH_TOKEN_PATH"):
+        init_ray(c.address)
+    import ray
+
+    assert not ray.is_initialized()

@@ -1,13 +1,16 @@
 """Acceptance: pdserve as a Ray job. This test starts its own Ray head (`ray start --head --block` in a new
-session, GCS and dashboard on 127.0.0.1, token auth disabled explicitly, its own temp dir and ports), submits
-`python -m cluster.launch deploy/local.yaml --self-test ...` with the real `ray job submit` CLI and the repo
-as working dir, and expects the job to succeed and print a non-empty completion.
+session, GCS and dashboard on 127.0.0.1, Ray token auth on with a token file of its own, its own temp dir and
+ports), submits `python -m cluster.launch deploy/local.yaml --self-test ...` with the real `ray job submit`
+CLI (the token from its environment) and the repo as working dir, and expects the job to succeed and print a
+non-empty completion. The job's pdserve joins the cluster with the token the job inherits; the Jobs API
+refuses a caller without it.
 
-Order: free ports -> `ray start --head --block` -> wait until the dashboard's job API answers -> `ray job
-submit` (blocks, tails the job's output, exits non-zero if the job fails) -> check the output and the
-unpacked working dir (.gitignore'd .venv and bench/out stay behind; .git is excluded explicitly) -> SIGTERM
-the blocking `ray start`, which takes down every process it spawned; anything left in its session (only
-ours: `start_new_session`) is killed by pid. `ray stop` is never run: it kills every Ray on the machine.
+Order: token file -> free ports -> `ray start --head --block` -> wait until the dashboard's job API answers
+(with the token; 401 without) -> `ray job submit` (blocks, tails the job's output, exits non-zero if the job
+fails) -> check the output and the unpacked working dir (.gitignore'd .venv and bench/out stay behind; .git
+is excluded explicitly) -> SIGTERM the blocking `ray start`, which takes down every process it spawned;
+anything left in its session (only ours: `start_new_session`) is killed by pid. `ray stop` is never run: it
+kills every Ray on the machine.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -31,7 +36,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 RAY = Path(sys.executable).with_name("ray")  # the venv's CLI, next to its python
 PROMPT = "The capital of France is"
-ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+ENV = {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def free_port() -> int:
@@ -40,12 +45,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _answers(url: str) -> bool:
+def _status(url: str, token: str | None = None) -> int | None:
+    """The HTTP status of a GET (None: nothing answers)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status == 200
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except OSError:
-        return False
+        return None
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -93,9 +102,13 @@ def _stop(head: subprocess.Popen) -> list[int]:
 def ray_head():
     """(dashboard URL, env for the CLI, temp dir) of a Ray head this test owns."""
     temp = Path(tempfile.mkdtemp(prefix="pdray-"))  # short: Ray's unix sockets live under it (108-byte cap)
+    token = secrets.token_hex(32)
+    (temp / "ray_token").write_text(token)  # in a 0700 dir (mkdtemp), itself 0600
+    (temp / "ray_token").chmod(0o600)
     dash = free_port()
-    env = {**os.environ, **ENV}
-    env.pop("RAY_ADDRESS", None)
+    env = {**os.environ, **ENV, "RAY_AUTH_TOKEN_PATH": str(temp / "ray_token")}
+    for key in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
+        env.pop(key, None)
     cmd = [str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
            "--port", str(free_port()), "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
            "--dashboard-port", str(dash), "--dashboard-agent-listen-port", str(free_port()),
@@ -106,10 +119,11 @@ def ray_head():
     url = f"http://127.0.0.1:{dash}"
     try:
         end = time.monotonic() + 120
-        while not (_answers(f"{url}/api/version") and _answers(f"{url}/api/jobs/")):
+        while not (_status(f"{url}/api/version", token) == 200 and _status(f"{url}/api/jobs/", token) == 200):
             assert head.poll() is None, f"ray start exited {head.returncode}:\n{(temp / 'head.log').read_text()}"
             assert time.monotonic() < end, f"no dashboard at {url}:\n{(temp / 'head.log').read_text()}"
             time.sleep(1)
+        assert _status(f"{url}/api/jobs/") == 401, "the Jobs API answers a caller without the token"
         yield url, env, temp
     finally:
         left = _stop(head)
