@@ -1,0 +1,149 @@
+"""Sparse decode attention (Quest): each decode query reads only the pages its key bounds say matter.
+
+Who calls it: `RawKVBackend._attend_group` (and so every storage format built on it) hands decode groups
+here when `backend.sparse` is set (`LLM(sparse_attention=...)` -> `backend.enable_sparse`). Per step,
+layer and group:
+  1. `select(...)`: score each page of each row per KV head by its upper bound on q . k from the page
+     summaries (`summaries.py`): sum over channels of max(q * min, q * max) = q+ . max + q- . min (two
+     small matmuls); grouped-query heads reduce their KV head's bounds by max (any head that may need the
+     page keeps it) or sum (`gqa`). Keep the `sink_pages` first pages and the pages of the last `recent`
+     slots always, plus the best pages within `budget` tokens; sorted in page order.
+  2. `attend_torch(...)`: gather the chosen pages per (row, KV head) and run one SDPA with a slot mask; or,
+     with `select_per="row"` on bf16 CPU pages, the numba/C paged kernel reads the chosen pages in place
+     through a shorter page table (`attend_kernel`). The kernel takes one page table per row for all its KV
+     heads, so per-KV-head selection (the default) runs on the torch path; a per-(row, head) table would
+     need a kernel change (not done).
+Off (full attention, unchanged) for groups of several queries per row (prefill chunks, verify steps),
+observed or windowed groups, rows below `min_context` slots, and whenever every row's pages fit the
+selection anyway -- so a budget >= the context gives full attention exactly. Selection never changes
+what is stored: turning it off gives full attention back.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.errors import InvalidRequestError
+
+_FIELD = "sparse_attention"
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    method: str = "quest"  # the only one so far
+    budget: int = 1024  # tokens of top-scored pages read besides the sinks and the recent window
+    sink_pages: int = 1  # first pages always read (attention sinks)
+    recent: int = 64  # the last `recent` slots always read (their pages)
+    min_context: int = 0  # rows with fewer slots read everything
+    select_per: str = "kv_head"  # "kv_head" (Quest) or "row" (one choice for all KV heads: the paged kernel)
+    gqa: str = "max"  # how query heads of one KV head combine their page bounds: "max" or "sum"
+
+    def __post_init__(self) -> None:
+        if self.method != "quest":
+            raise InvalidRequestError(f"{_FIELD}.method", f"{self.method!r} is not a method; known: 'quest'")
+        for key in ("budget", "sink_pages", "recent", "min_context"):
+            val = getattr(self, key)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+                raise InvalidRequestError(f"{_FIELD}.{key}", f"must be an integer >= 0, got {val!r}")
+        if self.budget < 1:
+            raise InvalidRequestError(f"{_FIELD}.budget", "must be >= 1 token")
+        if self.select_per not in ("kv_head", "row"):
+            raise InvalidRequestError(f"{_FIELD}.select_per", f"{self.select_per!r}; use 'kv_head' or 'row'")
+        if self.gqa not in ("max", "sum"):
+            raise InvalidRequestError(f"{_FIELD}.gqa", f"{self.gqa!r}; use 'max' or 'sum'")
+
+    @staticmethod
+    def of(value) -> "SparseAttentionConfig | None":
+        """None / "off" -> None; a config passes; a dict is checked key by key (unknown keys named)."""
+        if value is None or value == "off":
+            return None
+        if isinstance(value, SparseAttentionConfig):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError(_FIELD, f"must be 'off' or a dict of fields, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(SparseAttentionConfig)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(f"{_FIELD}.{unknown[0]}", f"unknown key; known: {', '.join(sorted(known))}")
+        return SparseAttentionConfig(**value)
+
+
+def install(backend, allocator, tables, cfg: SparseAttentionConfig) -> None:
+    """Turn sparse attention on for an engine's page pool (before any KV is written): the backend keeps
+    page summaries, the allocator resets a freed page's, the block tables recompute a rolled-back one's."""
+    summaries = backend.enable_summaries()
+    backend.enable_sparse(cfg)
+    allocator.add_free_hook(summaries.reset)
+    tables.on_truncate.append(summaries.truncate)
+
+
+@dataclass
+class Selection:
+    pages: torch.Tensor  # [B, kv_heads, S] page ids chosen, in page order (padding: page 0 with 0 slots)
+    slots: torch.Tensor  # [B, kv_heads, S] filled slots of each chosen page read (0 = padding)
+
+
+def select(cfg: SparseAttentionConfig, lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor,
+           page_index: torch.Tensor, ctx_lens: list[int], page_size: int) -> Selection | None:
+    """lo/hi [num_pages, kv_heads, D] (one layer's summaries); q [B, q_heads, D]; page_index [B, P].
+    None when every row reads all its pages anyway."""
+    b, p = page_index.shape
+    ps, h = page_size, lo.shape[1]
+    n_pages = [-(-n // ps) for n in ctx_lens]
+    s = min(p, cfg.sink_pages + cfg.budget // ps + -(-cfg.recent // ps) + 1)  # +1: a window straddles pages
+    short = [n for n, c in zip(n_pages, ctx_lens) if c < cfg.min_context]
+    s = max(s, max(short, default=0))
+    if s >= max(n_pages):
+        return None
+    scores = _bounds(cfg, lo, hi, q, page_index)  # [B, P, kv_heads]
+    j = torch.arange(p).view(1, p)
+    npg = torch.tensor(n_pages).view(b, 1)
+    first_recent = torch.tensor([max(0, c - cfg.recent) // ps for c in ctx_lens]).view(b, 1)
+    below = torch.tensor([c < cfg.min_context for c in ctx_lens]).view(b, 1)
+    forced = (j < cfg.sink_pages) | (j >= first_recent) | below  # [B, P]
+    scores = scores.masked_fill(forced.unsqueeze(-1), float("inf"))
+    scores = scores.masked_fill((j >= npg).unsqueeze(-1), float("-inf"))
+    if cfg.select_per == "row":
+        scores = scores.sum(-1, keepdim=True)  # one choice per row (inf/-inf survive the sum)
+    idx = scores.topk(s, dim=1).indices.sort(dim=1).values  # [B, S, kv_heads or 1]
+    idx = idx.expand(b, s, h).transpose(1, 2)  # [B, kv_heads, S]
+    pages = page_index.unsqueeze(1).expand(b, h, p).gather(2, idx)
+    last = (npg - 1).view(b, 1, 1)
+    tail = (torch.tensor(ctx_lens).view(b, 1, 1) - (npg.view(b, 1, 1) - 1) * ps)
+    slots = torch.where(idx == last, tail, torch.full_like(idx, ps)).masked_fill(idx > last, 0)
+    return Selection(pages.masked_fill(idx > last, 0), slots)
+
+
+def _bounds(cfg, lo, hi, q, page_index) -> torch.Tensor:
+    """Upper bound of q . k over each page, per row, page and KV head: [B, P, kv_heads] float32."""
+    b, hq, d = q.shape
+    h = lo.shape[1]
+    qf = q.float().view(b, h, hq // h, d)  # [B, kv_heads, group, D]
+    lo_p, hi_p = lo[page_index].float(), hi[page_index].float()  # [B, P, kv_heads, D]
+    per_head = (torch.einsum("bphd,bhgd->bphg", hi_p, qf.clamp(min=0))
+                + torch.einsum("bphd,bhgd->bphg", lo_p, qf.clamp(max=0)))  # [B, P, kv_heads, group]
+    # An empty page (inf/-inf bounds, never a row's page) may give nan: those pages are masked after.
+    return per_head.amax(-1) if cfg.gqa == "max" else per_head.sum(-1)
+
+
+def attend_torch(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, sel: Selection, scale: float) -> torch.Tensor:
+    """k, v [B, kv_heads, S, page_size, D] (the chosen pages); q [B, q_heads, D] -> [B, q_heads, D]."""
+    b, h, s, ps, d = k.shape
+    hq = q.shape[1]
+    valid = torch.arange(ps).view(1, 1, 1, ps) < sel.slots.unsqueeze(-1)  # [B, kv_heads, S, page_size]
+    mask = valid.view(b, h, 1, s * ps).repeat_interleave(hq // h, dim=1)  # [B, q_heads, 1, S * page_size]
+    o = F.scaled_dot_product_attention(q.view(b, hq, 1, d), k.reshape(b, h, s * ps, d), v.reshape(b, h, s * ps, d),
+                                       attn_mask=mask, scale=scale, enable_gqa=hq != h)
+    return o.view(b, hq, d)
+
+
+def kernel_rows(sel: Selection) -> tuple[np.ndarray, np.ndarray]:
+    """A row-shared selection as the paged kernel's inputs: page table [B, S] and slot counts [B]. The
+    chosen pages are in page order and only a row's last page is partly filled, so slots [0, n) of the
+    shorter table are exactly the chosen slots."""
+    pages = sel.pages[:, 0].contiguous().numpy()
+    return pages, sel.slots[:, 0].sum(-1).numpy().astype(np.int64)
