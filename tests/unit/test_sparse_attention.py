@@ -193,3 +193,36 @@ def test_page_bounds_bound_every_key_and_pick_the_best(gqa):
             chosen = {table.index(p) for p in sel.pages[b, h][sel.slots[b, h] > 0].tolist()} & free
             if chosen and free - chosen:
                 assert min(bounds[b, i, h] for i in chosen) >= max(bounds[b, i, h] for i in free - chosen)
+
+
+def test_engine_sparse_with_drafts_rolled_back_and_shared_prefixes(tiny_dir):
+    """Rejected drafts roll slots back (summaries recomputed through BlockTables.on_truncate) and cached
+    prefix pages are shared: every live page's summary stays equal to its recomputation, nothing leaks."""
+    llm = LLM(model=str(tiny_dir), dtype="float32", page_size=4, num_pages=200, enable_prefix_caching=True,
+              speculative={"proposer": "always_wrong", "max_draft": 3, "gate": False},
+              sparse_attention={"budget": 8, "recent": 8, "min_context": 32})
+    s = llm.backend.summaries
+    checked = 0
+    for rid, p in enumerate(PROMPTS + PROMPTS[:1]):  # the last one hits the cached pages of the first
+        llm.add_request(p, GREEDY, request_id=f"q{rid}")
+        if rid < len(PROMPTS) - 1:
+            continue
+        checked += _steps_checking(llm, s)
+    assert checked > 0
+    assert llm.prefix_stats()["hit_tokens"] > 0
+    assert_engine_empty(llm)
+
+
+def _steps_checking(llm, s) -> int:
+    checked = 0
+    while llm.has_unfinished():
+        llm.step()
+        for seq in list(llm.tables._tables):
+            t = llm.tables.get(seq)
+            for i, page in enumerate(t.pages[:-(-t.num_slots // 4)]):
+                filled = min(4, t.num_slots - i * 4)
+                for layer in llm.kv_spec.local_layers:
+                    lo, hi = s.expected(layer, page, filled)
+                    assert torch.equal(s.lo[layer][page], lo) and torch.equal(s.hi[layer][page], hi)
+                    checked += 1
+    return checked
