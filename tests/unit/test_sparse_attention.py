@@ -199,7 +199,8 @@ def test_engine_sparse_with_drafts_rolled_back_and_shared_prefixes(tiny_dir):
     """Rejected drafts roll slots back (summaries recomputed through BlockTables.on_truncate) and cached
     prefix pages are shared: every live page's summary stays equal to its recomputation, nothing leaks."""
     llm = LLM(model=str(tiny_dir), dtype="float32", page_size=4, num_pages=200, enable_prefix_caching=True,
-              speculative={"proposer": "always_wrong", "max_draft": 3, "gate": False},
+              speculative={"proposer": "always_wrong", "max_draft": 3, "gate": False,
+                           "proposer_options": {"futures": {tuple(p): list(range(40, 60)) for p in PROMPTS}}},
               sparse_attention={"budget": 8, "recent": 8, "min_context": 32})
     s = llm.backend.summaries
     checked = 0
@@ -209,6 +210,7 @@ def test_engine_sparse_with_drafts_rolled_back_and_shared_prefixes(tiny_dir):
             continue
         checked += _steps_checking(llm, s)
     assert checked > 0
+    assert llm.spec.stats.num_drafted > llm.spec.stats.num_accepted  # drafts were rolled back
     assert llm.prefix_stats()["hit_tokens"] > 0
     assert_engine_empty(llm)
 
