@@ -210,7 +210,7 @@ class RawKVBackend:
         """A decode group through the pages sparse attention chooses, or None if it chooses them all."""
         s = self.summaries
         sel = sparse_attention.select(self.sparse, s.lo[layer], s.hi[layer], q, g.page_index, g.ctx_lens,
-                                      self.spec.page_size)
+                                      self.spec.page_size, g.sparse_plan)
         if sel is None:
             return None
         if self.sparse.select_per == "row" and self._takes_kernel(g):  # the chosen pages, read in place

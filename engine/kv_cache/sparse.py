@@ -88,34 +88,45 @@ class Selection:
 
 
 def select(cfg: SparseAttentionConfig, lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor,
-           page_index: torch.Tensor, ctx_lens: list[int], page_size: int) -> Selection | None:
+           page_index: torch.Tensor, ctx_lens: list[int], page_size: int, plan: dict | None = None) -> Selection | None:
     """lo/hi [num_pages, kv_heads, D] (one layer's summaries); q [B, q_heads, D]; page_index [B, P].
-    None when every row reads all its pages anyway."""
-    b, p = page_index.shape
-    ps, h = page_size, lo.shape[1]
-    n_pages = [-(-n // ps) for n in ctx_lens]
-    s = min(p, cfg.sink_pages + cfg.budget // ps + -(-cfg.recent // ps) + 1)  # +1: a window straddles pages
-    short = [n for n, c in zip(n_pages, ctx_lens) if c < cfg.min_context]
-    s = max(s, max(short, default=0))
-    if s >= max(n_pages):
+    None when every row reads all its pages anyway. `plan`: a dict kept for the step (`AttnGroup.sparse_plan`)
+    where what does not depend on the layer is made once."""
+    plan = {} if plan is None else plan
+    if "s" not in plan:
+        plan.update(_plan(cfg, page_index, ctx_lens, page_size))
+    if plan["s"] is None:
         return None
+    b, p = page_index.shape
+    h, s = lo.shape[1], plan["s"]
     scores = _bounds(cfg, lo, hi, q, page_index)  # [B, P, kv_heads]
-    j = torch.arange(p).view(1, p)
-    npg = torch.tensor(n_pages).view(b, 1)
-    first_recent = torch.tensor([max(0, c - cfg.recent) // ps for c in ctx_lens]).view(b, 1)
-    below = torch.tensor([c < cfg.min_context for c in ctx_lens]).view(b, 1)
-    forced = (j < cfg.sink_pages) | (j >= first_recent) | below  # [B, P]
-    scores = scores.masked_fill(forced.unsqueeze(-1), float("inf"))
-    scores = scores.masked_fill((j >= npg).unsqueeze(-1), float("-inf"))
+    scores = scores.masked_fill(plan["forced"], float("inf")).masked_fill(plan["invalid"], float("-inf"))
     if cfg.select_per == "row":
         scores = scores.sum(-1, keepdim=True)  # one choice per row (inf/-inf survive the sum)
     idx = scores.topk(s, dim=1).indices.sort(dim=1).values  # [B, S, kv_heads or 1]
     idx = idx.expand(b, s, h).transpose(1, 2)  # [B, kv_heads, S]
     pages = page_index.unsqueeze(1).expand(b, h, p).gather(2, idx)
-    last = (npg - 1).view(b, 1, 1)
-    tail = (torch.tensor(ctx_lens).view(b, 1, 1) - (npg.view(b, 1, 1) - 1) * ps)
-    slots = torch.where(idx == last, tail, torch.full_like(idx, ps)).masked_fill(idx > last, 0)
+    last, tail = plan["last"], plan["tail"]  # [B, 1, 1] each
+    slots = torch.where(idx == last, tail, torch.full_like(idx, page_size)).masked_fill(idx > last, 0)
     return Selection(pages.masked_fill(idx > last, 0), slots)
+
+
+def _plan(cfg: SparseAttentionConfig, page_index: torch.Tensor, ctx_lens: list[int], ps: int) -> dict:
+    """The layer-independent part of a group's choice: how many pages each row reads (s; None: all), which
+    pages are forced (sinks, recent window, rows below min_context) and which are padding."""
+    b, p = page_index.shape
+    n_pages = [-(-n // ps) for n in ctx_lens]
+    s = min(p, cfg.sink_pages + cfg.budget // ps + -(-cfg.recent // ps) + 1)  # +1: a window straddles pages
+    s = max(s, max((n for n, c in zip(n_pages, ctx_lens) if c < cfg.min_context), default=0))
+    if s >= max(n_pages):
+        return {"s": None}
+    j = torch.arange(p).view(1, p)
+    npg = torch.tensor(n_pages).view(b, 1)
+    first_recent = torch.tensor([max(0, c - cfg.recent) // ps for c in ctx_lens]).view(b, 1)
+    below = torch.tensor([c < cfg.min_context for c in ctx_lens]).view(b, 1)
+    forced = (j < cfg.sink_pages) | (j >= first_recent) | below  # [B, P]
+    return {"s": s, "forced": forced.unsqueeze(-1), "invalid": (j >= npg).unsqueeze(-1),
+            "last": (npg - 1).view(b, 1, 1), "tail": (torch.tensor(ctx_lens).view(b, 1) - (npg - 1) * ps).view(b, 1, 1)}
 
 
 def _bounds(cfg, lo, hi, q, page_index) -> torch.Tensor:
