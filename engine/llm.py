@@ -9,7 +9,8 @@ request that advanced) -> `abort()` at any time. Entry points for disaggregation
 prefill_only=True)` ends HELD with its pages kept until `release_held()`; `reserve()` +
 `add_prefilled_request()` join a request whose KV was written into reserved pages by someone else.
 `enable_prefix_caching=True` shares full pages of repeated prefixes between requests
-(`engine/kv_cache/prefix_cache.py`); `prefix_stats()`, `reset_prefix_cache()`.
+(`engine/kv_cache/prefix_cache.py`); `prefix_stats()`, `reset_prefix_cache()`. `sparse_attention={"method":
+"quest", "budget": 1024, ...}` lets decode steps read only the pages Quest picks (`engine/kv_cache/sparse.py`).
 """
 from __future__ import annotations
 
