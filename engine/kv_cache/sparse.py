@@ -21,12 +21,14 @@ what is stored: turning it off gives full attention back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.cpu_kernels import _bf16_to_f32, _jit, bits
 from engine.errors import InvalidRequestError
 
 _FIELD = "sparse_attention"
@@ -131,6 +133,11 @@ def _plan(cfg: SparseAttentionConfig, page_index: torch.Tensor, ctx_lens: list[i
 
 def _bounds(cfg, lo, hi, q, page_index) -> torch.Tensor:
     """Upper bound of q . k over each page, per row, page and KV head: [B, P, kv_heads] float32."""
+    if lo.dtype == torch.bfloat16 and lo.device.type == "cpu":  # numba: summaries read in place, no gather
+        kernel = _bounds_kernel(q.shape[-1], q.shape[1] // lo.shape[1], cfg.gqa == "max")
+        out = np.empty((*page_index.shape, lo.shape[1]), np.float32)
+        kernel(bits(q.contiguous()), bits(lo), bits(hi), page_index.numpy(), out)
+        return torch.from_numpy(out)
     b, hq, d = q.shape
     h = lo.shape[1]
     qf = q.float().view(b, h, hq // h, d)  # [B, kv_heads, group, D]
@@ -139,6 +146,41 @@ def _bounds(cfg, lo, hi, q, page_index) -> torch.Tensor:
                 + torch.einsum("bphd,bhgd->bphg", lo_p, qf.clamp(max=0)))  # [B, P, kv_heads, group]
     # An empty page (inf/-inf bounds, never a row's page) may give nan: those pages are masked after.
     return per_head.amax(-1) if cfg.gqa == "max" else per_head.sum(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _bounds_kernel(dim: int, group: int, use_max: bool):
+    """Quest bounds over bf16 summaries (bits), one (row, KV head) at a time: the group's queries split in
+    positive and negative parts once, then per page two dot products per query head. Padding pages of the
+    page table are scored too (masked by the caller)."""
+
+    @_jit(fastmath=True)
+    def kernel(q, lo, hi, page_index, out):  # q [B, q_heads, D]; lo/hi [pages, kv_heads, D]; out [B, P, kv_heads]
+        qp = np.empty((group, dim), np.float32)
+        qn = np.empty((group, dim), np.float32)
+        lrow = np.empty(dim, np.float32)
+        hrow = np.empty(dim, np.float32)
+        for b in range(q.shape[0]):
+            for h in range(lo.shape[1]):
+                for g in range(group):
+                    for d in range(dim):
+                        x = _bf16_to_f32(q[b, h * group + g, d])
+                        qp[g, d] = max(x, np.float32(0.0))
+                        qn[g, d] = min(x, np.float32(0.0))
+                for j in range(page_index.shape[1]):
+                    p = page_index[b, j]
+                    for d in range(dim):
+                        lrow[d] = _bf16_to_f32(lo[p, h, d])
+                        hrow[d] = _bf16_to_f32(hi[p, h, d])
+                    best = np.float32(-np.inf) if use_max else np.float32(0.0)
+                    for g in range(group):
+                        a = np.float32(0.0)
+                        for d in range(dim):
+                            a += qp[g, d] * hrow[d] + qn[g, d] * lrow[d]
+                        best = max(best, a) if use_max else best + a
+                    out[b, j, h] = best
+
+    return kernel
 
 
 def attend_torch(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, sel: Selection, scale: float) -> torch.Tensor:

@@ -103,6 +103,18 @@ def test_bf16_kernel_reads_the_chosen_pages_in_place():
     torch.testing.assert_close(out.float(), _reference(be, g, q, sel), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("gqa", ["max", "sum"])
+def test_bf16_bounds_kernel_equals_the_torch_bounds(gqa):
+    from engine.kv_cache import sparse as sp
+
+    cfg = SparseAttentionConfig(budget=8, sink_pages=1, recent=6, min_context=12, gqa=gqa)
+    be, g, q = _pool("bfloat16", cfg=cfg)
+    lo, hi = be.summaries.lo[0], be.summaries.hi[0]
+    got = sp._bounds(cfg, lo, hi, q, g.page_index)  # the numba kernel (bf16 summaries on CPU)
+    want = sp._bounds(cfg, lo.float(), hi.float(), q, g.page_index)  # torch on the same values
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
 def test_budget_covering_the_context_chooses_everything():
     be, g, q = _pool(cfg=SparseAttentionConfig(budget=4096))
     assert select(be.sparse, be.summaries.lo[0], be.summaries.hi[0], q, g.page_index, g.ctx_lens, PS) is None
