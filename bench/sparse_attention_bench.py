@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python bench/sparse_attention_bench.py --contexts 2048 4096 --batches 1 4 --steps 4
 
 For each (context, batch): one engine per mode in the same process (full; sparse with per-KV-head choice on
-the torch path; sparse with a per-row choice read in place by the paged kernel), requests joined through
+the torch path; sparse with a per-row choice read in place by the paged kernel; the same choosing in layers
+0 and 15 only, the other layers reusing it), requests joined through
 `reserve` + `add_prefilled_request` with random post-RoPE-like KV written into their pages (no prefill: this
 times the decode step only; the KV's content changes which pages are chosen, not how many), then the mean
 of `--steps` decode steps after one warm-up, modes interleaved step by step. Prints each step time and the
@@ -21,7 +22,9 @@ from engine.llm import LLM
 
 MODES = {"full": None,
          "sparse/kv_head": {"budget": 1024, "sink_pages": 1, "recent": 64},
-         "sparse/row": {"budget": 1024, "sink_pages": 1, "recent": 64, "select_per": "row"}}
+         "sparse/row": {"budget": 1024, "sink_pages": 1, "recent": 64, "select_per": "row"},
+         "row+sel[0,15]": {"budget": 1024, "sink_pages": 1, "recent": 64, "select_per": "row",
+                           "selection_layers": [0, 15]}}
 
 
 def _join(llm: LLM, ctx: int, batch: int, gen: torch.Generator) -> None:

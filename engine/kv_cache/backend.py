@@ -208,9 +208,12 @@ class RawKVBackend:
 
     def _attend_sparse(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor | None:
         """A decode group through the pages sparse attention chooses, or None if it chooses them all."""
-        s = self.summaries
-        sel = sparse_attention.select(self.sparse, s.lo[layer], s.hi[layer], q, g.page_index, g.ctx_lens,
-                                      self.spec.page_size, g.sparse_plan)
+        s, cfg, plan = self.summaries, self.sparse, g.sparse_plan
+        if cfg.selection_layers and layer not in cfg.selection_layers and "chosen" in plan:
+            sel = plan["chosen"]  # the latest selection layer's pages (TidalDecode-style reuse)
+        else:
+            sel = plan["chosen"] = sparse_attention.select(cfg, s.lo[layer], s.hi[layer], q, g.page_index,
+                                                           g.ctx_lens, self.spec.page_size, plan)
         if sel is None:
             return None
         if self.sparse.select_per == "row" and self._takes_kernel(g):  # the chosen pages, read in place

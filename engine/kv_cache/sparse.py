@@ -8,6 +8,9 @@ layer and group:
      small matmuls); grouped-query heads reduce their KV head's bounds by max (any head that may need the
      page keeps it) or sum (`gqa`). Keep the `sink_pages` first pages and the pages of the last `recent`
      slots always, plus the best pages within `budget` tokens; sorted in page order.
+     With `selection_layers` (TidalDecode's idea, with Quest's bounds in place of its full-attention
+     scores), only those layers choose; every other layer reuses the latest choice of the step (a layer
+     before the first selection layer chooses for itself).
   2. `attend_torch(...)`: gather the chosen pages per (row, KV head) and run one SDPA with a slot mask; or,
      with `select_per="row"` on bf16 CPU pages, the numba/C paged kernel reads the chosen pages in place
      through a shorter page table (`attend_kernel`). The kernel takes one page table per row for all its KV
@@ -43,6 +46,7 @@ class SparseAttentionConfig:
     min_context: int = 0  # rows with fewer slots read everything
     select_per: str = "kv_head"  # "kv_head" (Quest) or "row" (one choice for all KV heads: the paged kernel)
     gqa: str = "max"  # how query heads of one KV head combine their page bounds: "max" or "sum"
+    selection_layers: tuple[int, ...] = ()  # () = every layer chooses; else only these, the others reuse
 
     def __post_init__(self) -> None:
         if self.method != "quest":
@@ -55,6 +59,11 @@ class SparseAttentionConfig:
             raise InvalidRequestError(f"{_FIELD}.budget", "must be >= 1 token")
         if self.select_per not in ("kv_head", "row"):
             raise InvalidRequestError(f"{_FIELD}.select_per", f"{self.select_per!r}; use 'kv_head' or 'row'")
+        layers = self.selection_layers
+        if isinstance(layers, list):
+            object.__setattr__(self, "selection_layers", layers := tuple(layers))
+        if not isinstance(layers, tuple) or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in layers):
+            raise InvalidRequestError(f"{_FIELD}.selection_layers", f"must be a list of layer ids >= 0, got {layers!r}")
         if self.gqa not in ("max", "sum"):
             raise InvalidRequestError(f"{_FIELD}.gqa", f"{self.gqa!r}; use 'max' or 'sum'")
 

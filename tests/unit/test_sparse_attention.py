@@ -166,7 +166,8 @@ def test_engine_small_budget_runs_sparse_and_frees_everything(tiny_dir, monkeypa
     ({"budget": 0}, "sparse_attention.budget"), ({"budget": -5}, "sparse_attention.budget"),
     ({"sink_pages": 1.5}, "sparse_attention.sink_pages"), ({"method": "oracle"}, "sparse_attention.method"),
     ({"recent": True}, "sparse_attention.recent"), ({"select_per": "page"}, "sparse_attention.select_per"),
-    ({"gqa": "mean"}, "sparse_attention.gqa"), ({"bugdet": 3}, "sparse_attention.bugdet"),
+    ({"gqa": "mean"}, "sparse_attention.gqa"), ({"selection_layers": [0, -1]}, "sparse_attention.selection_layers"),
+    ({"selection_layers": 3}, "sparse_attention.selection_layers"), ({"bugdet": 3}, "sparse_attention.bugdet"),
     ("on", "sparse_attention"),
 ])
 def test_bad_config_raises_typed_error_naming_the_key(value, key):
@@ -240,3 +241,30 @@ def _steps_checking(llm, s) -> int:
                     assert torch.equal(s.lo[layer][page], lo) and torch.equal(s.hi[layer][page], hi)
                     checked += 1
     return checked
+
+
+def test_selection_layers_choose_once_and_the_others_reuse(tiny_dir, monkeypatch):
+    from engine.kv_cache import sparse as sp
+
+    calls = []
+    real = sp.select
+    monkeypatch.setattr(sp, "select", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = {"budget": 8, "recent": 8, "min_context": 32, "selection_layers": [0]}
+    llm = LLM(model=str(tiny_dir), dtype="float32", page_size=4, num_pages=160, sparse_attention=cfg)
+    assert llm.sparse_attention.selection_layers == (0,)
+    seen = []
+    orig = llm.backend._attend_sparse
+
+    def spy(layer, q, g, scale):
+        out = orig(layer, q, g, scale)
+        seen.append((layer, g, g.sparse_plan.get("chosen")))  # (objects kept alive: no id reuse)
+        return out
+
+    llm.backend._attend_sparse = spy
+    assert all(len(t) == 16 for t in _tokens(llm, PROMPTS[:1]))
+    assert any(x[2] is not None for x in seen)  # some steps read a subset
+    groups = {id(g): g for _, g, _ in seen}
+    assert len(calls) == len(groups)  # one choice per group and step, at layer 0
+    for gid in groups:
+        chosen = [c for _, g, c in seen if id(g) == gid]
+        assert len(chosen) == 2 and chosen[0] is chosen[1]  # layer 1 read layer 0's pages
