@@ -15,7 +15,8 @@ groups of raw pages large enough to spill the caches that continue from the prev
 dense copy that grows by one slot per row and step (`dense_decode.py`). bfloat16 pages on CPU: decode
 groups run the numba paged kernel of `engine/cpu_attention.py` instead (no gather, no dense copy), and
 groups of several queries per row (prefill chunks, verify steps) the AVX512-BF16 kernel of
-`engine/cpu_prefill_attention.py` where the CPU has it.
+`engine/cpu_prefill_attention.py` where the CPU has it. Sparse attention on (`enable_sparse`): every write
+also updates the page summaries (`summaries.py`) and decode groups read the pages `sparse.py` chooses.
 """
 from __future__ import annotations
 
