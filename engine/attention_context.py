@@ -41,6 +41,7 @@ class AttnGroup:
     windowed: bool = False  # a sliding window limits what queries see (the mask says which slots)
     _bias: dict = field(default_factory=dict, repr=False)  # dtype -> additive mask (see mask_bias)
     _host: tuple | None = field(default=None, repr=False)  # see host_rows
+    sparse_plan: dict = field(default_factory=dict, repr=False)  # sparse attention's per-step masks (kv_cache/sparse)
 
     def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The page table [batch, pages] and slot counts [batch] as int64 numpy arrays (CPU kernels),

@@ -9,7 +9,8 @@ request that advanced) -> `abort()` at any time. Entry points for disaggregation
 prefill_only=True)` ends HELD with its pages kept until `release_held()`; `reserve()` +
 `add_prefilled_request()` join a request whose KV was written into reserved pages by someone else.
 `enable_prefix_caching=True` shares full pages of repeated prefixes between requests
-(`engine/kv_cache/prefix_cache.py`); `prefix_stats()`, `reset_prefix_cache()`.
+(`engine/kv_cache/prefix_cache.py`); `prefix_stats()`, `reset_prefix_cache()`. `sparse_attention={"method":
+"quest", "budget": 1024, ...}` lets decode steps read only the pages Quest picks (`engine/kv_cache/sparse.py`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from engine.kv_cache.block_table import BlockTables, seq_owner
 from engine.kv_cache.prefix_cache import PrefixCache, PrefixSharing, prefix_salt
 from engine.evictor import Evictor
 from engine.kv_cache.eviction_policy import EvictionPolicy
+from engine.kv_cache.sparse import SparseAttentionConfig, install as install_sparse
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
 from engine.model import LlamaForward
@@ -49,7 +51,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic,
                  keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None,
                  kv_storage: str = "raw", kv_eviction: EvictionPolicy | dict | None = None,
-                 enable_prefix_caching: bool = False,
+                 enable_prefix_caching: bool = False, sparse_attention: dict | str | None = None,
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, revision: str | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -82,6 +84,12 @@ class LLM:
         if hasattr(self.backend, "release_pages"):  # kivi4: staging copies go with the pages (kv_cache/kivi.py)
             self.allocator.add_unheld_hook(lambda page: self.backend.release_pages([page]))
         self.tables = BlockTables(self.allocator, page_size)
+        self.sparse_attention = SparseAttentionConfig.of(sparse_attention)  # decode reads chosen pages (kv_cache/sparse)
+        if self.sparse_attention is not None:
+            if parallel or kv_storage == "kivi4":
+                raise InvalidRequestError("sparse_attention", "runs on raw, int8 or fp8 pages without tensor/"
+                                                              "pipeline parallelism (page summaries live in the backend)")
+            install_sparse(self.backend, self.allocator, self.tables, self.sparse_attention)
         self.runner = (ModelRunner(self.model, self.backend, page_size) if not parallel else
                        make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device))
         eos = tuple(c.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
@@ -348,6 +356,8 @@ class LLM:
              "num_pages": self.allocator.num_pages}
         if self.prefix_cache is not None:
             u.update(cached_pages=len(self.prefix_cache), evictable_pages=self.allocator.num_evictable)
+        if self.sparse_attention is not None:  # page summaries beside the pages
+            u["summary_bytes"] = self.backend.summaries.nbytes()
         return u
 
     # ---- prefix caching ----------------------------------------------------------------------

@@ -55,6 +55,12 @@ class PageAllocator:
         self._on_evict: Callable[[int], None] | None = None
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cache-only pages, least recently released first
         self._on_unheld: list[Callable[[int], None]] = []
+        self._on_free: list[Callable[[int], None]] = []
+
+    def add_free_hook(self, fn: Callable[[int], None]) -> None:
+        """`fn(page)` runs when a page goes back on the free list (its contents mean nothing any more:
+        sparse attention's page summaries reset)."""
+        self._on_free.append(fn)
 
     def add_unheld_hook(self, fn: Callable[[int], None]) -> None:
         """`fn(page)` runs when a page stops being held by any owner but the cache (freed, or left to the
@@ -152,6 +158,8 @@ class PageAllocator:
         if not owners:
             self._evictable.pop(page, None)
             self._free.append(page)
+            for fn in self._on_free:
+                fn(page)
         elif self._cache_owner in owners and len(owners) == 1:
             self._evictable[page] = None  # newest at the back: evicted last
         else:

@@ -15,7 +15,8 @@ groups of raw pages large enough to spill the caches that continue from the prev
 dense copy that grows by one slot per row and step (`dense_decode.py`). bfloat16 pages on CPU: decode
 groups run the numba paged kernel of `engine/cpu_attention.py` instead (no gather, no dense copy), and
 groups of several queries per row (prefill chunks, verify steps) the AVX512-BF16 kernel of
-`engine/cpu_prefill_attention.py` where the CPU has it.
+`engine/cpu_prefill_attention.py` where the CPU has it. Sparse attention on (`enable_sparse`): every write
+also updates the page summaries (`summaries.py`) and decode groups read the pages `sparse.py` chooses.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from engine.cpu_attention import attend_decode_bf16, native_library as native_de
 from engine.cpu_kernels import bits, from_bits
 from engine.kv_cache.dense_decode import DenseDecode
 from engine.kv_cache.spec import KVPageSpec
+from engine.kv_cache import sparse as sparse_attention
+from engine.kv_cache.sparse import SparseAttentionConfig
+from engine.kv_cache.summaries import PageSummaries
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +52,8 @@ class RawKVBackend:
     paged_kernel = True  # bf16 on CPU: decode groups by the numba paged kernel (see `_takes_kernel`)
     prefill_kernel = True  # bf16 on CPU: multi-query groups by the native kernel (see `_takes_prefill_kernel`)
     _kernel_dtype = False  # bf16 pools on CPU (set in __init__; formats with their own init keep False)
+    summaries: PageSummaries | None = None  # per-page key bounds, only while sparse attention is on
+    sparse: SparseAttentionConfig | None = None  # decode groups read the pages `sparse.select` picks
 
     def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
         self.spec = spec
@@ -75,6 +81,23 @@ class RawKVBackend:
         self._flat(self.k[layer]).index_copy_(0, slots, k)
         self._flat(self.v[layer]).index_copy_(0, slots, v)
         self._written = (layer, slots, k, v)  # dense decode copies append these rows (see `attend`)
+        if self.summaries is not None:
+            self.summaries.update(layer, slots)
+
+    def enable_summaries(self) -> PageSummaries:
+        """Keep per-page key bounds from now on (pages written before are not summarised: call first)."""
+        if self.summaries is None:
+            lay = self.spec.local_layers[0]
+            dev = self.k[lay].device
+            self.summaries = PageSummaries(self.spec, self.num_pages, self._summary_dtype(), self._summary_keys, dev)
+        return self.summaries
+
+    def _summary_dtype(self) -> torch.dtype:
+        return self.k[self.spec.local_layers[0]].dtype
+
+    def _summary_keys(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """The keys attention reads of whole pages: [P, page_size, kv_heads, head_dim]."""
+        return self.k[layer].index_select(0, pages)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at the given flat slots: each [*slots.shape, kv_heads, head_dim]."""
@@ -171,14 +194,45 @@ class RawKVBackend:
                 and cpu_prefill_attention.supports(q.shape[-1], q.shape[-2], self.spec.num_kv_heads)
                 and cpu_prefill_attention.available())
 
-    def _attend_kernel(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor:
+    def _attend_kernel(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float, rows=None) -> torch.Tensor:
+        """rows: (page table, slot counts) to read instead of the group's (sparse attention's choice)."""
         pools = self._pool_bits.get(layer)
         if pools is None:  # views of the pool tensors, which live as long as the backend
             pools = self._pool_bits[layer] = (bits(self.k[layer]), bits(self.v[layer]))
-        return from_bits(attend_decode_bf16(bits(q), *pools, *g.host_rows(), scale))
+        return from_bits(attend_decode_bf16(bits(q), *pools, *(rows or g.host_rows()), scale))
+
+    def enable_sparse(self, cfg: SparseAttentionConfig) -> None:
+        """Decode groups read only the pages Quest picks from now on (`sparse.py`); call before any write."""
+        self.enable_summaries()
+        self.sparse = cfg
+        self.dense_decode = False  # dense copies hold every slot; a sparse step reads a few pages instead
+
+    def _attend_sparse(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor | None:
+        """A decode group through the pages sparse attention chooses, or None if it chooses them all."""
+        s, cfg, plan = self.summaries, self.sparse, g.sparse_plan
+        if cfg.selection_layers and layer not in cfg.selection_layers and "chosen" in plan:
+            sel = plan["chosen"]  # the latest selection layer's pages (TidalDecode-style reuse)
+        else:
+            sel = plan["chosen"] = sparse_attention.select(cfg, s.lo[layer], s.hi[layer], q, g.page_index,
+                                                           g.ctx_lens, self.spec.page_size, plan)
+        if sel is None:
+            return None
+        if self.sparse.select_per == "row" and self._takes_kernel(g):  # the chosen pages, read in place
+            return self._attend_kernel(layer, q, g, scale, sparse_attention.kernel_rows(sel))
+        k, v = self._page_heads(layer, sel.pages)  # [B, kv_heads, S, page_size, head_dim] each
+        return sparse_attention.attend_torch(k, v, q, sel, scale)
+
+    def _page_heads(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of page pages[b, h, i] for KV head h: [B, kv_heads, S, page_size, head_dim]."""
+        heads = torch.arange(self.spec.num_kv_heads).view(1, -1, 1)
+        return self.k[layer][pages, :, heads], self.v[layer][pages, :, heads]
 
     def _attend_group(self, layer: int, q: torch.Tensor, g: AttnGroup, ctx: AttentionContext) -> torch.Tensor:
         b, ql = g.batch, g.q_len
+        if self.sparse is not None and ql == 1 and g.observe is None and not g.windowed:
+            out = self._attend_sparse(layer, q, g, ctx.scale)
+            if out is not None:
+                return out
         if self._takes_kernel(g):
             return self._attend_kernel(layer, q, g, ctx.scale)
         if self._takes_prefill_kernel(g, q):

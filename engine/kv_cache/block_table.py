@@ -4,7 +4,8 @@ The scheduler owns one `BlockTables`. A sequence's KV lives in `num_slots` physi
 pages in order (slot i is offset i % page_size of page i // page_size). Physical slots are not logical
 positions: after eviction a sequence keeps fewer slots than it has positions, which is why the runner
 takes positions separately. `truncate` rolls back slots (rejected draft tokens) and frees whole pages
-left unused. `share_prefix` starts a table on full pages someone else holds (prefix cache hits); the
+left unused (and tells `on_truncate` hooks which kept page lost slots: sparse attention's page summaries
+are recomputed). `share_prefix` starts a table on full pages someone else holds (prefix cache hits); the
 sequence only ever writes past them, into pages of its own. Each table remembers the most pages it held
 at once (`peak_pages`, drafts and shared prefix pages included), kept a while after `free` (the last
 `_REMEMBER` sequences; a preempted sequence that comes back continues from it) for per-request metrics.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.kv_cache.allocator import PageAllocator
 
@@ -37,6 +39,7 @@ class BlockTables:
         self.page_size = page_size
         self._tables: dict[str, BlockTable] = {}
         self._peaks: OrderedDict[str, int] = OrderedDict()  # freed sequences' peak_pages, the last _REMEMBER
+        self.on_truncate: list[Callable[[int, int], None]] = []  # fn(page, filled): a kept page lost slots
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._tables
@@ -93,6 +96,9 @@ class BlockTables:
         keep = self.pages_for(num_slots)
         dropped, t.pages = t.pages[keep:], t.pages[:keep]
         self.allocator.release(seq_owner(seq_id), dropped[::-1])
+        if num_slots % self.page_size and num_slots < t.num_slots:  # the last kept page keeps part of its slots
+            for fn in self.on_truncate:
+                fn(t.pages[-1], num_slots % self.page_size)
         t.num_slots = num_slots
 
     def free(self, seq_id: str) -> None:

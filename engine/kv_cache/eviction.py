@@ -81,3 +81,5 @@ def compact(backend, pages: list[int], keep_by_layer: dict[int, torch.Tensor]) -
         for pool in (backend.k[layer], backend.v[layer]):
             flat = pool.view(-1, *pool.shape[2:])  # [slots, kv_heads, cell]
             flat.index_copy_(0, dst, flat.index_select(0, src))
+    if getattr(backend, "summaries", None) is not None and keep_by_layer:  # sparse attention's page bounds
+        backend.summaries.rebuild(pages, len(next(iter(keep_by_layer.values()))))

@@ -209,6 +209,10 @@ class KIVIBackend(RawKVBackend):
         for page in new:
             self.stage_of[page] = self._free_rows.pop()
 
+    def enable_summaries(self):
+        raise KVFormatError("sparse attention needs page summaries, which kivi4 pages do not keep (a page's "
+                            "keys live in full-precision staging until it seals); use raw, int8 or fp8 pages")
+
     def release_pages(self, pages) -> None:
         """Drop the staging rows of pages nobody can write any more (allocator hook, attend, tests)."""
         for page in pages:

@@ -110,6 +110,8 @@ def import_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int, 
             todo = runs
         for first, at, length in todo:
             flat[first:first + length, head_start:head_end] = src[at:at + length]
+    if getattr(backend, "summaries", None) is not None:  # sparse attention: rebuilt from the imported keys
+        backend.summaries.update_range(layer, pages, start, stop)
     if hasattr(backend, "mark_imported"):  # kivi4: the cells are a sealed page's (the sender checked)
         backend.mark_imported(pages[start // ps:-(-stop // ps)])
 

@@ -96,6 +96,15 @@ class QuantizedKVBackend(RawKVBackend):
         """k, v: [num_tokens, kv_heads, head_dim] -> quantized cells at the flat slots."""
         self._flat(self.k[layer]).index_copy_(0, slots, quantize(k.float() @ self.h, self.storage_format))
         self._flat(self.v[layer]).index_copy_(0, slots, quantize(v.float() @ self.h, self.storage_format))
+        if self.summaries is not None:
+            self.summaries.update(layer, slots)
+
+    def _summary_dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    def _summary_keys(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Dequantized keys of whole pages, still rotated (queries are scored in the rotated space)."""
+        return self._dq(self.k[layer].index_select(0, pages))
 
     def _dq(self, cells: torch.Tensor) -> torch.Tensor:
         return dequantize(cells, self.storage_format, self.compute_dtype)
@@ -107,6 +116,10 @@ class QuantizedKVBackend(RawKVBackend):
         v = _rotate(self._dq(self._flat(self.v[layer]).index_select(0, flat)), self.h.T)
         tail = (self.spec.num_kv_heads, self.spec.head_dim)
         return k.view(*slots.shape, *tail), v.view(*slots.shape, *tail)
+
+    def _page_heads(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = super()._page_heads(layer, pages)  # cells
+        return self._dq(k), self._dq(v)  # still rotated, as the queries sparse attention gets
 
     def _load(self, layer: int, g: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = super()._load(layer, g)  # cells of the pages (or the view) this group reads

@@ -74,8 +74,15 @@ class KVPageSpec:
         """Stored bytes of K plus V for one token in one layer."""
         return 2 * self.num_kv_heads * self.token_head_bytes()
 
-    def bytes_per_page(self) -> int:
-        return self.page_size * self.bytes_per_token_layer() * len(self.local_layers)
+    def bytes_per_page(self, summaries: bool = False) -> int:
+        """Stored K + V of one page over this shard's layers; summaries=True adds sparse attention's page
+        summaries (kept beside the pages while it is on; never shipped, so not part of the signature)."""
+        extra = self.summary_bytes_per_page() if summaries else 0
+        return self.page_size * self.bytes_per_token_layer() * len(self.local_layers) + extra
+
+    def summary_bytes_per_page(self) -> int:
+        """Channel-wise key min and max per KV head and layer, in the compute dtype (`summaries.py`)."""
+        return 2 * self.num_kv_heads * self.head_dim * self.itemsize * len(self.local_layers)
 
     def signature(self) -> str:
         fields = asdict(self)
