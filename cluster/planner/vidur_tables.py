@@ -252,7 +252,9 @@ def _point(path: Path, key: str, v, positive: bool = True) -> float:
     return v * 1e-3
 
 
-KINDS = (("compute", _ms("mlp_up_proj")), ("attention", "is_prefill"), ("all_reduce", _ms("all_reduce")))
+KINDS = (("compute", tuple(_ms(op) for op in COMPUTE_OPS)),  # any of these columns tells the kind
+         ("attention", ("is_prefill", _ms("attn_prefill"), _ms("attn_decode"))),
+         ("all_reduce", (_ms("all_reduce"),)))
 
 
 def _files(paths) -> list[Path]:
@@ -277,10 +279,10 @@ def load_tables(paths) -> Tables:
             points.append(path)
             continue
         r = _Reader(path)
-        kind = next((k for k, col in KINDS if col in r.index), None)
+        kind = next((k for k, cols in KINDS if any(c in r.index for c in cols)), None)
         if kind is None:
             raise ProfileTableError(f"{path}: row 1: not a Vidur compute, attention or all-reduce table (no column "
-                                    f"{', '.join(repr(c) for _, c in KINDS)})")
+                                    f"{', '.join(repr(cols[0]) for _, cols in KINDS)})")
         {"compute": tables.compute, "attention": tables.attention, "all_reduce": tables.all_reduce}[kind].append(
             {"compute": _compute, "attention": _attention, "all_reduce": _all_reduce}[kind](r))
     for path in points:
