@@ -132,27 +132,87 @@ def step_terms(c: StepConstants, hw: Hardware, s: RankShape, tp: int, tokens: fl
 
 
 class OperatorLatency(LatencyModel):
+    """`layer_terms` x layers + `step_terms`, with each kernel's coefficients in the token counts computed
+    once (the simulator calls a stage hundreds of thousands of times per plan)."""
+
     def __init__(self, parallel: Parallel, model: ModelSpec, hw: Hardware, constants: StepConstants,
                  dtype: str = "bfloat16", pp_link_bw: float | None = None):
         super().__init__(parallel)
         self.model, self.hw, self.c = model, hw, constants
         self.nbytes = DTYPE_BYTES[dtype]
-        self.shape = RankShape.of(model, parallel.tp)
+        self.shape = s = RankShape.of(model, parallel.tp)
         self.stage_layers = model.layers / parallel.pp
         self.pp_link_bw = pp_link_bw or hw.intra_node_bw
+        c, nb, tp = constants, self.nbytes, parallel.tp
+        h = s.hidden
+        shapes = ((h, s.q_dim + 2 * s.kv_dim), (s.q_dim, h), (h, (2 if s.gated else 1) * s.ffn), (s.ffn, h))
+        self._gemms = tuple(self._gemm(k, m) for k, m in shapes)  # (floor, flops/token, bytes, bytes/token, p)
+        # small ops: (count per layer, floor, seconds per token at their bandwidth, p)
+        self._small = tuple((2 if kind == "norm" else 1, c.op(kind).floor_s,
+                             small_bytes(kind, s, 1.0, nb) / (hw.hbm_bw * c.op(kind).mem_eff), c.op(kind).sharpness)
+                            for kind in ("norm", "rope", "act", "add") if small_bytes(kind, s, 1.0, nb) > 0)
+        a = c.attention
+        self._prefill = (a.prefill_floor_s, 2 * s.q_dim / (hw.peak_flops * a.prefill_eff), a.prefill_occupancy)
+        self._decode = (a.decode_floor_s, decode_attention_slope(c, hw, s, nb))
+        self._kv = (a.kv_write_floor_s, a.kv_write_token_s)
+        link = c.link(tp)
+        self._ring = (link.latency_s, h * nb * 2 * (tp - 1) / tp / link.bus_bw, link.sharpness) if tp > 1 else None
+        emb = c.op("emb")
+        self._emb = (emb.floor_s, small_bytes("emb", s, 1.0, nb) / (hw.hbm_bw * emb.mem_eff), emb.sharpness)
+        self._lm = self._gemm(h, s.vocab)
+        self._gather = (link.latency_s, s.vocab * (tp - 1) * nb / link.bus_bw) if tp > 1 else None
+
+    def _gemm(self, k: float, m: float) -> tuple[float, float, float, float, float]:
+        g, nb = self.c.gemm, self.nbytes
+        mem = self.hw.hbm_bw * g.mem_eff
+        return g.floor_s, 2 * k * m / (self.hw.peak_flops * g.eff), nb * k * m / mem, nb * (k + m) / mem, g.sharpness
+
+    @staticmethod
+    def _gemm_at(g: tuple, n: float) -> float:
+        floor, flops, weights, per_token, p = g
+        return floor + ((flops * n) ** p + (weights + per_token * n) ** p) ** (1 / p)
+
+    def _layer(self, prefill_tokens: float, sq: float, batch: float, context: float) -> float:
+        """`sum(layer_terms(...).values())`, from the precomputed coefficients."""
+        n = prefill_tokens + batch
+        if n <= 0:
+            return 0.0
+        t = sum(self._gemm_at(g, n) for g in self._gemms)
+        t += sum(count * (floor ** p + (per_token * n) ** p) ** (1 / p) for count, floor, per_token, p in self._small)
+        if prefill_tokens > 0:
+            floor, per_sq, occupancy = self._prefill
+            blocks = max(1.0, self.shape.heads * prefill_tokens / QUERY_BLOCK)
+            t += floor + per_sq * sq * (1 + occupancy / blocks)
+        if batch > 0:
+            t += self._decode[0] + self._decode[1] * context
+        t += self._kv[0] + self._kv[1] * prefill_tokens
+        if self._ring is not None:
+            latency, per_token, p = self._ring
+            t += 2 * (latency ** p + (per_token * n) ** p) ** (1 / p)
+        return t
+
+    def _once(self, tokens: float, sampled: float) -> float:
+        """`sum(step_terms(...).values())`."""
+        t = self.c.step_cpu_s
+        if tokens > 0:
+            floor, per_token, p = self._emb
+            t += (floor ** p + (per_token * tokens) ** p) ** (1 / p)
+        if sampled > 0:
+            t += self._gemm_at(self._lm, sampled)
+            if self._gather is not None:
+                t += self._gather[0] + self._gather[1] * sampled
+        return t
 
     def _stage(self, prefill_tokens: float, sq: float, batch: float, context: float) -> float:
-        tp, pp = self.parallel.tp, self.parallel.pp
-        layer = layer_terms(self.c, self.hw, self.shape, tp, prefill_tokens, sq, batch, context, self.nbytes)
         sampled = sampled_positions(prefill_tokens, sq) + batch
-        once = step_terms(self.c, self.hw, self.shape, tp, prefill_tokens + batch, sampled, self.nbytes)
-        return self.stage_layers * sum(layer.values()) + sum(once.values()) / pp
+        return (self.stage_layers * self._layer(prefill_tokens, sq, batch, context)
+                + self._once(prefill_tokens + batch, sampled) / self.parallel.pp)
 
     def stage_prefill(self, tokens: float, sq: float) -> float:
         return self._stage(tokens, sq, 0.0, 0.0)
 
     def stage_decode_lines(self, batch: float) -> tuple[Line, Line]:
-        slope = self.stage_layers * decode_attention_slope(self.c, self.hw, self.shape, self.nbytes)
+        slope = self.stage_layers * self._decode[1]
         line = (self._stage(0.0, 0.0, batch, 0.0), slope if batch > 0 else 0.0)
         return line, line
 

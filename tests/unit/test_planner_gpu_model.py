@@ -126,3 +126,25 @@ def test_step_entry_round_trips_and_rejects_bad_blocks():
         StepEntry.model_validate({**block, "small_ops": {k: v for k, v in block["small_ops"].items() if k != "rope"}})
     with pytest.raises(ValueError, match="extra"):
         StepEntry.model_validate({**block, "gemm": {**block["gemm"], "speed": 1}})
+
+
+def test_the_fast_stage_equals_the_sum_of_its_terms():
+    """OperatorLatency precomputes each kernel's coefficients; it must price a step as `layer_terms` and
+    `step_terms` do, for every mix of prompt and decode tokens, TP and PP, and every GPU entry."""
+    import random
+
+    rng = random.Random(0)
+    for hw_name, model, tp, pp in (("a100", "llama-3-8b", 4, 1), ("h100", "llama-3-70b", 8, 1),
+                                   ("a100", "opt-13b", 2, 1), ("h200", "qwen2.5-7b", 1, 2), ("a100", "llama-3-8b", 1, 1)):
+        m, hw = load_model(model), load_hardware(hw_name)
+        lat = OperatorLatency(Parallel(tp, pp), m, hw, hw.step)
+        s = RankShape.of(m, tp)
+        for _ in range(30):
+            prompts = [rng.randint(1, 3000) for _ in range(rng.randint(0, 3))]
+            t, sq = sum(prompts), sum(x * x for x in prompts)
+            b = rng.choice((0, 1, 7, 64)) if prompts else rng.choice((1, 7, 64))
+            ctx = b * rng.randint(1, 4000)
+            terms = layer_terms(hw.step, hw, s, tp, t, sq, b, ctx)
+            once = step_terms(hw.step, hw, s, tp, t + b, sampled_positions(t, sq) + b)
+            want = m.layers / pp * sum(terms.values()) + sum(once.values()) / pp
+            assert lat.stage_mixed(t, sq, b, ctx) == pytest.approx(want, rel=1e-9)
