@@ -176,9 +176,9 @@ def table_profile(name_or_path: str, hardware: Hardware) -> Profile:
     if hardware.step is None:
         raise BadConfigError(f"{name_or_path}: measured GPU tables need a GPU --hardware with a `step:` block in "
                              f"deploy/hardware.yaml ({hardware.name} has none)")
-    step, report = fit_constants(load_tables(name_or_path.split(",")), hardware, hardware.step)
+    step, _ = fit_constants(load_tables(name_or_path.split(",")), hardware, hardware.step)
     name = ",".join(Path(p).name for p in name_or_path.split(","))
-    return Profile(name, "", "bfloat16", hardware.name, fit={0: report}, step=step)
+    return Profile(name, "", "bfloat16", hardware.name, step=step)
 
 
 def load_profile(name_or_path: str, corun: str = "cpu", serving: bool = True,
