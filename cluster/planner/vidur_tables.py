@@ -163,6 +163,8 @@ def _compute(r: _Reader) -> ComputeTable:
         shape = s
         key = (r.integer(n, row, "num_tensor_parallel_workers"), r.integer(n, row, "num_tokens"))
         acc[key].append({op: r.number(n, row, _ms(op)) * 1e-3 for op in COMPUTE_OPS})
+    if shape is None:
+        raise ProfileTableError(f"{r.path}: row 2: no data rows (an empty table)")
     return ComputeTable(str(r.path), shape, _averaged(acc))
 
 
@@ -188,6 +190,8 @@ def _attention(r: _Reader) -> AttentionTable:
             pre[(tp, r.integer(n, row, "prefill_chunk_size"), cached)].append((t, kv))
         else:
             dec[(tp, r.integer(n, row, "batch_size"), cached)].append((t, kv))
+    if shape is None:
+        raise ProfileTableError(f"{r.path}: row 2: no data rows (an empty table)")
     mean = lambda v: (sum(a for a, _ in v) / len(v), None if v[0][1] is None else sum(k for _, k in v) / len(v))  # noqa: E731
     return AttentionTable(str(r.path), shape, {k: mean(v) for k, v in pre.items()}, {k: mean(v) for k, v in dec.items()})
 

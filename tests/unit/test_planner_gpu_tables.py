@@ -98,9 +98,11 @@ def test_a_malformed_table_is_refused_naming_file_row_and_column(tmp_path, name,
 
 def test_incomplete_or_foreign_tables_are_refused(tmp_path):
     (tmp_path / "empty.csv").write_text("time_stats.mlp_up_proj.median,num_tokens\n")
+    (tmp_path / "blank.csv").write_text((FIXTURE / MLP).read_text().splitlines()[0] + "\n,,\n")
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     (tmp_path / "ar.csv").write_text("time_stats.all_reduce.median,num_workers,size,devices_per_node\n0.1,4,2048,2\n")
-    for name, message in (("empty.csv", "row 2: no data rows"), ("other.csv", "row 1: not a Vidur compute"),
+    for name, message in (("empty.csv", "row 2: no data rows"), ("blank.csv", "row 2: no data rows"),
+                          ("other.csv", "row 1: not a Vidur compute"),
                           ("ar.csv", "no single-node all-reduce rows")):
         with pytest.raises(ProfileTableError, match=message):
             load_tables([tmp_path / name])
