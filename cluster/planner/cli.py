@@ -4,7 +4,8 @@
         --workload ../shared/workloads/azure_llm_2023_conv.csv --rate 40 --ttft-ms 250 --tpot-ms 100 \\
         --out cluster.yaml --report plan-report/
     pdserve profile deploy/local.yaml --out deploy/profiles/cpu-local-smollm2.json
-    pdserve fit-gpu ../shared/gpu_profiles/vidur/a100_*  --hardware a100 --out deploy/profiles/a100-vidur.json
+    pdserve fit-gpu my-a100/mlp.csv my-a100/attention.csv my-a100/all_reduce.csv --hardware a100 \\
+        --out deploy/profiles/my-a100.json
 """
 from __future__ import annotations
 
