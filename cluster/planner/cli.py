@@ -1,4 +1,4 @@
-"""`pdserve plan` and `pdserve profile` (registered by cluster/cli.py; handlers import the work lazily).
+"""`pdserve plan`, `pdserve profile` and `pdserve fit-gpu` (registered by cluster/cli.py; handlers import the work lazily).
 
     pdserve plan --model llama-3-8b --hardware h100 --nodes 4 --gpus-per-node 8 \\
         --workload ../shared/workloads/azure_llm_2023_conv.csv --rate 40 --ttft-ms 250 --tpot-ms 100 \\
