@@ -1,9 +1,11 @@
-"""`pdserve plan` and `pdserve profile` (registered by cluster/cli.py; handlers import the work lazily).
+"""`pdserve plan`, `pdserve profile` and `pdserve fit-gpu` (registered by cluster/cli.py; handlers import the work lazily).
 
     pdserve plan --model llama-3-8b --hardware h100 --nodes 4 --gpus-per-node 8 \\
         --workload ../shared/workloads/azure_llm_2023_conv.csv --rate 40 --ttft-ms 250 --tpot-ms 100 \\
         --out cluster.yaml --report plan-report/
     pdserve profile deploy/local.yaml --out deploy/profiles/cpu-local-smollm2.json
+    pdserve fit-gpu my-a100/mlp.csv my-a100/attention.csv my-a100/all_reduce.csv --hardware a100 \\
+        --out deploy/profiles/my-a100.json
 """
 from __future__ import annotations
 
@@ -18,6 +20,20 @@ def _plan(args: argparse.Namespace) -> int:
 def _profile(args: argparse.Namespace) -> int:
     from cluster.planner.profiler import run_profile
     return run_profile(args)
+
+
+def _fit_gpu(args: argparse.Namespace) -> int:
+    from cluster.planner.gpu_fit_cmd import run_fit_gpu
+    return run_fit_gpu(args)
+
+
+def _add_fit_gpu(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fit-gpu", help="fit the planner's GPU step model to measured operator tables (Vidur layout)")
+    p.add_argument("tables", nargs="+", help="CSV/JSON tables or directories of them, all measured on one GPU kind")
+    p.add_argument("--hardware", required=True, help="the GPU they were measured on (deploy/hardware.yaml)")
+    p.add_argument("--out", help="write a profile JSON for `pdserve plan --profile`")
+    p.add_argument("--name", help="profile name (default: the --out file's stem)")
+    p.set_defaults(func=_fit_gpu)
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -42,8 +58,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attainment", type=float, default=0.9, help="fraction of requests meeting both targets")
     p.add_argument("--out", default="cluster.yaml", help="where to write the cluster spec")
     p.add_argument("--report", help="directory for report.md, attainment.png, plan.json")
-    p.add_argument("--profile", help="a latency profile (deploy/profiles/NAME.json or a path); "
-                                     "default: the roofline model of --hardware")
+    p.add_argument("--profile", help="a latency profile (deploy/profiles/NAME.json or a path), or measured GPU "
+                                     "tables in Vidur's layout (a CSV, a directory, or several joined by commas: "
+                                     "fitted on the spot for --hardware); default: --hardware's GPU step model "
+                                     "(roofline for CPUs)")
     p.add_argument("--corun", default="cpu", choices=["cpu", "wall", "off"],
                    help="the profile's co-run slowdowns of instances sharing a node: cpu (memory bus and cache "
                         "only), wall (also time lost to other processes on oversubscribed cores), off")
@@ -86,3 +104,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add this subpackage's subcommands; keep it cheap (no heavy imports here)."""
     _add_plan(subparsers)
     _add_profile(subparsers)
+    _add_fit_gpu(subparsers)

@@ -26,7 +26,8 @@ class Fit:
                 "points": self.points}
 
 
-def _nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Coefficients >= 0 minimising the relative error of x @ coef against y (also used by `gpu_fit`)."""
     w = 1.0 / y
     free = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
@@ -44,7 +45,7 @@ def _fit(features: list[tuple[float, float]], times: list[float]) -> Fit:
         raise ValueError(f"need at least 3 measurements to fit 3 coefficients (got {len(times)})")
     x = np.array([[1.0, f1, f2] for f1, f2 in features])
     y = np.array(times, dtype=float)
-    coef = _nonneg_lstsq(x, y)
+    coef = nonneg_lstsq(x, y)
     rel = np.abs(x @ coef - y) / y
     return Fit((float(coef[0]), float(coef[1]), float(coef[2])), float(rel.mean()), float(rel.max()), len(y))
 

@@ -1,7 +1,8 @@
 """The accelerator table: `Hardware` (frozen) from `deploy/hardware.yaml`, looked up by name or alias.
 
 `load_hardware("h100")` -> peak bf16 FLOP/s, HBM bandwidth and size, NVLink/PCIe/inter-node bandwidth
-(all in base units here: FLOP/s, bytes/s, bytes). Used by `roofline` (compute and memory time), by
+(all in base units here: FLOP/s, bytes/s, bytes), and for GPUs the `step:` block of the GPU step model
+(`gpu_constants`, each constant with its source in the YAML). Used by `gpu_latency` / `roofline`, by
 `parallel` (memory per device, all-reduce and KV-transfer link speeds) and by `search` (placement).
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.planner.errors import BadConfigError, UnknownHardwareError
+from cluster.planner.gpu_constants import StepConstants, StepEntry
 from cluster.planner.paths import deploy_dir, pydantic_problems, read_data
 
 GB = 1e9
@@ -27,6 +29,7 @@ class Hardware:
     nvlink_bw: float  # bytes/s per device per direction; 0: none
     pcie_bw: float
     inter_node_bw: float  # bytes/s per device across nodes
+    step: StepConstants | None = None  # the GPU step model's constants (`gpu_constants`); None: roofline only
 
     @property
     def intra_node_bw(self) -> float:
@@ -47,6 +50,7 @@ class _HardwareEntry(BaseModel):
     nvlink_gbs: float = Field(ge=0)
     pcie_gbs: float = Field(gt=0)
     inter_node_gbs: float = Field(gt=0)
+    step: StepEntry | None = None
 
 
 def _table() -> dict[str, _HardwareEntry]:
@@ -74,5 +78,5 @@ def load_hardware(name: str, inter_node_gbs: float | None = None) -> Hardware:
     canon = by_alias[key]
     e = table[canon]
     hw = Hardware(canon, e.peak_tflops * 1e12, e.hbm_gbs * GB, e.memory_gib * GIB, e.nvlink_gbs * GB,
-                  e.pcie_gbs * GB, e.inter_node_gbs * GB)
+                  e.pcie_gbs * GB, e.inter_node_gbs * GB, e.step.constants() if e.step else None)
     return replace(hw, inter_node_bw=inter_node_gbs * GB) if inter_node_gbs else hw

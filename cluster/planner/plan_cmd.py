@@ -14,7 +14,7 @@ from cluster.planner.errors import PlannerError
 from cluster.planner.hardware import load_hardware
 from cluster.planner.metrics import SLO
 from cluster.planner.models import load_model
-from cluster.planner.profiles import load_profile
+from cluster.planner.profiles import describe_latency, load_profile
 from cluster.planner.search import PlanRequest, SearchResult, search
 from cluster.planner.workload import clamp, distribution_lengths, scale_lengths, subsample, trace_lengths
 
@@ -22,7 +22,7 @@ from cluster.planner.workload import clamp, distribution_lengths, scale_lengths,
 def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
     model = load_model(args.model)
     hw = load_hardware(args.hardware, args.inter_node_gbs)
-    profile = load_profile(args.profile, args.corun, args.serving == "on") if args.profile else None
+    profile = load_profile(args.profile, args.corun, args.serving == "on", hw) if args.profile else None
     for name, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
         if v < 1:
             raise PlannerError(f"{name} must be >= 1 (got {v})")
@@ -44,9 +44,7 @@ def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
     req = PlanRequest(model, hw, args.nodes, args.gpus_per_node, tuple(clamp(subsample(pairs, seed=args.seed), max_len)), args.rate,
                       SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment), args.dtype, profile,
                       max_len, seed=args.seed)
-    latency = (f"profile {profile.name} (fitted TP {sorted(profile.coeffs)}; roofline calibrated from it "
-               f"elsewhere; co-run factors: {args.corun if not profile.corun.is_none else 'none'})"
-               if profile else f"roofline of {hw.name} (default efficiencies)")
+    latency = describe_latency(profile, hw, args.corun)
     return req, {"command": "pdserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
                  "workload": workload, "latency": latency}
 

@@ -25,8 +25,15 @@ serving=False)` drops them (the bare engine). `pdserve plan` and bench/planner_c
 with `--serving on`: on this shared machine the factors move with the hour (a disaggregated decode
 factor of 1.47 at one time, ~1.14 half an hour later), which would move absolute feasibility by default.
 
-`latency_model(...)`: the profile's coefficients for that TP if it has them; else the roofline,
-calibrated from the profile (its explicit calibration, or derived from its TP=1 fit) when there is one.
+GPU operator profiles: `pdserve fit-gpu TABLES --out NAME.json` writes {"name", "hardware", "step":
+{...}, "step_fit": {...}} (the GPU step model's constants, `gpu_constants`); `load_profile` also takes the
+measured tables themselves (a Vidur-layout CSV, a directory of them, or several joined by commas) and fits
+them on the spot for `hardware` (`gpu_fit`; groups the tables lack keep the hardware entry's constants).
+
+`latency_model(...)`: the profile's coefficients for that TP if it has them; else the GPU step model
+(`gpu_latency`) with the profile's fitted `step` constants, or the hardware entry's when neither the
+profile nor anything else says otherwise; else (CPUs, old profiles with a `calibration` or TP=1 fit) the
+roofline, calibrated from the profile when there is one.
 """
 from __future__ import annotations
 
@@ -38,6 +45,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cluster.planner.bus import KINDS, Corun
 from cluster.planner.errors import BadConfigError
+from cluster.planner.gpu_constants import StepConstants, StepEntry
+from cluster.planner.gpu_latency import OperatorLatency
 from cluster.planner.hardware import Hardware
 from cluster.planner.latency import Coeffs, FittedLatency, LatencyModel, Parallel
 from cluster.planner.models import ModelSpec
@@ -109,11 +118,13 @@ class _ServingEntry(BaseModel):
 class _ProfileFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
-    model: str
+    model: str = ""  # "" for a GPU operator profile: its constants hold for any model
     dtype: str = "bfloat16"
     hardware: str
     tp: dict[int, _TPEntry] = {}
     calibration: _CalibrationEntry | None = None
+    step: StepEntry | None = None
+    step_fit: dict[str, Any] = {}
     corun: _CorunEntry | None = None
     serving: dict[str, _ServingEntry] = {}
 
@@ -139,6 +150,7 @@ class Profile:
     fit: dict[int, dict[str, Any]] = field(default_factory=dict)
     corun: Corun = field(default_factory=Corun.none)  # co-run slowdown on one node's memory bus
     serving: dict = field(default_factory=dict)  # mode -> its serving calibration (`serving.py`)
+    step: StepConstants | None = None  # GPU step model constants fitted from measured operator tables
 
 
 CORUN_CLOCKS = ("cpu", "wall", "off")
@@ -150,11 +162,36 @@ def profile_path(name_or_path: str) -> Path:
     return path if path.is_file() else deploy_dir() / "profiles" / f"{name_or_path}.json"
 
 
-def load_profile(name_or_path: str, corun: str = "cpu", serving: bool = True) -> Profile:
+def is_table_profile(name_or_path: str) -> bool:
+    """Measured operator tables rather than a profile JSON: a CSV, a directory, or several joined by commas."""
+    parts = name_or_path.split(",")
+    return len(parts) > 1 or Path(name_or_path).is_dir() or Path(name_or_path).suffix == ".csv"
+
+
+def table_profile(name_or_path: str, hardware: Hardware) -> Profile:
+    """Fit the GPU step model to measured tables (Vidur's layout) taken on `hardware`."""
+    from cluster.planner.gpu_fit import fit_constants  # numpy: only when tables are given
+    from cluster.planner.vidur_tables import load_tables
+
+    if hardware.step is None:
+        raise BadConfigError(f"{name_or_path}: measured GPU tables need a GPU --hardware with a `step:` block in "
+                             f"deploy/hardware.yaml ({hardware.name} has none)")
+    step, _ = fit_constants(load_tables(name_or_path.split(",")), hardware, hardware.step)
+    name = ",".join(Path(p).name for p in name_or_path.split(","))
+    return Profile(name, "", "bfloat16", hardware.name, step=step)
+
+
+def load_profile(name_or_path: str, corun: str = "cpu", serving: bool = True,
+                 hardware: Hardware | None = None) -> Profile:
     """A path to a profile JSON, or a name under `deploy/profiles/`; `corun`: which co-run factors;
-    `serving`: apply its serving calibration (when it has one)."""
+    `serving`: apply its serving calibration (when it has one). Measured GPU tables (`is_table_profile`)
+    are fitted for `hardware`."""
     if corun not in CORUN_CLOCKS:
         raise BadConfigError(f"co-run clock {corun!r}: one of {', '.join(CORUN_CLOCKS)}")
+    if is_table_profile(name_or_path):
+        if hardware is None:
+            raise BadConfigError(f"{name_or_path}: measured tables are fitted for a hardware entry; none given")
+        return table_profile(name_or_path, hardware)
     path = profile_path(name_or_path)
     if not path.is_file():
         known = sorted(p.stem for p in (deploy_dir() / "profiles").glob("*.json"))
@@ -164,8 +201,9 @@ def load_profile(name_or_path: str, corun: str = "cpu", serving: bool = True) ->
         p = _ProfileFile.model_validate(read_data(path))
     except ValidationError as e:
         raise BadConfigError(pydantic_problems(path, e)) from None
-    if not p.tp and p.calibration is None:
-        raise BadConfigError(f"{path}: has neither `tp` coefficients nor a `calibration`; nothing to model")
+    if not p.tp and p.calibration is None and p.step is None:
+        raise BadConfigError(f"{path}: has neither `tp` coefficients, a `calibration` nor a GPU `step`; "
+                             f"nothing to model")
     cal = Calibration(**p.calibration.model_dump()) if p.calibration else None
     factors = {"cpu": p.corun.slowdown, "wall": p.corun.wall_slowdown, "off": {}}[corun] if p.corun else {}
     if p.corun and corun == "wall" and not factors:
@@ -173,7 +211,7 @@ def load_profile(name_or_path: str, corun: str = "cpu", serving: bool = True) ->
     corun = Corun.from_dict(factors)
     coeffs = {tp: Coeffs(e.prefill, e.decode) for tp, e in p.tp.items()}
     return Profile(p.name, p.model, p.dtype, p.hardware, coeffs, cal, {tp: dict(e.fit) for tp, e in p.tp.items()},
-                   corun, dict(p.serving) if serving else {})
+                   corun, dict(p.serving) if serving else {}, p.step.constants() if p.step else None)
 
 
 def corun_of(profile: Profile | None) -> Corun:
@@ -195,9 +233,27 @@ def latency_model(model: ModelSpec, hw: Hardware, parallel: Parallel, dtype: str
             return FittedLatency(parallel, profile.coeffs[parallel.tp], per_token)
         return FittedLatency(parallel, scaled(profile.coeffs[parallel.tp], entry), per_token, entry.admission_s,
                              drift_of(entry))
+    step = profile.step if profile is not None and profile.step is not None else None
+    legacy = profile is not None and (profile.calibration is not None or 1 in profile.coeffs)
+    if step is None and not legacy:
+        step = hw.step
+    if step is not None:
+        return OperatorLatency(parallel, model, hw, step, dtype, pp_link)
     cal = Calibration()
     if profile is not None and profile.calibration is not None:
         cal = profile.calibration
     elif profile is not None and 1 in profile.coeffs:
         cal = calibrate(model, hw, profile.coeffs[1], dtype)
     return RooflineLatency(parallel, model, hw, dtype, cal, pp_link)
+
+
+def describe_latency(profile: Profile | None, hw: Hardware, corun: str) -> str:
+    """What `pdserve plan` says it planned with (the spec header and the report)."""
+    if profile is not None and profile.step is not None:
+        return f"GPU step model fitted from {profile.name} ({profile.step.source})"
+    if profile is not None:
+        return (f"profile {profile.name} (fitted TP {sorted(profile.coeffs)}; roofline calibrated from it "
+                f"elsewhere; co-run factors: {corun if not profile.corun.is_none else 'none'})")
+    if hw.step is not None:
+        return f"GPU step model of {hw.name} (deploy/hardware.yaml: {hw.step.source})"
+    return f"roofline of {hw.name} (default efficiencies)"

@@ -23,7 +23,8 @@ PURE = ("engine.scheduler", "engine.request", "engine.kv_cache.allocator", "engi
 # the planner's core (latency models, simulator, search): pure Python; its profiler and report are not
 PLANNER_PURE = tuple(f"cluster.planner.{m}" for m in (
     "errors", "paths", "models", "hardware", "latency", "roofline", "profiles", "parallel", "workload",
-    "metrics", "events", "stepping", "sim_disagg", "sim_coloc", "goodput", "plans", "placement", "search", "bus"))
+    "metrics", "events", "stepping", "sim_disagg", "sim_coloc", "goodput", "plans", "placement", "search", "bus",
+    "gpu_constants", "gpu_latency", "gpu_fit", "vidur_tables"))
 PURE += PLANNER_PURE
 NOT_PURE = {"torch", "grpc", "ray"}
 
