@@ -26,9 +26,9 @@ async def assert_cluster_empty(router, timeout_s: float = 10.0) -> dict:
         left = {name: s for name, s in stats.items()
                 if s.pages_in_use or s.reservations or s.running or s.waiting
                 or getattr(s, "held", 0) or getattr(s, "sending", 0) or getattr(s, "receiving", 0)}
-        if not left and not router._flights and not router._waiting:
+        if not left and not router.flights.by_wid and not router.flights.waiting:
             return stats
-        assert time.monotonic() < end, f"workers still hold state: {left}; flights {list(router._flights)}"
+        assert time.monotonic() < end, f"workers still hold state: {left}; flights {list(router.flights.by_wid)}"
         await asyncio.sleep(0.05)
 
 

@@ -1,5 +1,6 @@
-"""Ray actors for the workers, placement groups per pool, and `start_cluster` (what `ClusterRouter.from_spec`
-runs). With `cluster/router.py`'s `from_spec` path, the only code that imports ray.
+"""Ray actors for the workers, placement groups per pool, and `start_cluster` (a spec -> a running
+`ClusterRouter` over Ray actors). The only module of the serving path that imports ray; it imports the
+router, never the other way round.
 
 Order: `init_ray(address)` (a private local Ray bound to 127.0.0.1 with auth mode set explicitly, or join
 an existing one) -> placement groups per pool (`_placement`: `pool.placement` pack = one group of `replicas`
@@ -13,7 +14,7 @@ Restarts: Ray restarts a dead actor `reliability.actor_max_restarts` times (`act
 retries a call on the new incarnation (max_task_retries 0): a retried `drain` would hide the death from the
 router, which must see it to recover the requests the old incarnation held. The router takes a restarted
 actor back as a new worker record (`RayHandle.reincarnation`: the restarted actor's `ready()`, whose info
-carries a fresh random `incarnation`); the lost record stays dead (cluster/recovery.py, "Rejoin").
+carries a fresh random `incarnation`); the lost record stays dead (recovery.py, "Rejoin").
 Test hooks on `WorkerActor`, called by fault tests on the actor handle and never by the router, a spec or
 HTTP: `slow_steps(delay_s)` (a slow worker) and `rss_bytes()` (memory under repeated faults).
 `shutdown()` stops every actor's loop (its worker aborts what it holds), kills the actors, removes the
@@ -36,8 +37,9 @@ import time
 import uuid
 from typing import Any
 
+from cluster.serving.router import ClusterRouter, RouterConfig
+from cluster.serving.worker_loop import DECODE_METHODS, PREFILL_METHODS, WorkerLoop
 from cluster.serving_api import BackendUnavailableError
-from cluster.worker_loop import DECODE_METHODS, PREFILL_METHODS, WorkerLoop
 from engine.errors import PdserveError
 
 
@@ -240,8 +242,6 @@ def actor_options(pool, spec) -> dict[str, Any]:
 
 def router_config(spec, config):
     """The router's settings from the spec and the resolved model's `ModelConfig` (pure: no Ray)."""
-    from cluster.router import RouterConfig
-
     pools = spec.pools_in_use()
     serving = [p for n, p in pools.items() if n != "prefill"]
     max_len = min(min(p.max_model_len or config.max_position, config.max_position) for p in pools.values())
@@ -306,7 +306,7 @@ def _start_pool(name: str, pool, spec, kv: dict, num_threads: int, ready_timeout
     return actors, groups
 
 
-def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: int = 1,
+def start_cluster(spec, num_cpus: float | None = None, num_threads: int = 1,
                   ready_timeout_s: float = 600.0, transport: Any = "grpc"):
     """Start (or join) Ray, place every pool, wait until each worker is ready, return the router.
     `transport`: a name in `kv_transfer.contract.TRANSPORTS`, or (fault tests) a transport object that
@@ -339,7 +339,7 @@ def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: 
     async def teardown() -> None:
         await asyncio.to_thread(_teardown_sync, started, owns_ray)
 
-    return router_cls(rcfg, handles, Tokenizer(resolve_model(spec.model)), serving[0].kv.page_size, teardown)
+    return ClusterRouter(rcfg, handles, Tokenizer(resolve_model(spec.model)), serving[0].kv.page_size, teardown)
 
 
 def _teardown_sync(started, owns_ray: bool) -> None:

@@ -1,9 +1,13 @@
-"""The router's worker side: worker records, heartbeats, request recovery and the ledger. Pure Python.
+"""`Recovery`: the router's worker side -- pollers (heartbeats), worker losses, request recovery, rejoins --
+and the `Ledger`. Pure Python, no Ray.
 
-Who calls it: `cluster/router.py` only (`ClusterRouter` takes `RecoveryMixin`'s pollers, `_lose` and
-`_recover`; `Worker` is its record of one worker). Order of events when a worker is lost:
+Who calls it: the router owns one (`ClusterRouter.recovery`) and starts a poller per member; admission
+sends its placement commands through `ask` and hands it the flights a placement step harmed (`recover`).
+What it reads and changes is passed in: the pools' `PoolMembership`s (it fences and replaces members),
+the `FlightTable`, `Holdings` (to let go of a harmed flight's old placement), the `Tasks` it runs beside the
+loop, the `PrefixPlacer` and the `Ledger`. Order of events when a worker is lost:
   1. Detection: its poller's `drain()` raised (the actor or thread is gone), a call to it raised
-     `BackendUnavailableError`, or the router's watchdog saw no heartbeat (a returned `drain()`) for
+     `BackendUnavailableError`, or the watchdog (`check_heartbeats`, run by the admission loop) saw no heartbeat (a returned `drain()`) for
      `RouterConfig.heartbeat_timeout_s` on the router's injectable clock (`stale_workers`): a hung worker
      is declared dead within timeout + one admission tick (50 ms), then fenced (`handle.close()`).
      Placement commands (`reserve`, `submit`, `add_request`) must answer within `call_timeout_s` (`_ask`),
@@ -12,7 +16,7 @@ Who calls it: `cluster/router.py` only (`ClusterRouter` takes `RecoveryMixin`'s 
   2. Triage (`harmed_by`): a flight is harmed when the dead worker still owed it something -- its decode
      side (reservation or running request), or its prefill side before the KV left (first token or the
      transfer still pending). A prefill worker whose transfer was done no longer matters to the flight.
-  3. Recovery (`ClusterRouter._recover`): a harmed flight that is not done and has recoveries left is
+  3. Recovery (`recover`): a harmed flight that is not done and has recoveries left is
      re-placed like a new request, at the head of the queue, under a fresh worker id (so late events of the
      old placement are ignored), with `resume_plan`: prompt + the tokens already streamed as the new
      prompt, `max_tokens` reduced by as many. The healthy prefill worker recomputes that KV and ships it
@@ -21,12 +25,12 @@ Who calls it: `cluster/router.py` only (`ClusterRouter` takes `RecoveryMixin`'s 
      lost, none repeated. A flight out of recoveries ends with `BackendUnavailableError`.
   4. Rejoin (`RouterConfig.rejoin_restarted`, on when the spec lets Ray restart actors): while a pool has no
      live worker but one is restarting, requests that need it (new ones and recovered ones) wait in the
-     queue (`AwaitingRestart`) until it rejoins or their deadline passes; a lost worker whose
-     handle has `reincarnation()` (Ray: waits for the restarted actor's `ready()`) comes back as a NEW
-     `Worker` record once a new incarnation (a random id the actor draws at start) answers; the old record
-     stays dead. The same incarnation (a hung worker that was fenced) or none (dead for good) never returns.
+     queue (`AwaitingRestart`, the pool's `pending` replacement) until it rejoins or their deadline
+     passes; a lost worker whose handle has `reincarnation()` (Ray: waits for the restarted actor's
+     `ready()`) is replaced by a NEW `Worker` record in its slot once a new incarnation (a random id the
+     actor draws at start) answers (`PoolMembership.replace`); the old record is gone and stays dead. The same incarnation (a hung worker that was fenced) or none (dead for good) never returns.
 Old incarnations: nothing of a lost placement can land in the new one. The router forgets the old worker id
-(late events are dropped in `_apply`), aborts the old reservation on a live decode worker (late chunks of a
+(late events are dropped by the router), aborts the old reservation on a live decode worker (late chunks of a
 zombie prefill then hit a finished reservation: FAILED_PRECONDITION, never written), and a restarted decode
 worker issues fresh random reservation ids and nonces (an old descriptor is NOT_FOUND or PERMISSION_DENIED
 there). No epoch field is needed on the wire for that; a restarted actor on the same address is covered by
@@ -43,47 +47,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Callable
 
+from cluster.serving.flight import Flight, FlightTable
+from cluster.serving.holdings import Holdings
+from cluster.serving.membership import PoolMembership, Worker
+from cluster.serving.prefix_routing import PrefixPlacer
+from cluster.serving.tasks import Tasks
 from cluster.serving_api import BackendUnavailableError
 from engine.sampling_params import SamplingParams
 
 OUTCOMES = ("completed", "failed", "cancelled")
-
-
-class AwaitingRestart(Exception):
-    """Internal to the router: every worker of a pool is lost and one of them is being restarted, so a
-    request that needs the pool waits in the queue (bounded by its deadline) instead of failing."""
-
-
-class WorkerHandle(Protocol):
-    name: str
-    info: dict  # from the worker at start (decode workers: {"address": KV receiver address})
-
-    async def call(self, method: str, *args) -> Any: ...
-
-    async def drain(self, timeout_s: float) -> tuple[list, Any]: ...
-
-    async def close(self) -> None: ...
-
-    # optional: `async def reincarnation(self) -> WorkerHandle` -- the handle of a restarted incarnation
-
-
-@dataclass
-class Worker:
-    """The router's view of one worker: its handle, latest stats and the load the router put on it."""
-    handle: WorkerHandle
-    pool: str
-    stats: Any = None
-    alive: bool = True
-    flights: set[str] = field(default_factory=set)  # wids assigned here
-    queued_tokens: int = 0  # prefill: prompt tokens submitted, first token not yet back
-    pages_claimed: int = 0  # decode: pages reserved since the last stats snapshot
-    last_seen: float = 0.0  # router clock at the last returned drain (the heartbeat)
-
-    def free_pages(self) -> int:
-        return (self.stats.free_pages if self.stats is not None else 0) - self.pages_claimed
 
 
 @dataclass
@@ -152,134 +127,130 @@ def stale_workers(workers, now: float, timeout_s: float) -> list:
     return [w for w in workers if w.alive and now - w.last_seen > timeout_s]
 
 
-class RecoveryMixin:
-    """`ClusterRouter`'s worker side: the pollers (heartbeats), losses and recoveries. Uses the router's
-    `cfg`, `workers`, `_flights`, `_waiting`, `_ids`, `_wake`, `_clock`, `_tokenizer`, `ledger`,
-    `_release`, `_prefix`."""
+class Recovery:
+    def __init__(self, cfg, pools: dict[str, PoolMembership], flights: FlightTable, holdings: Holdings,
+                 tasks: Tasks, prefix: PrefixPlacer, ledger: Ledger, tokenizer, clock: Callable[[], float]):
+        """`cfg`: the router's `RouterConfig` (drain, heartbeat and call timeouts, max_recoveries,
+        rejoin_restarted); `tokenizer` detokenizes a resumed stream's seam; `clock`: monotonic seconds."""
+        self.cfg, self.pools, self.flights, self.holdings = cfg, pools, flights, holdings
+        self.tasks, self.prefix, self.ledger, self.tokenizer, self.clock = tasks, prefix, ledger, tokenizer, clock
 
-    async def _poll(self, w: Worker) -> None:
+    def everyone(self) -> list[Worker]:
+        return [w for m in self.pools.values() for w in m.members]
+
+    async def poll(self, w: Worker) -> None:
         """Long-poll one worker's events into their flights; a returned drain is its heartbeat."""
-        w.last_seen = self._clock()
-        while not self._closed and w.alive:
+        w.last_seen = self.clock()
+        while not self.tasks.closed and w.alive:
             try:
                 events, stats = await w.handle.drain(self.cfg.drain_timeout_s)
             except Exception as e:  # noqa: BLE001 - any transport failure means the worker is gone
-                self._lose(w, e if isinstance(e, BackendUnavailableError) else BackendUnavailableError(
-                    f"worker {w.handle.name} failed: {type(e).__name__}: {e}"))
+                self.lose(w, e if isinstance(e, BackendUnavailableError) else BackendUnavailableError(
+                    f"worker {w.name} failed: {type(e).__name__}: {e}"))
                 return
             if not w.alive:  # declared dead meanwhile (heartbeat): its late events must not count
                 return
-            w.last_seen = self._clock()
+            w.last_seen = self.clock()
             if stats is not None:
                 w.stats, w.pages_claimed = stats, 0
             for ev in events:
-                f = self._flights.get(ev.request_id)
+                f = self.flights.get(ev.request_id)
                 if f is not None:
                     f.queue.put_nowait(ev)
-            self._wake.set()
+            self.flights.wake.set()
 
-    def _everyone(self) -> list[Worker]:
-        return [w for ws in self.workers.values() for w in ws]
-
-    async def _ask(self, w: Worker, method: str, *args):
+    async def ask(self, w: Worker, method: str, *args):
         """A command to `w` that must answer within `call_timeout_s`; a worker that does not is lost and
         fenced (what it may still do for the command is undone when the fence closes it), one that cannot
         (stopped loop, dead actor) is lost."""
         try:
             return await asyncio.wait_for(w.handle.call(method, *args), self.cfg.call_timeout_s)
         except BackendUnavailableError as e:  # its loop or actor is gone: do not pick it again
-            self._lose(w, e)
+            self.lose(w, e)
             raise
         except asyncio.TimeoutError:
-            err = BackendUnavailableError(f"worker {w.handle.name}: {method} got no answer within "
+            err = BackendUnavailableError(f"worker {w.name}: {method} got no answer within "
                                           f"{self.cfg.call_timeout_s} s")
-            self._lose(w, err)
-            self._spawn(self._fence(w))
+            self.lose(w, err, close=True)
             raise err from None
 
-    async def _confirm_failure(self, f, wid: str, error: str) -> None:
+    async def confirm_failure(self, f: Flight, wid: str, error: str) -> None:
         """A decode worker failed `f`'s transfer before its prefill worker reported the push's end: if that
         worker is dead (it took the push with it), `f` recovers; otherwise the failure stands."""
         p = f.prefill
         try:
-            await self._ask(p, "stats")
+            await self.ask(p, "stats")
         except BackendUnavailableError as e:
-            self._lose(p, e)  # (harmed: its prefill had not ended) -> re-queued under a new wid
+            self.lose(p, e)  # (harmed: its prefill had not ended) -> re-queued under a new wid
         if f.wid == wid and not f.done:
             f.queue.put_nowait(BackendUnavailableError(f"request {f.req.request_id}: {error}"))
 
-    def _check_heartbeats(self) -> None:
+    def check_heartbeats(self) -> None:
         """Declare silent workers dead and fence them: closing a wedged worker (Ray: killing the actor)
         frees what it holds and keeps a zombie from acting on requests that moved on."""
-        for w in stale_workers(self._everyone(), self._clock(), self.cfg.heartbeat_timeout_s):
-            self._lose(w, BackendUnavailableError(
-                f"worker {w.handle.name}: no heartbeat for {self.cfg.heartbeat_timeout_s} s"))
-            self._spawn(self._fence(w))
+        for w in stale_workers(self.everyone(), self.clock(), self.cfg.heartbeat_timeout_s):
+            self.lose(w, BackendUnavailableError(
+                f"worker {w.name}: no heartbeat for {self.cfg.heartbeat_timeout_s} s"), close=True)
 
-    async def _fence(self, w: Worker) -> None:
+    async def _close(self, w: Worker) -> None:
         try:
             await w.handle.close()
         except Exception:  # noqa: BLE001 - it is dead to the router either way
             pass
 
-    def _lose(self, w: Worker, err: BackendUnavailableError) -> None:
-        """`w` is dead to the router: route around it; the flights it harmed recover or fail."""
-        if not w.alive:
+    def lose(self, w: Worker, err: BackendUnavailableError, close: bool = False) -> None:
+        """`w` is dead to the router: fence it (`close`: and stop it), route around it; the flights it
+        harmed recover or fail; a restarted incarnation is awaited where the spec lets Ray restart it."""
+        pool = self.pools[w.pool]
+        if not pool.fence(w, str(err), self.clock()):
             return
-        w.alive = False
         self.ledger.workers_lost += 1
-        self._prefix.forget(w)  # a restarted incarnation starts with an empty prefix cache
+        self.prefix.forget(w)  # a restarted incarnation starts with an empty prefix cache
+        self.holdings.forget(w)
         for wid in list(w.flights):
-            f = self._flights.get(wid)
+            f = self.flights.get(wid)
             if f is not None and harmed_by(f, w):
-                self._recover(f, err)
-        if self.cfg.rejoin_restarted and hasattr(w.handle, "reincarnation") and not self._closed:
-            self._restarting[w.pool] = self._restarting.get(w.pool, 0) + 1  # until _rejoin settles
-            self._tasks.append(asyncio.get_running_loop().create_task(self._rejoin(w)))  # (cancelled at shutdown)
-        if self._wake is not None:
-            self._wake.set()
+                self.recover(f, err)
+        if self.cfg.rejoin_restarted and hasattr(w.handle, "reincarnation") and not self.tasks.closed:
+            pool.expect_replacement()  # until _rejoin settles
+            self.tasks.start(self._rejoin(w))
+        if close:
+            self.tasks.spawn(self._close(w))
+        self.flights.wake.set()
 
     async def _rejoin(self, w: Worker) -> None:
-        """Take back `w`'s restarted actor as a new worker record, if a new incarnation answers. Nothing
-        addressed to the old record (its flights, reservations, late events) reaches the new one: the old
-        record stays dead, and a restarted decode worker draws fresh reservation ids and nonces."""
+        """Replace `w` by its restarted actor, if a new incarnation answers. Nothing addressed to the old
+        record (its flights, reservations, late events) reaches the new one: the old record is gone, and
+        a restarted decode worker draws fresh reservation ids and nonces."""
+        pool = self.pools[w.pool]
         try:
             handle = await w.handle.reincarnation()
         except BackendUnavailableError:
             return  # dead for good: out of restarts, or killed without one
         finally:
-            self._restarting[w.pool] -= 1
-            if self._wake is not None:
-                self._wake.set()  # requests waiting for this pool: place them, or fail them now
+            pool.replacement_settled()
+            self.flights.wake.set()  # requests waiting for this pool: place them, or fail them now
         old = w.handle.info.get("incarnation")
-        if self._closed or handle.info.get("incarnation") in (None, old):
+        if self.tasks.closed or handle.info.get("incarnation") in (None, old):
             return  # the same process (fenced while hung) never comes back
-        fresh = Worker(handle, w.pool)
-        self.workers[w.pool].append(fresh)
+        fresh = pool.replace(w, handle, self.clock())
         self.ledger.workers_rejoined += 1
-        if self._wake is not None:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._poll(fresh)))
-            self._wake.set()
+        self.tasks.start(self.poll(fresh))
+        self.flights.wake.set()
 
-    def _recover(self, f, err: BackendUnavailableError) -> None:
+    def recover(self, f: Flight, err: BackendUnavailableError) -> None:
         """Re-queue `f` at the head under a fresh worker id to resume elsewhere, or fail it with `err`."""
-        if f.done or f.wid not in self._flights:
+        if f.done or self.flights.get(f.wid) is not f:
             return
         if f.recoveries >= self.cfg.max_recoveries:
             f.queue.put_nowait(BackendUnavailableError(f"{err} (request {f.req.request_id}: "
                                                        f"{f.recoveries} recoveries already)"))
             return
-        self._release(f)
+        self.holdings.release(f)
         for w in (f.prefill, f.decode):
             if w is not None:
                 w.flights.discard(f.wid)
-        del self._flights[f.wid]
-        f.rebase(f"{f.req.request_id}#{next(self._ids)}", *resume_plan(f), seam_of(self._tokenizer, f.output_ids))
-        self._flights[f.wid] = f
+        plan, seam = resume_plan(f), seam_of(self.tokenizer, f.output_ids)
+        self.flights.requeue_first(f, lambda wid: f.rebase(wid, *plan, seam))
         f.mark("recovered")
         self.ledger.recovered += 1
-        if f in self._waiting:
-            self._waiting.remove(f)
-        self._waiting.insert(0, f)
-        if self._wake is not None:
-            self._wake.set()

@@ -13,7 +13,7 @@ stats), or register `on_events` to be woken (the in-process `LocalHandle` wakes 
 that raises stops the loop: the worker is closed, pending and later calls fail with
 `BackendUnavailableError`, and `drain` raises it too, so the router fails that worker's requests.
 
-Who uses it: `cluster/actors.py` (one loop per Ray actor; Ray's threads call `call`/`drain`) and
+Who uses it: `actors.py` (one loop per Ray actor; Ray's threads call `call`/`drain`) and
 `LocalHandle` below (in-process workers: unit tests, single-process serving).
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.actors import init_ray
+from cluster.serving.actors import init_ray
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.router import ClusterRouter
+from cluster.serving.actors import start_cluster
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
 from tests.cluster_helpers import assert_cluster_empty, collect
@@ -96,7 +96,7 @@ def test_pools_on_their_nodes_and_kv_crosses_nodes(cluster, reference):
 
     c, nodes = cluster
     prompts, ref, logits = reference
-    router = ClusterRouter.from_spec(multinode_spec(c.address))
+    router = start_cluster(multinode_spec(c.address))
 
     async def main():
         try:

@@ -205,3 +205,27 @@ def test_unit_tests_import_no_ray():
     bad = [p.name for p in here.rglob("*.py")
            if "ray" in {top(i) for i in imports_in_source(p.read_text(), module_name(p), p.name == "__init__.py")}]
     assert bad == []
+
+
+# ---- the serving path's room (cluster/serving/: its map is in its __init__) ----------------------
+# Its modules in layers: each may import only modules of earlier layers (so the imports run one way, with
+# no cycle), and only `actors` imports ray; outside the room only the launcher imports `actors`.
+SERVING_LAYERS = (("tasks", "flight", "membership", "intake", "prefix_routing", "worker_loop"),
+                  ("holdings",), ("recovery",), ("admission",), ("router",), ("actors",))
+
+
+def test_the_serving_room_imports_one_way_and_only_actors_imports_ray():
+    rank = {f"cluster.serving.{m}": i for i, layer in enumerate(SERVING_LAYERS) for m in layer}
+    room = {n for n in MODS if n.startswith("cluster.serving.")}
+    assert room == set(rank), f"modules of cluster/serving/ not in SERVING_LAYERS: {sorted(room ^ set(rank))}"
+    backwards = [f"{n} imports {i}" for n in room for i in MODS[n][1] if i in rank and rank[i] >= rank[n]]
+    assert backwards == []
+    assert violations(lambda n: n in room and n != "cluster.serving.actors", {"ray"}) == []
+    assert EAGER["cluster.serving"] == set(), "cluster/serving/__init__.py must import nothing"
+    users = sorted(n for n, (_, imps) in MODS.items() if n not in room and "cluster.serving.actors" in imps)
+    assert users == ["cluster.launch"], users
+
+
+def test_the_serving_path_left_its_old_places():
+    old = ("router", "admission", "recovery", "flight", "worker_loop", "prefix_routing", "actors", "intake")
+    assert [m for m in old if (ROOT / "cluster" / f"{m}.py").exists()] == []

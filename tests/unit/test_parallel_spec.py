@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from cluster import actors
+from cluster.serving import actors
 from cluster.spec import SpecError, parse_spec
 from engine.config import ModelConfig
 from engine.parallel.errors import ParallelConfigError, UnsupportedWithParallelError

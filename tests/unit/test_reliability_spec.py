@@ -12,8 +12,8 @@ import types
 
 import pytest
 
-from cluster import actors
-from cluster.router import ClusterRouter
+from cluster.serving import actors
+from cluster.serving.router import ClusterRouter
 from cluster.spec import SpecError, load_spec, parse_spec
 
 BASE = {"model": "m", "pools": {"prefill": {}, "decode": {"replicas": 2}}}
