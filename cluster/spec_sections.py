@@ -140,11 +140,21 @@ class ReliabilitySpec(_Section):
     # Ray restarts a dead worker actor this many times. Calls are never retried on the new incarnation
     # (max_task_retries stays 0): the router must see the death to recover the requests the old one held.
     actor_max_restarts: int = Field(0, ge=0, le=100)
+    # Self-healing: a lost worker's slot gets a fresh actor (after Ray's restarts, if any, are used up).
+    replace_lost_workers: bool = True
+    # Crash loops: the n-th replacement in a row that dies within a minute waits backoff x 2^(n-1), at most max.
+    replace_backoff_s: float = Field(1.0, gt=0.0, le=600.0)
+    replace_backoff_max_s: float = Field(60.0, gt=0.0, le=3600.0)
+    # Step watchdog: a step running longer is a hung worker (fenced, replaced). None: derived from the
+    # latency profile of the spec's model and the pool's limits (cluster/serving/ray_pools.py, step_bound).
+    step_timeout_s: float | None = Field(None, ge=0.1, le=3600.0)
 
     def router_options(self) -> dict[str, Any]:
         """Keyword arguments of `cluster.serving.router.RouterConfig` this section sets."""
         return {"heartbeat_timeout_s": self.heartbeat_timeout_s, "call_timeout_s": self.call_timeout_s,
-                "max_recoveries": self.max_recoveries, "rejoin_restarted": self.actor_max_restarts > 0}
+                "max_recoveries": self.max_recoveries, "rejoin_restarted": self.actor_max_restarts > 0,
+                "replace_lost": self.replace_lost_workers, "replace_backoff_s": self.replace_backoff_s,
+                "replace_backoff_max_s": max(self.replace_backoff_max_s, self.replace_backoff_s)}
 
     def actor_options(self) -> dict[str, Any]:
         """Keyword arguments of Ray's `ActorClass.options(...)` this section sets."""

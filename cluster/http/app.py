@@ -3,7 +3,8 @@
 Routes:
     POST /v1/completions, /v1/chat/completions   handlers.handle (stream or not)
     GET  /v1/models, /v1/models/{id}             the one model the backend serves
-    GET  /health                                  200 {"status": "ok"} (never needs the API key)
+    GET  /health                                  200 {"status": "ok" | "degraded", ...} (never needs the API
+                                                  key; a cluster adds its pools: live, target, why, since)
     GET  /metrics                                 Prometheus text (metrics.FrontendMetrics)
     GET  /v1/pdserve/timeline/{response_id}       per-choice timelines of a recent response (debug)
 
@@ -91,7 +92,10 @@ def build_app(backend: ServingBackend, api_key: str | None = None, max_body_byte
     @app.get("/health")
     async def health():
         stats = await backend.stats()
-        return {"status": "ok", "queued": stats.queued, "running": stats.running}
+        out = {"status": "ok", "queued": stats.queued, "running": stats.running}
+        if stats.health is not None:  # a cluster: "degraded" while a pool lacks workers (pools say why, since)
+            out.update(status=stats.health["status"], pools=stats.health["pools"])
+        return out
 
     @app.get("/metrics")
     async def metrics():

@@ -2,8 +2,9 @@
 
 Life of a request (disaggregated; DESIGN.md "Life of a request"), module by module:
 
-    actors.start_cluster(spec)        Ray: placement groups, one WorkerActor per replica (each runs its
-                                      worker on a worker_loop.WorkerLoop thread), RayHandles -> the router
+    ray_pools.start_cluster(spec)     Ray (actors.init_ray), placement groups, one actors.WorkerActor per
+                                      replica slot (its worker on a worker_loop.WorkerLoop thread, with a
+                                      step watchdog), actors.RayHandles -> the router, RayPools its spawner
     router.ClusterRouter.generate     the ServingBackend the HTTP frontend and client call
       intake.validate_request           typed 400s, a fixed seed; queue limit (429)
       flight.Flight / FlightTable       the request's record; joins the FIFO
@@ -14,25 +15,32 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"), module by modu
       router._apply / flight.advance    events -> GenerateDeltas: first token (TTFT), decode deltas, the end
       router._end -> holdings.release   exactly once: completed / failed / cancelled (recovery.Ledger);
                                         abort/cancel whatever workers still hold
-    a worker lost (drain or call failed, no heartbeat, no answer):
+    a worker lost (killed, crashed, a drain or call failed, no heartbeat, a step past the watchdog's bound):
       recovery.Recovery.lose            membership fences it; the flights it harmed are re-queued under a
-                                        new wid and resume where their stream stopped (recovery.recover);
-                                        a restarted actor replaces it (membership.replace)
+                                        new wid and resume where their stream stopped (recovery.recover)
+      recovery.Recovery._heal           its slot gets a worker again (Ray's restart, else a fresh actor from
+                                        the spawner, with backoff on crash loops: membership.replace);
+                                        meanwhile requests needing the pool wait (bounded by their deadline)
+                                        and /health, /metrics say the pool is degraded, why, since when
 Colocated: admission's `add_request` on the replica with the least load; every event is a decode delta.
 
 Who owns what:
     membership   PoolMembership: one per pool, the live set (join, drain, leave, replace, fence) that
-                 admission, recovery and (later) the autoscaler read and change; Worker: one member's record
+                 admission, recovery and (later) the autoscaler read and change; its health; Worker: one
+                 member's record; Spawner: the protocol of what starts workers
     router       ClusterRouter, RouterConfig: owns the collaborators below and the request's own life
-    admission    Admission: the FIFO and placement            recovery  Recovery, Ledger: workers' side
+    admission    Admission: the FIFO and placement            recovery  Recovery, Ledger: the workers' side
     holdings     Holdings: what workers hold for a flight      flight    Flight, FlightTable, Inbox
     tasks        Tasks: what runs beside the callers           intake    request checks
     prefix_routing  PrefixIndex, PrefixPlacer: KV-aware choices
-    worker_loop  WorkerLoop (a worker's step loop on a thread), LocalHandle (in-process workers)
-    actors       WorkerActor, RayHandle, start_cluster: the only module here that imports ray
+    worker_loop  WorkerLoop (a worker's step loop on a thread, its step watchdog), LocalHandle and
+                 LocalPools (in-process workers and their spawner)
+    actors       init_ray, WorkerActor (test hooks: slow_steps, hang_steps, rss_bytes), RayHandle
+    ray_pools    RayPools (placement, start, replace, close: the Ray spawner), start_cluster, router_config,
+                 step_bound (the watchdog's bound from the spec or the model's latency profile)
 
-Import arrows (one direction; tests/unit/test_imports.py checks them): actors -> router -> admission ->
-recovery -> holdings -> flight, membership, tasks; worker_loop and prefix_routing import none of them.
-Nothing here imports actors except the launcher (`cluster/launch.py`). This package's `__init__` imports
-nothing, so importing one module does not pull in the others.
+Import arrows (one direction; tests/unit/test_imports.py checks them): ray_pools -> router, actors;
+router -> admission -> recovery -> holdings -> flight, membership, tasks; actors -> worker_loop. Only
+actors and ray_pools import ray, the router imports neither, and outside this room only the launcher
+(`cluster/launch.py`) imports ray_pools. This package's `__init__` imports nothing.
 """

@@ -22,6 +22,10 @@ second live member under a taken name, anything on a worker of another pool) rai
 and changes nothing. `fence` is the one forgiving move: detections race (a poller, a call, the
 heartbeat watchdog), so fencing a worker that is already fenced or gone returns False.
 
+Health: `target` is how many members the pool should have live (the spec's replicas; a resize changes
+it); the pool is degraded while fewer are LIVE or a replacement is under way, and `health()` says since
+when (the router's clock) and why (the reason of the change that degraded it: a fence's, a drain's).
+
 `pending` counts replacements under way (a restarting actor, a fresh one starting): while a pool has no
 placeable member but one is coming, `placeable()` raises `AwaitingRestart` and the request waits in the
 queue (bounded by its deadline); with none coming it raises `BackendUnavailableError` (503).
@@ -63,6 +67,20 @@ class WorkerHandle(Protocol):
     # optional: `async def reincarnation(self) -> WorkerHandle` -- the handle of a restarted incarnation
 
 
+class Spawner(Protocol):
+    """Starts worker processes for the router's pools (Ray: `actors.RayPools`; in-process:
+    `worker_loop.LocalPools`). The router asks it for a fresh worker in a lost one's slot and closes it last."""
+
+    async def replace(self, pool: str, old: WorkerHandle) -> WorkerHandle:
+        """A ready worker for `old`'s slot; `old`'s process is stopped for good first (it may be hung).
+        `BackendUnavailableError` when the new one cannot start."""
+        ...
+
+    async def close(self) -> None:
+        """Stop every worker it started (the router's shutdown, after closing its members)."""
+        ...
+
+
 @dataclass(eq=False)  # (identity: two records of one name are two members)
 class Worker:
     """The router's view of one worker: its handle, state, latest stats and the load the router put on it."""
@@ -73,9 +91,11 @@ class Worker:
     flights: set[str] = field(default_factory=set)  # wids assigned here
     queued_tokens: int = 0  # prefill: prompt tokens submitted, first token not yet back
     pages_claimed: int = 0  # decode: pages reserved since the last stats snapshot
-    last_seen: float = 0.0  # router clock at the last returned drain (the heartbeat)
+    last_seen: float = 0.0  # router clock at the last returned drain (the heartbeat), or when it joined
     reason: str = ""  # why it was fenced or drained
     since: float = 0.0  # router clock at its last state change
+    joined: float = 0.0  # router clock when it joined (a replacement that dies soon after is a crash loop)
+    generation: int = 0  # 0: started with the pool; n: the n-th replacement in its slot
 
     @property
     def alive(self) -> bool:
@@ -90,13 +110,28 @@ class Worker:
         return (self.stats.free_pages if self.stats is not None else 0) - self.pages_claimed
 
 
+@dataclass(frozen=True)
+class PoolHealth:
+    pool: str
+    live: int  # members taking new work
+    target: int  # members wanted
+    pending: int  # replacements under way
+    degraded: bool
+    reason: str = ""  # why it became degraded ("" when healthy)
+    since: float | None = None  # router clock when it became degraded (None when healthy)
+
+
 class PoolMembership:
     def __init__(self, pool: str, handles=(), now: float = 0.0):
         self.pool = pool
         self._members: list[Worker] = []
         self.pending = 0  # replacements under way (see the module map)
+        self.target = 0
+        self._degraded: tuple[str, float] | None = None  # (reason, since) while degraded
         for h in handles:
             self.join(h, now)
+        self.target = len(self._members)
+        self._touch("", now)
 
     # ---- reads ---------------------------------------------------------------------------------
     @property
@@ -120,18 +155,25 @@ class PoolMembership:
     def __contains__(self, w: Worker) -> bool:
         return any(m is w for m in self._members)
 
+    def health(self) -> PoolHealth:
+        live = sum(w.state == LIVE for w in self._members)
+        reason, since = self._degraded or ("", None)
+        return PoolHealth(self.pool, live, self.target, self.pending, self._degraded is not None, reason, since)
+
     # ---- changes -------------------------------------------------------------------------------
     def join(self, handle: WorkerHandle, now: float = 0.0) -> Worker:
         """A new live member (appended)."""
         self._check_name(handle.name, "join")
-        w = Worker(handle, self.pool, since=now)
+        w = Worker(handle, self.pool, since=now, joined=now, last_seen=now)
         self._members.append(w)
+        self._touch("", now)
         return w
 
     def drain(self, w: Worker, reason: str = "drain", now: float = 0.0) -> None:
         """LIVE -> DRAINING: no new work from now on; it finishes what it holds, then `leave`s."""
         self._expect(w, "drain", (LIVE,), "only a live worker drains")
         w.state, w.reason, w.since = DRAINING, reason, now
+        self._touch(f"{w.name} draining: {reason}", now)
 
     def fence(self, w: Worker, reason: str, now: float = 0.0) -> bool:
         """LIVE/DRAINING -> FENCED (dead to the router); False when it was fenced or gone already."""
@@ -140,6 +182,7 @@ class PoolMembership:
         if not w.alive or w not in self:
             return False
         w.state, w.reason, w.since = FENCED, reason, now
+        self._touch(f"{w.name} lost: {reason}", now)
         return True
 
     def leave(self, w: Worker, now: float = 0.0) -> None:
@@ -149,23 +192,35 @@ class PoolMembership:
             raise MembershipError(self.pool, w.name, "leave", w.state, f"it still holds {len(w.flights)} request(s)")
         self._members.remove(w)
         w.state, w.since = GONE, now
+        self._touch(f"{w.name} left", now)
 
     def replace(self, old: Worker, handle: WorkerHandle, now: float = 0.0) -> Worker:
         """FENCED `old` leaves; a new live member of `handle` takes its slot."""
         self._expect(old, "replace", (FENCED,), "only a fenced worker is replaced")
         self._check_name(handle.name, "replace")
-        fresh = Worker(handle, self.pool, since=now)
+        fresh = Worker(handle, self.pool, since=now, joined=now, last_seen=now, generation=old.generation + 1)
         self._members[self._members.index(old)] = fresh
         old.state, old.since = GONE, now
+        self._touch("", now)
         return fresh
 
-    def expect_replacement(self) -> None:
+    def expect_replacement(self, now: float = 0.0) -> None:
         self.pending += 1
+        self._touch("a replacement is under way", now)
 
-    def replacement_settled(self) -> None:
+    def replacement_settled(self, now: float = 0.0) -> None:
         """A replacement under way joined or gave up."""
         assert self.pending > 0, self.pool
         self.pending -= 1
+        self._touch("", now)
+
+    def _touch(self, reason: str, now: float) -> None:
+        """Keep (reason, since) of the current degraded spell: set when it starts, cleared when it ends."""
+        live = sum(w.state == LIVE for w in self._members)
+        if live >= self.target and not self.pending:
+            self._degraded = None
+        elif self._degraded is None:
+            self._degraded = (reason or f"{live} of {self.target} live", now)
 
     # ---- checks --------------------------------------------------------------------------------
     def _expect(self, w: Worker, action: str, states: tuple[str, ...], why: str) -> None:

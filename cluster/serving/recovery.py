@@ -1,16 +1,18 @@
-"""`Recovery`: the router's worker side -- pollers (heartbeats), worker losses, request recovery, rejoins --
-and the `Ledger`. Pure Python, no Ray.
+"""`Recovery`: the router's worker side -- pollers (heartbeats), worker losses, request recovery, healing
+(a lost worker's slot gets a worker again) -- and the `Ledger`. Pure Python, no Ray.
 
 Who calls it: the router owns one (`ClusterRouter.recovery`) and starts a poller per member; admission
 sends its placement commands through `ask` and hands it the flights a placement step harmed (`recover`).
 What it reads and changes is passed in: the pools' `PoolMembership`s (it fences and replaces members),
 the `FlightTable`, `Holdings` (to let go of a harmed flight's old placement), the `Tasks` it runs beside the
-loop, the `PrefixPlacer` and the `Ledger`. Order of events when a worker is lost:
-  1. Detection: its poller's `drain()` raised (the actor or thread is gone), a call to it raised
-     `BackendUnavailableError`, or the watchdog (`check_heartbeats`, run by the admission loop) saw no heartbeat (a returned `drain()`) for
-     `RouterConfig.heartbeat_timeout_s` on the router's injectable clock (`stale_workers`): a hung worker
-     is declared dead within timeout + one admission tick (50 ms), then fenced (`handle.close()`).
-     Placement commands (`reserve`, `submit`, `add_request`) must answer within `call_timeout_s` (`_ask`),
+loop, the `PrefixPlacer`, the `Ledger` and the `Spawner` (fresh workers). Order of events when a worker is
+lost:
+  1. Detection: its poller's `drain()` raised (the actor or thread is gone, or the worker's step watchdog
+     saw a step run past its bound: `worker_loop`), a call to it raised `BackendUnavailableError`, or the
+     heartbeat watchdog (`check_heartbeats`, run by the admission loop) saw no returned `drain()` for
+     `RouterConfig.heartbeat_timeout_s` on the router's injectable clock (`stale_workers`): a hung process
+     is declared dead within timeout + one admission tick (50 ms), then closed (`handle.close()`).
+     Placement commands (`reserve`, `submit`, `add_request`) must answer within `call_timeout_s` (`ask`),
      else their worker is lost and fenced too: a wedged worker stalls admission (and this watchdog, which
      runs on the admission task) for at most that long. (That bound is asyncio time, not the clock.)
   2. Triage (`harmed_by`): a flight is harmed when the dead worker still owed it something -- its decode
@@ -23,12 +25,17 @@ loop, the `PrefixPlacer` and the `Ledger`. Order of events when a worker is lost
      to a healthy decode worker, whose stream then continues where the client's stopped
      (`Flight.rebase`: event counts are offset by the tokens and characters already seen) -- no token
      lost, none repeated. A flight out of recoveries ends with `BackendUnavailableError`.
-  4. Rejoin (`RouterConfig.rejoin_restarted`, on when the spec lets Ray restart actors): while a pool has no
-     live worker but one is restarting, requests that need it (new ones and recovered ones) wait in the
-     queue (`AwaitingRestart`, the pool's `pending` replacement) until it rejoins or their deadline
-     passes; a lost worker whose handle has `reincarnation()` (Ray: waits for the restarted actor's
-     `ready()`) is replaced by a NEW `Worker` record in its slot once a new incarnation (a random id the
-     actor draws at start) answers (`PoolMembership.replace`); the old record is gone and stays dead. The same incarnation (a hung worker that was fenced) or none (dead for good) never returns.
+  0. Fencing comes first: `PoolMembership.fence` makes the worker dead to the router (never picked, never
+     called, its late events dropped); the watchdogs also close it.
+  4. Healing (`_heal`): the slot gets a worker again, as a NEW `Worker` record in the old one's slot
+     (`PoolMembership.replace`; the old record is gone and stays dead). Where the spec lets Ray restart
+     actors (`RouterConfig.rejoin_restarted`), the restarted actor is taken back once a new incarnation (a
+     random id the actor draws at start) answers `reincarnation()`; the same incarnation (a hung worker
+     that was fenced) or none (dead for good) never returns. Otherwise, or then, the `Spawner` starts a
+     fresh worker there (`RouterConfig.replace_lost`, on by default), with a backoff when replacements
+     crash-loop (`_spawn`). Until it settles the pool counts it as pending: requests that need a pool with
+     no live worker (new ones and recovered ones) wait in the queue (`AwaitingRestart`) until it joins
+     or their deadline passes, then resume on it.
 Old incarnations: nothing of a lost placement can land in the new one. The router forgets the old worker id
 (late events are dropped by the router), aborts the old reservation on a live decode worker (late chunks of a
 zombie prefill then hit a finished reservation: FAILED_PRECONDITION, never written), and a restarted decode
@@ -47,18 +54,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 from cluster.serving.flight import Flight, FlightTable
 from cluster.serving.holdings import Holdings
-from cluster.serving.membership import PoolMembership, Worker
+from cluster.serving.membership import PoolMembership, Spawner, Worker
 from cluster.serving.prefix_routing import PrefixPlacer
 from cluster.serving.tasks import Tasks
 from cluster.serving_api import BackendUnavailableError
 from engine.sampling_params import SamplingParams
 
 OUTCOMES = ("completed", "failed", "cancelled")
+log = logging.getLogger("pdserve.router")
 
 
 @dataclass
@@ -70,6 +79,7 @@ class Ledger:
     recovered: int = 0  # re-placements after a worker loss (a request may count more than once)
     workers_lost: int = 0
     workers_rejoined: int = 0  # restarted incarnations taken back
+    workers_replaced: int = 0  # fresh workers started in lost ones' slots
 
     def end(self, outcome: str) -> None:
         assert outcome in OUTCOMES, outcome
@@ -129,11 +139,15 @@ def stale_workers(workers, now: float, timeout_s: float) -> list:
 
 class Recovery:
     def __init__(self, cfg, pools: dict[str, PoolMembership], flights: FlightTable, holdings: Holdings,
-                 tasks: Tasks, prefix: PrefixPlacer, ledger: Ledger, tokenizer, clock: Callable[[], float]):
+                 tasks: Tasks, prefix: PrefixPlacer, ledger: Ledger, tokenizer, clock: Callable[[], float],
+                 spawner: Spawner | None = None):
         """`cfg`: the router's `RouterConfig` (drain, heartbeat and call timeouts, max_recoveries,
-        rejoin_restarted); `tokenizer` detokenizes a resumed stream's seam; `clock`: monotonic seconds."""
+        rejoin_restarted, replacement and its backoff); `tokenizer` detokenizes a resumed stream's seam;
+        `clock`: monotonic seconds; `spawner`: starts fresh workers in lost ones' slots (None: nobody does)."""
         self.cfg, self.pools, self.flights, self.holdings = cfg, pools, flights, holdings
         self.tasks, self.prefix, self.ledger, self.tokenizer, self.clock = tasks, prefix, ledger, tokenizer, clock
+        self.spawner = spawner
+        self.crash_loops: dict[tuple[str, str], int] = {}  # (pool, slot name) -> quick deaths in a row
 
     def everyone(self) -> list[Worker]:
         return [w for m in self.pools.values() for w in m.members]
@@ -200,7 +214,7 @@ class Recovery:
 
     def lose(self, w: Worker, err: BackendUnavailableError, close: bool = False) -> None:
         """`w` is dead to the router: fence it (`close`: and stop it), route around it; the flights it
-        harmed recover or fail; a restarted incarnation is awaited where the spec lets Ray restart it."""
+        harmed recover or fail; its slot is healed (`_heal`)."""
         pool = self.pools[w.pool]
         if not pool.fence(w, str(err), self.clock()):
             return
@@ -211,32 +225,67 @@ class Recovery:
             f = self.flights.get(wid)
             if f is not None and harmed_by(f, w):
                 self.recover(f, err)
-        if self.cfg.rejoin_restarted and hasattr(w.handle, "reincarnation") and not self.tasks.closed:
-            pool.expect_replacement()  # until _rejoin settles
-            self.tasks.start(self._rejoin(w))
+        self._heal(w)
         if close:
             self.tasks.spawn(self._close(w))
         self.flights.wake.set()
 
-    async def _rejoin(self, w: Worker) -> None:
-        """Replace `w` by its restarted actor, if a new incarnation answers. Nothing addressed to the old
-        record (its flights, reservations, late events) reaches the new one: the old record is gone, and
-        a restarted decode worker draws fresh reservation ids and nonces."""
+    # ---- healing: a lost worker's slot gets a worker again --------------------------------------------
+    def _heal(self, w: Worker) -> None:
+        """Start taking `w`'s slot back: Ray's restart of the same actor where the spec allows restarts
+        (`rejoin_restarted`), else (or when that one is dead for good) a fresh worker from the spawner. The
+        pool counts the replacement as pending until it settles, so requests that need the pool wait."""
+        rejoin = self.cfg.rejoin_restarted and hasattr(w.handle, "reincarnation")
+        spawn = self.spawner is not None and self.cfg.replace_lost
+        if self.tasks.closed or not (rejoin or spawn):
+            return
+        self.pools[w.pool].expect_replacement(self.clock())
+        self.tasks.start(self._take_back(w, rejoin, spawn))
+
+    async def _take_back(self, w: Worker, rejoin: bool, spawn: bool) -> None:
+        """Nothing addressed to the old record (its flights, reservations, late events) reaches the new
+        worker: the old record is gone, and a new decode worker draws fresh reservation ids and nonces."""
         pool = self.pools[w.pool]
+        try:
+            handle, how = (await self._reincarnation(w) if rejoin else None), "workers_rejoined"
+            if handle is None and spawn:
+                handle, how = await self._spawn(w), "workers_replaced"
+            if handle is None or self.tasks.closed:
+                return
+            fresh = pool.replace(w, handle, self.clock())
+            setattr(self.ledger, how, getattr(self.ledger, how) + 1)
+            self.tasks.start(self.poll(fresh))
+        finally:
+            pool.replacement_settled(self.clock())
+            self.flights.wake.set()  # requests waiting for this pool: place them, or fail them now
+
+    async def _reincarnation(self, w: Worker):
+        """The restarted actor's handle, or None: dead for good (out of restarts, killed without one) or the
+        same process (fenced while hung: it never comes back)."""
         try:
             handle = await w.handle.reincarnation()
         except BackendUnavailableError:
-            return  # dead for good: out of restarts, or killed without one
-        finally:
-            pool.replacement_settled()
-            self.flights.wake.set()  # requests waiting for this pool: place them, or fail them now
+            return None
         old = w.handle.info.get("incarnation")
-        if self.tasks.closed or handle.info.get("incarnation") in (None, old):
-            return  # the same process (fenced while hung) never comes back
-        fresh = pool.replace(w, handle, self.clock())
-        self.ledger.workers_rejoined += 1
-        self.tasks.start(self.poll(fresh))
-        self.flights.wake.set()
+        return None if handle.info.get("incarnation") in (None, old) else handle
+
+    async def _spawn(self, w: Worker):
+        """A fresh worker for `w`'s slot. Backoff: a replacement that dies within `stable_after_s` of
+        joining (or fails to start) is a crash loop; the n-th in a row waits `replace_backoff_s` x
+        2^(n-1), at most `replace_backoff_max_s`, before the next start. The first replacement of a slot,
+        or one after a worker that ran a while, starts at once."""
+        key, cfg = (w.pool, w.name), self.cfg
+        quick = w.generation > 0 and self.clock() - w.joined < cfg.stable_after_s
+        n = self.crash_loops[key] = self.crash_loops.get(key, 0) + 1 if quick else 0
+        while not self.tasks.closed:
+            if n:
+                await asyncio.sleep(min(cfg.replace_backoff_s * 2 ** (n - 1), cfg.replace_backoff_max_s))
+            try:
+                return await self.spawner.replace(w.pool, w.handle)
+            except Exception as e:  # noqa: BLE001 - a replacement that cannot start is retried, never fatal
+                n = self.crash_loops[key] = n + 1
+                log.warning("replacing %s failed (%d in a row): %s: %s", w.name, n, type(e).__name__, e)
+        return None
 
     def recover(self, f: Flight, err: BackendUnavailableError) -> None:
         """Re-queue `f` at the head under a fresh worker id to resume elsewhere, or fail it with `err`."""

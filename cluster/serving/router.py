@@ -53,7 +53,7 @@ from cluster.serving.admission import Admission
 from cluster.serving.flight import Flight, FlightTable, Inbox
 from cluster.serving.holdings import PUSH_ENDS, Holdings
 from cluster.serving.intake import validate_request
-from cluster.serving.membership import PoolMembership, Worker, WorkerHandle
+from cluster.serving.membership import PoolMembership, Spawner, Worker, WorkerHandle
 from cluster.serving.prefix_routing import PrefixPlacer
 from cluster.serving.recovery import Ledger, Recovery, outcome_of
 from cluster.serving.tasks import Tasks
@@ -83,6 +83,10 @@ class RouterConfig:
     max_recoveries: int = 2  # re-placements of one request after worker losses before it fails
     call_timeout_s: float = 30.0  # a placement command unanswered this long: its worker is lost
     rejoin_restarted: bool = False  # take a lost worker's restarted incarnation back (Ray restarts actors)
+    replace_lost: bool = True  # start a fresh worker in a lost one's slot (where the router has a spawner)
+    replace_backoff_s: float = 1.0  # crash loops: the n-th quick death in a row waits this x 2^(n-1)...
+    replace_backoff_max_s: float = 60.0  # ...at most this long
+    stable_after_s: float = 60.0  # a replacement that dies sooner than this after joining: a crash loop
     prefix_routing: bool | None = None  # route by cached prefix (cluster/prefix_routing.py); None: where workers cache
     prefix_cache_weight: float = 1.0  # one cached prompt token against one queued token
     decode_load_tokens: float = 64.0  # a decode worker's request in flight, in prompt tokens to ship
@@ -94,10 +98,12 @@ class RouterConfig:
 
 class ClusterRouter:
     def __init__(self, config: RouterConfig, pools: dict[str, list[WorkerHandle]], tokenizer,
-                 page_size: int = 16, teardown=None, clock: Callable[[], float] = time.monotonic):
+                 page_size: int = 16, teardown=None, clock: Callable[[], float] = time.monotonic,
+                 spawner: Spawner | None = None):
         """`pools`: "prefill" and "decode" handles (disaggregated) or "colocated" ones; `teardown`: an
-        async callable run last by `shutdown()` (Ray: kill actors, remove placement groups); `clock`:
-        monotonic seconds for deadlines and heartbeats (tests inject one)."""
+        async callable run last by `shutdown()`; `clock`: monotonic seconds for deadlines and heartbeats
+        (tests inject one); `spawner`: starts fresh workers in lost ones' slots (Ray: `actors.RayPools`,
+        which also stops them all at shutdown), None: a lost worker's slot stays empty."""
         self.cfg = config
         self.model_name = config.model_name
         self._tokenizer = tokenizer
@@ -111,8 +117,9 @@ class ClusterRouter:
         infos = {pool: [(h.name, getattr(h, "info", None)) for h in hs] for pool, hs in pools.items()}
         self.prefix = PrefixPlacer(infos, config.prefix_routing, config.prefix_cache_weight,
                                    config.decode_load_tokens)
+        self.spawner = spawner
         self.recovery = Recovery(config, self.pools, self.flights, self.holdings, self.tasks, self.prefix,
-                                 self.ledger, tokenizer, clock)
+                                 self.ledger, tokenizer, clock, spawner)
         self.admission = Admission(config, self.pools, self.flights, self.holdings, self.recovery, self.prefix,
                                    self.tasks, page_size, clock)
         self._finals: dict[str, DecodeDelta] = {}  # wid -> decode's last delta, held for the prefill's report
@@ -164,9 +171,24 @@ class ClusterRouter:
         extra["kv_transfer_seconds"] = float(sum(s.kv_transfer_seconds for s in senders))
         extra.update(self.ledger.extra(len(self.flights)))
         extra.update(self.prefix.extra(everyone))
+        health = self.health()
+        for pool, h in health["pools"].items():
+            extra.update({f"pool_{pool}_{k}": float(h[k]) for k in ("live", "target", "pending", "degraded")})
         return BackendStats(queued, len(self.flights) - queued, sum(w.stats.pages_in_use for w in everyone),
                             sum(w.stats.num_pages for w in everyone),
-                            sum(w.stats.num_preemptions for w in everyone if w.pool != "prefill"), extra)
+                            sum(w.stats.num_preemptions for w in everyone if w.pool != "prefill"), extra, health)
+
+    def health(self) -> dict[str, Any]:
+        """{"status": "ok" | "degraded", "pools": {pool: {live, target, pending, degraded, reason, since}}}:
+        a pool is degraded while fewer of its workers are live than it should have or one is being
+        replaced; `reason` says why it became so, `since` when (unix seconds)."""
+        offset = time.time() - self._clock()  # router clock -> unix time
+        pools = {}
+        for name, m in self.pools.items():
+            h = m.health()
+            pools[name] = {"live": h.live, "target": h.target, "pending": h.pending, "degraded": h.degraded,
+                           "reason": h.reason, "since": None if h.since is None else h.since + offset}
+        return {"status": "degraded" if any(p["degraded"] for p in pools.values()) else "ok", "pools": pools}
 
     async def worker_stats(self) -> dict[str, Any]:
         """Fresh stats of every live worker, by name (tests: leak checks, preemption counters)."""
@@ -184,6 +206,8 @@ class ClusterRouter:
         await self.tasks.close()
         await asyncio.gather(*(w.handle.close() for m in self.pools.values() for w in m.members),
                              return_exceptions=True)
+        if self.spawner is not None:
+            await self.spawner.close()
         if self._teardown is not None:
             await self._teardown()
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from cluster.serving.actors import start_cluster
+from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest, OverloadedError
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams

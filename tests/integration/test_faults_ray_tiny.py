@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from cluster.serving.actors import start_cluster
+from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams

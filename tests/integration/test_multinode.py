@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.serving.actors import start_cluster
+from cluster.serving.ray_pools import start_cluster
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
 from tests.cluster_helpers import assert_cluster_empty, collect

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.serving.membership import (DRAINING, FENCED, GONE, LIVE, AwaitingRestart, MembershipError,
-                                        PoolMembership, Worker)
+                                        PoolHealth, PoolMembership, Worker)
 from cluster.serving_api import BackendUnavailableError
 
 
@@ -28,7 +28,7 @@ def test_joined_members_are_live_placeable_and_in_slot_order():
     m = pool(2)
     a, b = m.members
     assert [w.name for w in m.members] == ["decode-0", "decode-1"] and a.state == b.state == LIVE
-    assert m.live() == [a, b] and m.placeable() == [a, b] and a.alive and a.since == 1.0
+    assert m.live() == [a, b] and m.placeable() == [a, b] and a.alive and a.since == a.last_seen == 1.0
     c = m.join(Handle("decode-2"), now=5.0)
     assert m.members[-1] is c and c.pool == "decode" and c.since == 5.0 and c in m
 
@@ -68,6 +68,7 @@ def test_replace_puts_a_fresh_member_in_a_fenced_ones_slot():
     b.flights.add("r#1")  # (the harmed flights moved on; the old record may still name them)
     fresh = m.replace(b, Handle("decode-1"), now=9.0)
     assert m.members == [a, fresh, c] and fresh is not b and fresh.state == LIVE and fresh.since == 9.0
+    assert fresh.last_seen == fresh.joined == 9.0 and fresh.generation == 1  # a heartbeat from its start
     assert b.state == GONE and not fresh.flights and fresh.stats is None and fresh.queued_tokens == 0
     assert m.placeable() == [a, fresh, c]
 
@@ -88,6 +89,27 @@ def test_an_empty_pool_waits_for_a_replacement_under_way_else_fails_typed():
     m.drain(m.join(Handle("decode-9")))
     with pytest.raises(BackendUnavailableError):  # a draining member is no placement either
         m.placeable()
+
+
+def test_health_says_degraded_why_and_since_until_the_pool_is_whole_again():
+    m = pool(2)
+    a, b = m.members
+    assert m.health() == PoolHealth("decode", 2, 2, 0, False)
+    m.fence(a, "drain raised", now=3.0)
+    m.expect_replacement(now=3.5)
+    h = m.health()
+    assert (h.degraded, h.live, h.pending, h.since) == (True, 1, 1, 3.0) and "decode-0 lost: drain raised" in h.reason
+    m.fence(b, "heartbeat", now=4.0)  # worse, but the spell began at 3.0 for the first reason
+    assert (m.health().since, m.health().reason) == (3.0, h.reason)
+    m.replace(a, Handle("decode-0"), now=5.0)
+    m.replacement_settled(now=5.0)
+    assert m.health().degraded and m.health().live == 1  # b is still down
+    m.expect_replacement(now=6.0)
+    m.replace(b, Handle("decode-1"), now=7.0)
+    m.replacement_settled(now=7.0)
+    assert m.health() == PoolHealth("decode", 2, 2, 0, False)
+    m.drain(m.members[0], "scale down", now=8.0)  # fewer live than the target: degraded (a resize lowers it)
+    assert m.health().degraded and "draining: scale down" in m.health().reason
 
 
 BAD = {  # name: (setup(m) -> the call that must fail, words of the reason, the action named)
