@@ -7,6 +7,7 @@ Routes:
                                                   key; a cluster adds its pools: live, target, why, since)
     GET  /metrics                                 Prometheus text (metrics.FrontendMetrics)
     GET  /v1/pdserve/timeline/{response_id}       per-choice timelines of a recent response (debug)
+    POST /v1/pdserve/admin/scale                  resize a cluster's pool while serving (admin.py)
 
 Every error answer is an OpenAI error body (`errors.HTTPError`): typed pdserve errors map to 400/404/429/
 503/504, unknown routes to 404, anything unexpected to 500. With `api_key` set, every route but /health
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.http.admin import install_admin
 from cluster.http.errors import HTTPError, from_exception
 from cluster.http.handlers import ClientGone, FrontendContext, handle
 from cluster.http.metrics import FrontendMetrics, TimelineStore
@@ -109,6 +111,7 @@ def build_app(backend: ServingBackend, api_key: str | None = None, max_body_byte
             raise HTTPError(404, f"no timeline kept for {response_id!r}", param="response_id")
         return {"id": response_id, "timelines": found}
 
+    install_admin(app, backend)
     return app
 
 

@@ -22,6 +22,10 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"), module by modu
                                         the spawner, with backoff on crash loops: membership.replace);
                                         meanwhile requests needing the pool wait (bounded by their deadline)
                                         and /health, /metrics say the pool is degraded, why, since when
+    a resize (`pdserve scale`, POST /v1/pdserve/admin/scale -> router.ClusterRouter.scale):
+      scaling.Scaler.scale              checks (typed 400s); grows: spawner.add, join, poller; shrinks: the
+                                        newest members drain, finish or hand off what they hold, leave,
+                                        and the spawner removes them
 Colocated: admission's `add_request` on the replica with the least load; every event is a decode delta.
 
 Who owns what:
@@ -32,6 +36,7 @@ Who owns what:
     admission    Admission: the FIFO and placement            recovery  Recovery, Ledger: the workers' side
     holdings     Holdings: what workers hold for a flight      flight    Flight, FlightTable, Inbox
     tasks        Tasks: what runs beside the callers           intake    request checks
+    scaling      Scaler, ScaleError: live resizing of a pool
     prefix_routing  PrefixIndex, PrefixPlacer: KV-aware choices
     worker_loop  WorkerLoop (a worker's step loop on a thread, its step watchdog), LocalHandle and
                  LocalPools (in-process workers and their spawner)
@@ -40,7 +45,7 @@ Who owns what:
                  step_bound (the watchdog's bound from the spec or the model's latency profile)
 
 Import arrows (one direction; tests/unit/test_imports.py checks them): ray_pools -> router, actors;
-router -> admission -> recovery -> holdings -> flight, membership, tasks; actors -> worker_loop. Only
+router -> admission, scaling -> recovery -> holdings -> flight, membership, tasks; actors -> worker_loop. Only
 actors and ray_pools import ray, the router imports neither, and outside this room only the launcher
 (`cluster/launch.py`) imports ray_pools. This package's `__init__` imports nothing.
 """

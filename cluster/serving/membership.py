@@ -76,6 +76,15 @@ class Spawner(Protocol):
         `BackendUnavailableError` when the new one cannot start."""
         ...
 
+    async def add(self, pool: str) -> WorkerHandle:
+        """A ready worker in a new slot of `pool` (a resize up; it names the worker).
+        `BackendUnavailableError` when it cannot be placed or started (nothing is left behind then)."""
+        ...
+
+    async def remove(self, pool: str, handle: WorkerHandle) -> None:
+        """Stop the (drained, closed) worker of `handle` and free its slot (a resize down)."""
+        ...
+
     async def close(self) -> None:
         """Stop every worker it started (the router's shutdown, after closing its members)."""
         ...
@@ -143,9 +152,13 @@ class PoolMembership:
         """Members that are polled and may be called: live and draining."""
         return [w for w in self._members if w.alive]
 
+    def placeable_or_empty(self) -> list[Worker]:
+        """Members that take new work (maybe none)."""
+        return [w for w in self._members if w.state == LIVE]
+
     def placeable(self) -> list[Worker]:
         """Members that take new work; `AwaitingRestart` or `BackendUnavailableError` when there are none."""
-        out = [w for w in self._members if w.state == LIVE]
+        out = self.placeable_or_empty()
         if not out:
             if self.pending:
                 raise AwaitingRestart(self.pool)
@@ -203,6 +216,12 @@ class PoolMembership:
         old.state, old.since = GONE, now
         self._touch("", now)
         return fresh
+
+    def resize(self, target: int, now: float = 0.0) -> None:
+        """The pool should have `target` live members from now on (a resize: joins and drains follow)."""
+        assert target >= 1, target
+        self.target = target
+        self._touch(f"resizing to {target} replica{'s' if target != 1 else ''}", now)
 
     def expect_replacement(self, now: float = 0.0) -> None:
         self.pending += 1

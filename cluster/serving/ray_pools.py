@@ -11,6 +11,10 @@ holds the `RayPools` as its spawner.
 Healing (recovery.py): a lost worker's slot gets a fresh actor (`RayPools.replace`): the old actor is
 killed for good (it may be hung: its resources go back to the slot's placement bundle), a new one starts
 on the same bundle with the same options, and the router takes it once its `ready()` answers.
+Resizing (scaling.py): `add` starts a replica in a new slot -- a bundle freed by an earlier removal, else
+a placement group of its own (one replica's bundles; Ray must place it within `place_timeout_s`) -- and
+`remove` kills a drained replica's actor and frees its slot (its own group removed, a start group's bundle
+kept for the next `add`).
 `close()` (the router's shutdown, last) kills every actor, removes the placement groups and, if this
 process started Ray, shuts Ray down: nothing is left in Ray.
 The step watchdog's bound (`step_bound`): `reliability.step_timeout_s` when the spec sets it, else
@@ -43,7 +47,8 @@ def router_config(spec, config) -> RouterConfig:
                         min(p.kv.num_pages * p.kv.page_size for p in serving),
                         prefill.kv.num_pages * prefill.kv.page_size if prefill is not None else None,
                         spec.server.max_queued_requests, spec.server.request_timeout_s,
-                        **spec.reliability.router_options(), **spec.routing.router_options())
+                        **spec.reliability.router_options(), **spec.routing.router_options(),
+                        max_replicas={name: p.replica_limit for name, p in pools.items()})
 
 
 def step_bound(spec, name: str, max_position: int, profiles: list | None = None) -> float:
@@ -124,6 +129,7 @@ class _Slot:
     name: str  # the worker's name, kept by every actor the slot gets
     actor: Any
     bundle: tuple | None  # (placement group, bundle index), or None: unplaced
+    group: Any = None  # a placement group of its own (a slot added by a resize), removed with the slot
 
 
 class RayPools:
@@ -134,7 +140,9 @@ class RayPools:
         self.spec, self.kv, self.num_threads, self.ready_timeout_s = spec, kv, num_threads, ready_timeout_s
         self.max_position, self.owns_ray = max_position, owns_ray
         self.slots: dict[str, list[_Slot]] = {}
-        self.groups: list = []
+        self.groups: list = []  # the pools' placement groups from the start
+        self.free: dict[str, list[tuple]] = {}  # pool -> bundles of those groups whose replica was removed
+        self.place_timeout_s = min(ready_timeout_s, 30.0)  # a resize that Ray cannot place fails this soon
 
     def start_pool(self, name: str, pool) -> list[Any]:
         """Place `pool` and start an actor per replica (not yet ready); the actors."""
@@ -183,6 +191,44 @@ class RayPools:
                                           f"{type(e).__name__}: {e}") from None
         return RayHandle(slot.name, slot.actor, info)
 
+    async def add(self, pool: str) -> RayHandle:
+        """A new slot in `pool` (a free bundle of its start, else a placement group of its own) and a ready
+        actor there; on failure nothing of it is left (the actor killed, its group removed)."""
+        import ray
+
+        taken = [int(s.name.rsplit("-", 1)[1]) for s in self.slots.get(pool, [])]
+        slot = _Slot(f"{pool}-{max(taken, default=-1) + 1}", None, None)
+        if self.free.get(pool):
+            slot.bundle = self.free[pool].pop()
+        else:
+            one = self.spec.pools_in_use()[pool].model_copy(update={"replicas": 1})
+            groups, bundles = await asyncio.to_thread(_placement, pool, one, self.place_timeout_s)
+            slot.group, slot.bundle = (groups[0] if groups else None), bundles[0]
+        slot.actor = self._actor(pool, slot.name, slot.bundle)
+        self.slots.setdefault(pool, []).append(slot)
+        try:
+            info = await asyncio.wait_for(slot.actor.ready.remote(self.ready_timeout_s), self.ready_timeout_s + 5)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+            self._drop(pool, slot)
+            raise BackendUnavailableError(f"worker {slot.name} did not start: {type(e).__name__}: {e}") from None
+        return RayHandle(slot.name, slot.actor, info)
+
+    async def remove(self, pool: str, handle: RayHandle) -> None:
+        slot = next((s for s in self.slots.get(pool, []) if s.name == handle.name), None)
+        if slot is not None:
+            await asyncio.to_thread(self._drop, pool, slot)
+
+    def _drop(self, pool: str, slot: _Slot) -> None:
+        """Kill the slot's actor and free the slot: its own group removed, a start group's bundle kept."""
+        import ray
+
+        ray.kill(slot.actor, no_restart=True)
+        self.slots[pool].remove(slot)
+        if slot.group is not None:
+            ray.util.remove_placement_group(slot.group)
+        elif slot.bundle is not None:
+            self.free.setdefault(pool, []).append(slot.bundle)
+
     async def close(self) -> None:
         await asyncio.to_thread(self.close_sync)
 
@@ -193,9 +239,9 @@ class RayPools:
         for slots in self.slots.values():
             for s in slots:
                 ray.kill(s.actor)  # a TP/PP actor's rank processes see their socket close and exit
-        for g in self.groups:
+        for g in self.groups + [s.group for slots in self.slots.values() for s in slots if s.group is not None]:
             ray.util.remove_placement_group(g)
-        self.slots, self.groups = {}, []
+        self.slots, self.groups, self.free = {}, [], {}
         if self.owns_ray:
             ray.shutdown()
 

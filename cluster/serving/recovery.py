@@ -60,7 +60,7 @@ from typing import Callable
 
 from cluster.serving.flight import Flight, FlightTable
 from cluster.serving.holdings import Holdings
-from cluster.serving.membership import PoolMembership, Spawner, Worker
+from cluster.serving.membership import DRAINING, PoolMembership, Spawner, Worker
 from cluster.serving.prefix_routing import PrefixPlacer
 from cluster.serving.tasks import Tasks
 from cluster.serving_api import BackendUnavailableError
@@ -173,6 +173,15 @@ class Recovery:
                     f.queue.put_nowait(ev)
             self.flights.wake.set()
 
+    async def start_member(self, w: Worker) -> None:
+        """A member that joined while serving: its stats at once (admission ranks workers by their free
+        pages, and one without stats ranks last until its first long poll returns), then its poller."""
+        try:
+            w.stats = await asyncio.wait_for(w.handle.call("stats"), self.cfg.call_timeout_s)
+        except (BackendUnavailableError, asyncio.TimeoutError):
+            pass  # (its poller finds out)
+        self.tasks.start(self.poll(w))
+
     async def ask(self, w: Worker, method: str, *args):
         """A command to `w` that must answer within `call_timeout_s`; a worker that does not is lost and
         fenced (what it may still do for the command is undone when the fence closes it), one that cannot
@@ -215,7 +224,7 @@ class Recovery:
     def lose(self, w: Worker, err: BackendUnavailableError, close: bool = False) -> None:
         """`w` is dead to the router: fence it (`close`: and stop it), route around it; the flights it
         harmed recover or fail; its slot is healed (`_heal`)."""
-        pool = self.pools[w.pool]
+        pool, leaving = self.pools[w.pool], w.state == DRAINING
         if not pool.fence(w, str(err), self.clock()):
             return
         self.ledger.workers_lost += 1
@@ -225,7 +234,8 @@ class Recovery:
             f = self.flights.get(wid)
             if f is not None and harmed_by(f, w):
                 self.recover(f, err)
-        self._heal(w)
+        if not leaving:  # (a draining worker was leaving anyway: its resize removes it)
+            self._heal(w)
         if close:
             self.tasks.spawn(self._close(w))
         self.flights.wake.set()
@@ -252,9 +262,15 @@ class Recovery:
                 handle, how = await self._spawn(w), "workers_replaced"
             if handle is None or self.tasks.closed:
                 return
+            if len(pool.placeable_or_empty()) >= pool.target:  # the pool shrank meanwhile: not needed
+                pool.leave(w, self.clock())
+                await handle.close()
+                if self.spawner is not None:
+                    await self.spawner.remove(w.pool, handle)
+                return
             fresh = pool.replace(w, handle, self.clock())
             setattr(self.ledger, how, getattr(self.ledger, how) + 1)
-            self.tasks.start(self.poll(fresh))
+            await self.start_member(fresh)
         finally:
             pool.replacement_settled(self.clock())
             self.flights.wake.set()  # requests waiting for this pool: place them, or fail them now
@@ -287,11 +303,13 @@ class Recovery:
                 log.warning("replacing %s failed (%d in a row): %s: %s", w.name, n, type(e).__name__, e)
         return None
 
-    def recover(self, f: Flight, err: BackendUnavailableError) -> None:
-        """Re-queue `f` at the head under a fresh worker id to resume elsewhere, or fail it with `err`."""
+    def recover(self, f: Flight, err: BackendUnavailableError, handoff: bool = False) -> None:
+        """Re-queue `f` at the head under a fresh worker id to resume elsewhere, or fail it with `err`.
+        `handoff`: a planned move (a draining worker's leftovers), which never counts against
+        `max_recoveries`."""
         if f.done or self.flights.get(f.wid) is not f:
             return
-        if f.recoveries >= self.cfg.max_recoveries:
+        if f.recoveries >= self.cfg.max_recoveries and not handoff:
             f.queue.put_nowait(BackendUnavailableError(f"{err} (request {f.req.request_id}: "
                                                        f"{f.recoveries} recoveries already)"))
             return

@@ -56,6 +56,7 @@ from cluster.serving.intake import validate_request
 from cluster.serving.membership import PoolMembership, Spawner, Worker, WorkerHandle
 from cluster.serving.prefix_routing import PrefixPlacer
 from cluster.serving.recovery import Ledger, Recovery, outcome_of
+from cluster.serving.scaling import Scaler
 from cluster.serving.tasks import Tasks
 from cluster.serving_api import (BackendStats, BackendUnavailableError, GenerateDelta, GenerateRequest,
                                  OverloadedError)
@@ -87,6 +88,8 @@ class RouterConfig:
     replace_backoff_s: float = 1.0  # crash loops: the n-th quick death in a row waits this x 2^(n-1)...
     replace_backoff_max_s: float = 60.0  # ...at most this long
     stable_after_s: float = 60.0  # a replacement that dies sooner than this after joining: a crash loop
+    max_replicas: dict = dataclasses.field(default_factory=dict)  # pool -> a resize's upper bound (none: no growth)
+    scale_drain_s: float = 30.0  # a worker leaving a pool finishes what it holds this long, then hands off
     prefix_routing: bool | None = None  # route by cached prefix (cluster/prefix_routing.py); None: where workers cache
     prefix_cache_weight: float = 1.0  # one cached prompt token against one queued token
     decode_load_tokens: float = 64.0  # a decode worker's request in flight, in prompt tokens to ship
@@ -122,6 +125,8 @@ class ClusterRouter:
                                  self.ledger, tokenizer, clock, spawner)
         self.admission = Admission(config, self.pools, self.flights, self.holdings, self.recovery, self.prefix,
                                    self.tasks, page_size, clock)
+        self.scaler = Scaler(config, self.pools, self.flights, self.holdings, self.recovery, self.prefix,
+                             self.tasks, spawner, clock)
         self._finals: dict[str, DecodeDelta] = {}  # wid -> decode's last delta, held for the prefill's report
         self._started = False
 
@@ -189,6 +194,12 @@ class ClusterRouter:
             pools[name] = {"live": h.live, "target": h.target, "pending": h.pending, "degraded": h.degraded,
                            "reason": h.reason, "since": None if h.since is None else h.since + offset}
         return {"status": "degraded" if any(p["degraded"] for p in pools.values()) else "ok", "pools": pools}
+
+    async def scale(self, pool: str, replicas: int) -> dict[str, Any]:
+        """Resize `pool` to `replicas` workers while serving (`scaling.py`): {pool, replicas, added, removed};
+        `ScaleError` (400) on bad input, with nothing changed."""
+        self._ensure_started()
+        return await self.scaler.scale(pool, replicas)
 
     async def worker_stats(self) -> dict[str, Any]:
         """Fresh stats of every live worker, by name (tests: leak checks, preemption counters)."""

@@ -87,8 +87,12 @@ class WorkerLoop:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Close the worker (its requests aborted, pages freed) and end the thread."""
-        self._cmds.put(_STOP)
+        self.request_stop()
         self._thread.join(timeout_s)
+
+    def request_stop(self) -> None:
+        """Tell the loop to stop after its current step (without waiting: that step may hang)."""
+        self._cmds.put(_STOP)
 
     @property
     def alive(self) -> bool:
@@ -245,12 +249,23 @@ class LocalPools:
         return handle
 
     async def replace(self, pool: str, old) -> LocalHandle:
-        old.loop._cmds.put(_STOP)  # (no join: a hung step would hold it)
+        old.loop.request_stop()  # (no join: a hung step would hold it)
+        self.started = [h for h in self.started if h is not old]
+        return await self._start_async(pool, old.name)
+
+    async def add(self, pool: str) -> LocalHandle:
+        taken = [int(h.name.rsplit("-", 1)[1]) for h in self.started if h.name.startswith(f"{pool}-")]
+        return await self._start_async(pool, f"{pool}-{max(taken, default=-1) + 1}")
+
+    async def remove(self, pool: str, handle) -> None:
+        self.started = [h for h in self.started if h is not handle]
+        await handle.close()
+
+    async def _start_async(self, pool: str, name: str) -> LocalHandle:
         try:
-            return await asyncio.to_thread(self.start, pool, old.name)
+            return await asyncio.to_thread(self.start, pool, name)
         except Exception as e:  # noqa: BLE001 - the construction's error, typed for the router
-            raise BackendUnavailableError(f"worker {old.name}: a replacement failed to start: "
-                                          f"{type(e).__name__}: {e}") from None
+            raise BackendUnavailableError(f"worker {name} failed to start: {type(e).__name__}: {e}") from None
 
     async def close(self) -> None:
         await asyncio.gather(*(h.close() for h in self.started), return_exceptions=True)

@@ -212,7 +212,7 @@ def test_unit_tests_import_no_ray():
 # no cycle); only `actors` and `ray_pools` import ray, and the router imports neither; outside the room
 # only the launcher imports `ray_pools` (the Ray assembly).
 SERVING_LAYERS = (("tasks", "flight", "membership", "intake", "prefix_routing", "worker_loop"),
-                  ("holdings", "actors"), ("recovery",), ("admission",), ("router",), ("ray_pools",))
+                  ("holdings", "actors"), ("recovery",), ("admission", "scaling"), ("router",), ("ray_pools",))
 RAY_MODULES = ("cluster.serving.actors", "cluster.serving.ray_pools")
 
 
