@@ -147,20 +147,14 @@ class Pool(_Section):
     def _check(self) -> "Pool":
         problem = _capacity_problem(self, self.max_model_len) if self.max_model_len else None
         problems = [problem] if problem else []
-        if self.max_replicas is not None and self.max_replicas < self.replicas:
-            problems.append(Problem("max_replicas", f"{self.max_replicas} is below replicas ({self.replicas}); "
-                                                    f"raise it or remove it (default max(replicas, 8))"))
+        if (self.max_replicas or self.replicas) < self.replicas:
+            problems.append(Problem("max_replicas", f"{self.max_replicas} is below replicas ({self.replicas})"))
         if self.placement == "strict_pack" and self.degree > 1 and self.resources.num_gpus > 0:
             problems.append(Problem("placement", "strict_pack with GPUs: the rank processes are children of the "
                                                  "replica's actor and see only the GPUs of its own bundle; use "
                                                  "pack (one bundle of every rank's GPUs, always on one node)"))
         _fail_if(problems)
         return self
-
-    @property
-    def replica_limit(self) -> int:
-        """How many replicas a live resize may give the pool."""
-        return self.max_replicas if self.max_replicas is not None else max(self.replicas, 8)
 
     @property
     def degree(self) -> int:

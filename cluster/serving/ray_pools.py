@@ -48,7 +48,7 @@ def router_config(spec, config) -> RouterConfig:
                         prefill.kv.num_pages * prefill.kv.page_size if prefill is not None else None,
                         spec.server.max_queued_requests, spec.server.request_timeout_s,
                         **spec.reliability.router_options(), **spec.routing.router_options(),
-                        max_replicas={name: p.replica_limit for name, p in pools.items()})
+                        max_replicas={n: p.max_replicas or max(p.replicas, 8) for n, p in pools.items()})
 
 
 def step_bound(spec, name: str, max_position: int, profiles: list | None = None) -> float:

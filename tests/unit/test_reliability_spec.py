@@ -106,6 +106,9 @@ def test_router_config_carries_deadlines_and_recovery_limits():
     off = ray_pools.router_config(spec(reliability={"replace_lost_workers": False, "replace_backoff_s": 3.0,
                                                     "replace_backoff_max_s": 2.0}), MODEL)
     assert not off.replace_lost and (off.replace_backoff_s, off.replace_backoff_max_s) == (3.0, 3.0)
+    assert default.max_replicas == {"prefill": 8, "decode": 8}  # a resize's bound: max(replicas, 8)
+    sized = ray_pools.router_config(spec(pools={"prefill": {}, "decode": {"replicas": 2, "max_replicas": 3}}), MODEL)
+    assert sized.max_replicas == {"prefill": 8, "decode": 3}
 
 
 def test_kv_sender_push_deadline_comes_from_the_spec():
