@@ -142,7 +142,8 @@ class ReliabilitySpec(_Section):
     actor_max_restarts: int = Field(0, ge=0, le=100)
     # Self-healing: a lost worker's slot gets a fresh actor (after Ray's restarts, if any, are used up).
     replace_lost_workers: bool = True
-    # Crash loops: the n-th replacement in a row that dies within a minute waits backoff x 2^(n-1), at most max.
+    # Crash loops: the n-th replacement in a row that fails to start or dies before its first step waits
+    # backoff x 2^(n-1), at most max, before the next start.
     replace_backoff_s: float = Field(1.0, gt=0.0, le=600.0)
     replace_backoff_max_s: float = Field(60.0, gt=0.0, le=3600.0)
     # Step watchdog: a step running longer is a hung worker (fenced, replaced). None: derived from the

@@ -286,12 +286,13 @@ class Recovery:
         return None if handle.info.get("incarnation") in (None, old) else handle
 
     async def _spawn(self, w: Worker):
-        """A fresh worker for `w`'s slot. Backoff: a replacement that dies within `stable_after_s` of
-        joining (or fails to start) is a crash loop; the n-th in a row waits `replace_backoff_s` x
-        2^(n-1), at most `replace_backoff_max_s`, before the next start. The first replacement of a slot,
-        or one after a worker that ran a while, starts at once."""
+        """A fresh worker for `w`'s slot. Backoff: a replacement that dies before it completed a step (or
+        fails to start) is a crash loop; the n-th in a row waits `replace_backoff_s` x 2^(n-1), at most
+        `replace_backoff_max_s`, before the next start. The first replacement of a slot, or one after a
+        worker that served (killed, or lost under load), starts at once: healing is not slowed by faults
+        that are not the worker's own."""
         key, cfg = (w.pool, w.name), self.cfg
-        quick = w.generation > 0 and self.clock() - w.joined < cfg.stable_after_s
+        quick = w.generation > 0 and not getattr(w.stats, "num_steps", 0)
         n = self.crash_loops[key] = self.crash_loops.get(key, 0) + 1 if quick else 0
         while not self.tasks.closed:
             if n:

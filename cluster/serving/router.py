@@ -87,7 +87,6 @@ class RouterConfig:
     replace_lost: bool = True  # start a fresh worker in a lost one's slot (where the router has a spawner)
     replace_backoff_s: float = 1.0  # crash loops: the n-th quick death in a row waits this x 2^(n-1)...
     replace_backoff_max_s: float = 60.0  # ...at most this long
-    stable_after_s: float = 60.0  # a replacement that dies sooner than this after joining: a crash loop
     max_replicas: dict = dataclasses.field(default_factory=dict)  # pool -> a resize's upper bound (none: no growth)
     scale_drain_s: float = 30.0  # a worker leaving a pool finishes what it holds this long, then hands off
     prefix_routing: bool | None = None  # route by cached prefix (cluster/prefix_routing.py); None: where workers cache

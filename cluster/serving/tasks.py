@@ -18,7 +18,7 @@ log = logging.getLogger("pdserve.router")
 class Tasks:
     def __init__(self):
         self.closed = False
-        self.loops: list[asyncio.Task] = []
+        self.loops: set[asyncio.Task] = set()  # (an ended loop leaves the set: a poller of a lost worker)
         self.spawned: set[asyncio.Task] = set()
 
     def start(self, coro) -> None:
@@ -26,7 +26,9 @@ class Tasks:
         if self.closed:
             coro.close()
             return
-        self.loops.append(asyncio.get_running_loop().create_task(coro))
+        task = asyncio.get_running_loop().create_task(coro)
+        self.loops.add(task)
+        task.add_done_callback(self._reap_loop)
 
     def spawn(self, coro) -> None:
         """A short call beside the loop; forgotten when it ends."""
@@ -44,6 +46,11 @@ class Tasks:
         for t in everything:
             t.cancel()
         await asyncio.gather(*everything, return_exceptions=True)
+
+    def _reap_loop(self, task: asyncio.Task) -> None:
+        self.loops.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("router loop %s failed", task.get_coro(), exc_info=task.exception())
 
     def _reap(self, task: asyncio.Task) -> None:
         self.spawned.discard(task)
