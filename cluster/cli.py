@@ -1,7 +1,8 @@
 """`pdserve` command line.
 
 Subcommands: `serve SPEC` (start the spec's pools on Ray behind the OpenAI-compatible HTTP API, see
-`cluster/launch.py`); `generate PROMPT` (one engine in this process, or with `--spec` through a cluster;
+`cluster/launch.py`); `scale URL --pool P --replicas N` (resize a serving cluster's pool: the admin
+endpoint, with the API key from `--api-key-env`, default PDSERVE_API_KEY, when set); `generate PROMPT` (one engine in this process, or with `--spec` through a cluster;
 prints text, TTFT, tok/s); `validate SPEC` (reads a cluster spec, resolves its model and checks the spec
 against it -- a Hub id only from the cache, never downloading, `cluster/spec_model.py`; prints "ok: <summary>"
 or each problem as `SPEC: <dotted.key>: <reason>` on stderr, exit 2).
@@ -85,6 +86,23 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    import os
+
+    from cluster.client import Client, PdserveClientError
+
+    key = os.environ.get(args.api_key_env) or None
+    try:
+        with Client(args.url, api_key=key, timeout=args.timeout) as client:
+            out = client.scale(args.pool, args.replicas)
+    except PdserveClientError as e:
+        print(f"pdserve scale: {e}", file=sys.stderr)
+        return 2
+    added, removed = ", ".join(out["added"]) or "none", ", ".join(out["removed"]) or "none"
+    print(f"ok: pool {out['pool']} has {out['replicas']} replica(s) (added: {added}; removed: {removed})")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from cluster.launch import serve
 
@@ -116,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="HTTP port; default: the spec's (8000)")
     s.add_argument("--self-test", metavar="PROMPT", help="answer one completion over HTTP, print it, exit")
     s.set_defaults(func=_serve)
+    c = sub.add_parser("scale", help="resize a pool of a serving cluster (adds or drains replicas)")
+    c.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
+    c.add_argument("--pool", required=True, help="prefill, decode or colocated")
+    c.add_argument("--replicas", type=int, required=True, help="the pool's size from now on (>= 1)")
+    c.add_argument("--api-key-env", default="PDSERVE_API_KEY", help="environment variable with the API key")
+    c.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the resize to finish")
+    c.set_defaults(func=_scale)
     v = sub.add_parser("validate", help="check a cluster spec (YAML) and the model it names")
     v.add_argument("spec", help="path to the YAML cluster spec, e.g. deploy/local.yaml")
     v.add_argument("--skip-model", action="store_true",

@@ -193,6 +193,11 @@ class Client:
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text
 
+    def scale(self, pool: str, replicas: int) -> dict:
+        """Resize a cluster's pool while it serves (the admin endpoint; needs the API key when one is set):
+        {pool, replicas, added, removed} once done."""
+        return self._request("POST", "/v1/pdserve/admin/scale", json={"pool": pool, "replicas": replicas}).json()
+
     def close(self) -> None:
         self._http.close()
 

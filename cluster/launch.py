@@ -4,7 +4,7 @@
     python -m cluster.launch deploy/local.yaml                      # what `ray job submit` runs
     python -m cluster.launch deploy/local.yaml --self-test "Hello"  # serve, answer one request, exit
 
-Order: load + validate the spec -> read secrets (env/file) -> `ClusterRouter.from_spec` starts or joins
+Order: load + validate the spec -> read secrets (env/file) -> `cluster.serving.ray_pools.start_cluster` starts or joins
 Ray and the workers -> uvicorn serves on the spec's host/port on this process's event loop -> on exit
 (Ctrl-C, SIGTERM, end of the self-test) the router shuts down its actors and the Ray it started. Under
 `ray job submit` (RAY_ADDRESS set) a spec saying `ray.address: local` joins the job's cluster instead.
@@ -78,7 +78,7 @@ def _self_test(url: str, api_key: str | None, model: str, prompt: str) -> None:
 
 
 def serve(path: str, address: str | None = None, port: int | None = None, self_test: str | None = None) -> int:
-    from cluster.router import ClusterRouter
+    from cluster.serving.ray_pools import start_cluster
 
     try:
         spec = _effective_spec(path, address, port)
@@ -86,7 +86,7 @@ def serve(path: str, address: str | None = None, port: int | None = None, self_t
     except SpecError as e:
         print(f"{path}: invalid spec:\n{e}", file=sys.stderr)
         return 2
-    router = ClusterRouter.from_spec(spec)
+    router = start_cluster(spec)
     try:
         asyncio.run(_serve(router, spec, api_key, self_test))
     except KeyboardInterrupt:
@@ -96,7 +96,7 @@ def serve(path: str, address: str | None = None, port: int | None = None, self_t
 
 def generate_on_spec(path: str, prompt: str, params, chat: bool = False, address: str | None = None) -> int:
     """`pdserve generate --spec`: one request through the spec's cluster, printing text, TTFT and tok/s."""
-    from cluster.router import ClusterRouter
+    from cluster.serving.ray_pools import start_cluster
     from cluster.serving_api import GenerateRequest
 
     try:
@@ -104,7 +104,7 @@ def generate_on_spec(path: str, prompt: str, params, chat: bool = False, address
     except SpecError as e:
         print(f"{path}: invalid spec:\n{e}", file=sys.stderr)
         return 2
-    router = ClusterRouter.from_spec(spec)
+    router = start_cluster(spec)
 
     async def run() -> None:
         try:

@@ -67,6 +67,9 @@ class BackendStats:
     num_pages: int = 0
     preemptions: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # cluster backends: {"status": "ok" | "degraded", "pools": {pool: {live, target, pending, degraded,
+    # reason, since (unix s)}}} -- what /health and /metrics say about the pools; None: nothing to say
+    health: dict | None = None
 
 
 class ServingBackend(Protocol):

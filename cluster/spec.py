@@ -4,7 +4,7 @@ Shape (only `model` is required; the pools the mode needs must be named; default
 
     model, revision, dtype, mode: disaggregated | colocated   (model: a bundled name, a Hugging Face Hub id
                   org/name -- revision: its branch, tag or commit --, a model directory or a .gguf file)
-    pools:        prefill + decode (disaggregated) or colocated; each: replicas, tensor_parallel,
+    pools:        prefill + decode (disaggregated) or colocated; each: replicas, max_replicas, tensor_parallel,
                   pipeline_parallel, placement (pack | strict_pack), resources {num_cpus, num_gpus,
                   custom} (per rank: a replica reserves tensor_parallel x pipeline_parallel of them), max_num_seqs,
                   max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage, eviction,
@@ -13,7 +13,8 @@ Shape (only `model` is required; the pools the mode needs must be named; default
     kv_transfer:  host, auth_token {env | file}, tls {cert_file, key_file, ca_file}, failure_policy,
                   push_timeout_s
     server:       host, port, api_key {env | file}, request_timeout_s, max_queued_requests
-    reliability:  heartbeat_timeout_s, call_timeout_s, max_recoveries, actor_max_restarts
+    reliability:  heartbeat_timeout_s, call_timeout_s, max_recoveries, actor_max_restarts,
+                  replace_lost_workers, replace_backoff_s, replace_backoff_max_s, step_timeout_s
     routing:      prefix_aware (default: on where kv.prefix_caching is), cache_weight, decode_load_tokens,
                   refresh_s
     slo:          ttft_ms, tpot_ms
@@ -129,6 +130,8 @@ class Pool(_Section):
     """One pool of identical replicas (a replica = one engine, later tp x pp workers)."""
     # Upper bounds name absurd sizes at validation, before Ray places actors or an engine allocates.
     replicas: int = Field(1, ge=1, le=4096)
+    # A live resize (`pdserve scale`) may grow the pool up to this many; None: max(replicas, 8).
+    max_replicas: int | None = Field(None, ge=1, le=4096)
     tensor_parallel: int = Field(1, ge=1, le=1024)  # must divide heads and KV heads (checked against the model)
     pipeline_parallel: int = Field(1, ge=1, le=1024)  # must divide layers (checked against the model)
     # How a replica's ranks are reserved (they run as child processes of the replica's actor, so on its node):
@@ -147,6 +150,8 @@ class Pool(_Section):
     def _check(self) -> "Pool":
         problem = _capacity_problem(self, self.max_model_len) if self.max_model_len else None
         problems = [problem] if problem else []
+        if (self.max_replicas or self.replicas) < self.replicas:
+            problems.append(Problem("max_replicas", f"{self.max_replicas} is below replicas ({self.replicas})"))
         if self.placement == "strict_pack" and self.degree > 1 and self.resources.num_gpus > 0:
             problems.append(Problem("placement", "strict_pack with GPUs: the rank processes are children of the "
                                                  "replica's actor and see only the GPUs of its own bundle; use "

@@ -1,7 +1,7 @@
 """Parts of the cluster spec (`cluster/spec.py`) that configure the engine of a pool replica: KV pages (size,
 count, storage format, eviction, prefix caching) and draft-verify decoding; the `routing` section (prefix-aware
 placement); the `reliability` section (dead-peer detection,
-request recovery, Ray actor restarts), read by `cluster/actors.py` into `RouterConfig` and actor options;
+request recovery, Ray actor restarts), read by `cluster/serving/actors.py` into `RouterConfig` and actor options;
 plus the strict base section every spec model derives from and `_fail_if`, which turns cross-field
 problems into a `SpecError`.
 """
@@ -101,7 +101,7 @@ class SpeculativeSpec(_Section):
 
 class RoutingSpec(_Section):
     """`routing`: how the router weighs where a prompt's prefix is cached against load
-    (cluster/prefix_routing.py). Cross-checked against the pools' `kv.prefix_caching` in `ClusterSpec`."""
+    (cluster/serving/prefix_routing.py). Cross-checked against the pools' `kv.prefix_caching` in `ClusterSpec`."""
     prefix_aware: bool | None = None  # None: on for every pool with kv.prefix_caching
     cache_weight: float = Field(1.0, ge=0.0, le=100.0)  # one cached prompt token against one queued token
     # a decode worker's request in flight, in prompt tokens to ship: how much load outweighs a cached prefix
@@ -109,7 +109,7 @@ class RoutingSpec(_Section):
     refresh_s: float = Field(5.0, ge=0.0, le=3600.0)  # workers' cache reports replace the router's guess (0: never)
 
     def router_options(self) -> dict[str, Any]:
-        """Keyword arguments of `cluster.router.RouterConfig` this section sets."""
+        """Keyword arguments of `cluster.serving.router.RouterConfig` this section sets."""
         return {"prefix_routing": self.prefix_aware, "prefix_cache_weight": self.cache_weight,
                 "decode_load_tokens": self.decode_load_tokens, "prefix_refresh_s": self.refresh_s}
 
@@ -130,7 +130,7 @@ def prefix_problems(spec) -> list[Problem]:
 
 class ReliabilitySpec(_Section):
     """`reliability`: how fast a dead worker is noticed and what happens to the requests it held
-    (cluster/recovery.py). Cross-checked against `server.request_timeout_s` in `ClusterSpec`."""
+    (cluster/serving/recovery.py). Cross-checked against `server.request_timeout_s` in `ClusterSpec`."""
     # Dead-peer detection bound: a worker whose event long-poll has not returned for this long is declared
     # dead (found within this + one 50 ms admission tick). >= 1 s: a healthy long poll returns every 0.5 s.
     heartbeat_timeout_s: float = Field(30.0, ge=1.0, le=3600.0)
@@ -140,11 +140,22 @@ class ReliabilitySpec(_Section):
     # Ray restarts a dead worker actor this many times. Calls are never retried on the new incarnation
     # (max_task_retries stays 0): the router must see the death to recover the requests the old one held.
     actor_max_restarts: int = Field(0, ge=0, le=100)
+    # Self-healing: a lost worker's slot gets a fresh actor (after Ray's restarts, if any, are used up).
+    replace_lost_workers: bool = True
+    # Crash loops: the n-th replacement in a row that fails to start or dies before its first step waits
+    # backoff x 2^(n-1), at most max, before the next start.
+    replace_backoff_s: float = Field(1.0, gt=0.0, le=600.0)
+    replace_backoff_max_s: float = Field(60.0, gt=0.0, le=3600.0)
+    # Step watchdog: a step running longer is a hung worker (fenced, replaced). None: derived from the
+    # latency profile of the spec's model and the pool's limits (cluster/serving/ray_pools.py, step_bound).
+    step_timeout_s: float | None = Field(None, ge=0.1, le=3600.0)
 
     def router_options(self) -> dict[str, Any]:
-        """Keyword arguments of `cluster.router.RouterConfig` this section sets."""
+        """Keyword arguments of `cluster.serving.router.RouterConfig` this section sets."""
         return {"heartbeat_timeout_s": self.heartbeat_timeout_s, "call_timeout_s": self.call_timeout_s,
-                "max_recoveries": self.max_recoveries, "rejoin_restarted": self.actor_max_restarts > 0}
+                "max_recoveries": self.max_recoveries, "rejoin_restarted": self.actor_max_restarts > 0,
+                "replace_lost": self.replace_lost_workers, "replace_backoff_s": self.replace_backoff_s,
+                "replace_backoff_max_s": max(self.replace_backoff_max_s, self.replace_backoff_s)}
 
     def actor_options(self) -> dict[str, Any]:
         """Keyword arguments of Ray's `ActorClass.options(...)` this section sets."""

@@ -1,6 +1,6 @@
 """`DecodeWorker`: one decode engine (`engine.LLM`) and its `KVReceiver`, driven by a plain step loop.
 
-Who calls it: `cluster/actors.py` runs it on one thread of a Ray actor (tests run it in-process); every
+Who calls it: `cluster/serving/actors.py` runs it on one thread of a Ray actor (tests run it in-process); every
 method runs on that thread, while the receiver's transport threads accept pushes beside it. Life of a
 request here (DESIGN.md "Life of a request", steps 3 and 6):
 

@@ -1,7 +1,7 @@
 """`FaultyTransport`: a real transport whose pushes pass through a seeded fault plan, for fault-injection
 tests against a real cluster (issue 8: drop, corrupt, duplicate and delay a KV chunk).
 
-Who uses it: tests hand an instance to `ClusterRouter.from_spec(spec, transport=...)`; it travels to the Ray
+Who uses it: tests hand an instance to `cluster.serving.ray_pools.start_cluster(spec, transport=...)`; it travels to the Ray
 actors as plain data (the plan and the inner transport's name; the inner transport itself -- channels,
 locks -- is built lazily in each process) and the workers use it like any transport: `serve()` is the inner
 transport's, `push()` sends the inner transport the frames after the plan has had its way with each chunk

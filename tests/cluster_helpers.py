@@ -1,5 +1,5 @@
-"""Helpers for router tests (in-process workers and Ray): collect a stream, the cluster leak check, and
-serving a backend over HTTP on the test's own event loop."""
+"""Helpers for router tests (in-process workers and Ray): collect a stream, the cluster leak check, serving a
+backend over HTTP on the test's own event loop, and a steady load of callers (`Load`)."""
 from __future__ import annotations
 
 import asyncio
@@ -26,9 +26,9 @@ async def assert_cluster_empty(router, timeout_s: float = 10.0) -> dict:
         left = {name: s for name, s in stats.items()
                 if s.pages_in_use or s.reservations or s.running or s.waiting
                 or getattr(s, "held", 0) or getattr(s, "sending", 0) or getattr(s, "receiving", 0)}
-        if not left and not router._flights and not router._waiting:
+        if not left and not router.flights.by_wid and not router.flights.waiting:
             return stats
-        assert time.monotonic() < end, f"workers still hold state: {left}; flights {list(router._flights)}"
+        assert time.monotonic() < end, f"workers still hold state: {left}; flights {list(router.flights.by_wid)}"
         await asyncio.sleep(0.05)
 
 
@@ -53,3 +53,36 @@ async def serving(backend, max_body_bytes: int = 1 << 20):
         server.should_exit = True
         await task
         sock.close()
+
+
+class Load:
+    """`clients` callers, each sending `prompts` one after another (greedy `params`, every one must finish
+    "length") until `stop()`; `outputs` keeps (prompt index, token ids) of each finished request."""
+
+    def __init__(self, router, prompts, params, clients=3):
+        self.router, self.prompts, self.params, self.outputs, self.stopped = router, prompts, params, [], False
+        self.tasks = [asyncio.ensure_future(self._client(c)) for c in range(clients)]
+
+    async def _client(self, c):
+        k = 0
+        while not self.stopped:
+            i = (c + k) % len(self.prompts)
+            req = GenerateRequest(f"c{c}-{k}", self.prompts[i], self.params, model=self.router.model_name)
+            out = [d async for d in self.router.generate(req)]
+            assert out[-1].finished and out[-1].finish_reason == "length", out[-1]
+            self.outputs.append((i, [t for d in out for t in d.new_token_ids]))
+            k += 1
+
+    async def wait_for(self, n, timeout_s=60.0):
+        """Until `n` requests have finished (a caller that failed fails this at once)."""
+        end = time.monotonic() + timeout_s
+        while len(self.outputs) < n:
+            failed = [t for t in self.tasks if t.done()]
+            if failed:
+                await failed[0]  # (raises its error)
+            assert time.monotonic() < end, f"{len(self.outputs)} of {n} requests within {timeout_s} s"
+            await asyncio.sleep(0.02)
+
+    async def stop(self):
+        self.stopped = True
+        await asyncio.gather(*self.tasks)  # (a failed request raises here)

@@ -3,9 +3,11 @@
 Routes:
     POST /v1/completions, /v1/chat/completions   handlers.handle (stream or not)
     GET  /v1/models, /v1/models/{id}             the one model the backend serves
-    GET  /health                                  200 {"status": "ok"} (never needs the API key)
+    GET  /health                                  200 {"status": "ok" | "degraded", ...} (never needs the API
+                                                  key; a cluster adds its pools: live, target, why, since)
     GET  /metrics                                 Prometheus text (metrics.FrontendMetrics)
     GET  /v1/pdserve/timeline/{response_id}       per-choice timelines of a recent response (debug)
+    POST /v1/pdserve/admin/scale                  resize a cluster's pool while serving (admin.py)
 
 Every error answer is an OpenAI error body (`errors.HTTPError`): typed pdserve errors map to 400/404/429/
 503/504, unknown routes to 404, anything unexpected to 500. With `api_key` set, every route but /health
@@ -24,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.http.admin import install_admin
 from cluster.http.errors import HTTPError, from_exception
 from cluster.http.handlers import ClientGone, FrontendContext, handle
 from cluster.http.metrics import FrontendMetrics, TimelineStore
@@ -92,7 +95,10 @@ def build_app(backend: ServingBackend, api_key: str | None = None, max_body_byte
     @app.get("/health")
     async def health():
         stats = await backend.stats()
-        return {"status": "ok", "queued": stats.queued, "running": stats.running}
+        out = {"status": "ok", "queued": stats.queued, "running": stats.running}
+        if stats.health is not None:  # a cluster: "degraded" while a pool lacks workers (pools say why, since)
+            out.update(status=stats.health["status"], pools=stats.health["pools"])
+        return out
 
     @app.get("/metrics")
     async def metrics():
@@ -106,6 +112,7 @@ def build_app(backend: ServingBackend, api_key: str | None = None, max_body_byte
             raise HTTPError(404, f"no timeline kept for {response_id!r}", param="response_id")
         return {"id": response_id, "timelines": found}
 
+    install_admin(app, backend)
     return app
 
 

@@ -16,7 +16,9 @@ decode for the request) and kv_pages (the most KV pages it held at once on its d
 worker); they feed the histograms pdserve_request_kv_bytes and pdserve_request_kv_pages.
 Gauges read `BackendStats` at scrape time: queued, running, pages; `preemptions` is a running total
 turned into a counter; `extra["kv_transfer_bytes"]` / `extra["kv_transfer_seconds"]` (backend totals) feed
-the transfer gauges and every other `extra` key becomes `pdserve_backend_stat{name=...}`.
+the transfer gauges and every other `extra` key becomes `pdserve_backend_stat{name=...}`. `health` (cluster
+backends) feeds `pdserve_pool_degraded{pool,reason}` (1 while degraded, with why; 0 and reason "" when not)
+and `pdserve_pool_degraded_since_seconds{pool}` (unix time the spell began; 0 when healthy).
 `TimelineStore` keeps the last timelines by response id for `GET /v1/pdserve/timeline/{id}`.
 """
 from __future__ import annotations
@@ -76,6 +78,10 @@ class FrontendMetrics:
                                   "worker (timeline kv_pages)", registry=r, buckets=_KV_PAGES_BUCKETS)
         self.extra = Gauge("pdserve_backend_stat", "Other backend statistics (BackendStats.extra)", ["name"],
                            registry=r)
+        self.degraded = Gauge("pdserve_pool_degraded", "1 while a pool has fewer live workers than it should "
+                              "or one is being replaced (reason: why it became so)", ["pool", "reason"], registry=r)
+        self.degraded_since = Gauge("pdserve_pool_degraded_since_seconds", "Unix time a pool became degraded "
+                                    "(0: healthy)", ["pool"], registry=r)
         self._preemptions_seen = 0
 
     def observe_finished(self, finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
@@ -117,6 +123,11 @@ class FrontendMetrics:
         self.transfer_seconds.set(extra.pop("kv_transfer_seconds", 0.0))
         for key, value in extra.items():
             self.extra.labels(_EXTRA_NAME.sub("_", key)).set(value)
+        if stats.health is not None:
+            self.degraded.clear()  # (one series per pool: the reason label changes)
+            for pool, h in stats.health["pools"].items():
+                self.degraded.labels(pool, h["reason"] if h["degraded"] else "").set(float(h["degraded"]))
+                self.degraded_since.labels(pool).set(h["since"] or 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

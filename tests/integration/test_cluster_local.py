@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from cluster.router import ClusterRouter
+from cluster.serving.ray_pools import start_cluster
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
 from tests.cluster_helpers import assert_cluster_empty, collect, serving
@@ -60,7 +60,7 @@ async def serve_all(router, prompts, prefix):
 
 def test_disaggregated_single_and_16_concurrent(ray_session, reference):
     prompts, ref, logits = reference["many"]
-    router = ClusterRouter.from_spec(spec("disaggregated", prefill=pool(max_num_seqs=16),
+    router = start_cluster(spec("disaggregated", prefill=pool(max_num_seqs=16),
                                           decode=pool(replicas=2, cpus=0.5)))
 
     async def main():
@@ -78,7 +78,7 @@ def test_disaggregated_single_and_16_concurrent(ray_session, reference):
 
 def test_colocated_16_concurrent(ray_session, reference):
     prompts, ref, logits = reference["many"]
-    router = ClusterRouter.from_spec(spec("colocated", colocated=pool(replicas=2)))
+    router = start_cluster(spec("colocated", colocated=pool(replicas=2)))
 
     async def main():
         try:
@@ -91,7 +91,7 @@ def test_colocated_16_concurrent(ray_session, reference):
 
 def test_decode_preemption_keeps_the_output(ray_session, reference):
     prompts, ref, logits = reference["tight"]
-    router = ClusterRouter.from_spec(spec("disaggregated", prefill=pool(),
+    router = start_cluster(spec("disaggregated", prefill=pool(),
                                           decode=pool(pages=10, max_len=160)))
 
     async def main():
@@ -111,7 +111,7 @@ def test_http_bad_input_over_the_cluster_harms_no_one(ray_session, reference):
     import httpx
 
     prompts, ref, logits = reference["many"]
-    router = ClusterRouter.from_spec(spec("disaggregated", prefill=pool(), decode=pool(), queue=2))
+    router = start_cluster(spec("disaggregated", prefill=pool(), decode=pool(), queue=2))
     bad = [(400, {"max_tokens": -1}), (400, {"tools": [{"type": "function"}]}),
            (400, {"pdserve": {"reservation_id": "r-1"}}), (404, {"model": "no-such-model"}),
            (413, {"prompt": "x" * 70_000})]
@@ -162,7 +162,7 @@ def test_http_clients_over_the_disaggregated_cluster(ray_session, reference):
     from cluster.client import AsyncClient, Client
 
     prompts, ref, logits = reference["many"]
-    router = ClusterRouter.from_spec(spec("disaggregated", prefill=pool(max_num_seqs=16), decode=pool()))
+    router = start_cluster(spec("disaggregated", prefill=pool(max_num_seqs=16), decode=pool()))
     opts = dict(max_tokens=PARAMS.max_tokens, temperature=0, pdserve={"ignore_eos": True, "return_token_ids": True})
 
     def singles(url):

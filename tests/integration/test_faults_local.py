@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from cluster.router import ClusterRouter
+from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest, OverloadedError
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
@@ -71,7 +71,7 @@ def cluster(ray_session, reference):
     """(router, event loop): the module's one cluster, with chunk faults aimed at the `AIMED` request ids."""
     t0 = time.monotonic()
     plan = {"requests": AIMED, "at_chunk": 1, "delay_s": DELAY_S}
-    router = ClusterRouter.from_spec(local_2d(), transport=FaultyTransport(plan))
+    router = start_cluster(local_2d(), transport=FaultyTransport(plan))
     print(f"\nlocal-2d cluster (SmolLM2 float32) up in {time.monotonic() - t0:.1f} s")
     loop = asyncio.new_event_loop()
     yield router, loop
@@ -161,9 +161,9 @@ def test_a_slow_decode_actor_times_its_requests_out_on_time_and_others_finish(cl
         await slow.handle.actor.slow_steps.remote(step_s)
         try:
             tasks = [asyncio.ensure_future(one(f"s{i}", i)) for i in range(4)]
-            while not all(f is not None and f.decode for f in map(router._by_request.get, [f"s{i}" for i in range(4)])):
+            while not all(f is not None and f.decode for f in map(router.flights.by_request.get, [f"s{i}" for i in range(4)])):
                 await asyncio.sleep(0.05)  # (a generator opens its request when first iterated)
-            on_slow = {f.req.request_id for f in router._flights.values() if f.decode is slow}
+            on_slow = {f.req.request_id for f in router.flights.by_wid.values() if f.decode is slow}
             got = await asyncio.gather(*tasks)
         finally:
             await slow.handle.actor.slow_steps.remote(0.0)
@@ -233,7 +233,7 @@ def test_the_prefill_actor_killed_mid_prefill_is_restarted_and_its_requests_resu
     async def main():
         (prefill,) = [w for w in router.workers["prefill"] if w.alive]
         untouched = [asyncio.ensure_future(r.tokens(f"u{i}", i)) for i in (4, 5)]
-        while not all(f is not None and f.prefill_ended for f in map(router._by_request.get, ["u4", "u5"])):
+        while not all(f is not None and f.prefill_ended for f in map(router.flights.by_request.get, ["u4", "u5"])):
             await asyncio.sleep(0.05)  # their KV has left the prefill actor: the kill must not touch them
         await prefill.handle.actor.slow_steps.remote(2.0)  # the next prefill steps crawl: kill mid-prefill
         victims = [asyncio.ensure_future(r.tokens(f"v{i}", i)) for i in (0, 1)]

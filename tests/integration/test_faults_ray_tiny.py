@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from cluster.router import ClusterRouter
+from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
@@ -69,7 +69,7 @@ def test_kv_chunk_faults_over_grpc_are_recomputed_and_outputs_unchanged(ray_sess
     picks = [replica._pick() for _ in range(2 * len(prompts))]
     assert all(replica.injected[k] for k in FAULTS), replica.injected  # the seed exercises every fault
     spec = spec_for(tiny_dir, kv_transfer={"failure_policy": "recompute", "push_timeout_s": 1.0})
-    router = ClusterRouter.from_spec(spec, transport=FaultyTransport(plan))
+    router = start_cluster(spec, transport=FaultyTransport(plan))
 
     async def one(i):
         req = GenerateRequest(f"f{i}", prompts[i], PARAMS, model=router.model_name)
@@ -108,7 +108,7 @@ def test_a_prefill_actor_killed_before_its_kv_left_is_re_prefilled_elsewhere(ray
                        "pools": {"prefill": {**pool, "replicas": 2}, "decode": pool},
                        "server": {"request_timeout_s": 120.0}, "kv_transfer": {"push_timeout_s": 60.0}})
     stall = FaultyTransport({"delay": 1.0, "delay_s": 0.5})  # every chunk waits: the KV leaves slowly
-    router = ClusterRouter.from_spec(spec, transport=stall)
+    router = start_cluster(spec, transport=stall)
 
     async def main():
         try:
@@ -142,7 +142,7 @@ def test_a_burst_of_10x_the_queue_and_short_deadlines_end_typed_and_on_time(ray_
     queue = 4
     spec = spec_for(tiny_dir, server={"request_timeout_s": 120.0, "max_queued_requests": queue})
     ref = LLM(model=str(tiny_dir), dtype="float32", num_pages=64).generate([PROMPT], PARAMS)[0].token_ids
-    router = ClusterRouter.from_spec(spec, transport=FaultyTransport({"delay": 1.0, "delay_s": 0.2}))
+    router = start_cluster(spec, transport=FaultyTransport({"delay": 1.0, "delay_s": 0.2}))
 
     async def one(i):
         late = i % 5 == 0  # a deadline no request can meet while the KV trickles in
@@ -177,7 +177,7 @@ def test_a_killed_decode_actor_is_restarted_and_rejoins(ray_session, tiny_dir):
     import ray
 
     ref = LLM(model=str(tiny_dir), dtype="float32", num_pages=64).generate([PROMPT], PARAMS)[0].token_ids
-    router = ClusterRouter.from_spec(spec_for(tiny_dir))
+    router = start_cluster(spec_for(tiny_dir))
 
     async def main():
         try:
@@ -190,7 +190,7 @@ def test_a_killed_decode_actor_is_restarted_and_rejoins(ray_session, tiny_dir):
                 await router.stats()  # (starts the pollers if nothing did yet)
                 await asyncio.sleep(0.1)
             took = time.monotonic() - t0
-            old_rec, new = router.workers["decode"]
+            old_rec, (new,) = old, router.workers["decode"]  # the new incarnation took the old one's slot
             assert not old_rec.alive and new.alive and router.ledger.workers_lost == 1
             assert new.handle.info["incarnation"] != old_rec.handle.info["incarnation"]
             assert_greedy_equal([ref], [await _tokens(router, "after")])
@@ -231,7 +231,7 @@ def test_actor_memory_is_flat_from_cycle_10_to_50_of_a_repeated_fault(ray_sessio
     cycles, at = 50, 10
     ref = LLM(model=str(tiny_dir), dtype="float32", num_pages=64).generate([PROMPT], PARAMS)[0].token_ids
     plan = {"requests": {f"m{c}-bad": "corrupt" for c in range(cycles)}}  # every cycle's "bad" request
-    router = ClusterRouter.from_spec(spec_for(tiny_dir, kv_transfer={"failure_policy": "recompute"}),
+    router = start_cluster(spec_for(tiny_dir, kv_transfer={"failure_policy": "recompute"}),
                                      transport=FaultyTransport(plan))
 
     async def rss() -> dict[str, int]:

@@ -12,7 +12,7 @@ import ipaddress
 
 import pytest
 
-from cluster.actors import kv_configs
+from cluster.serving.actors import kv_configs
 from cluster.spec import parse_spec
 from engine import SamplingParams
 from engine.llm import LLM

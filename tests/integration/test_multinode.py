@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from cluster.ray_session import init_ray, reload_ray_auth
-from cluster.router import ClusterRouter
+from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import BackendUnavailableError
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
@@ -108,7 +108,7 @@ def test_pools_on_their_nodes_and_kv_crosses_nodes(cluster, reference):
 
     c, nodes = cluster
     prompts, ref, logits = reference
-    router = ClusterRouter.from_spec(multinode_spec(c.address))
+    router = start_cluster(multinode_spec(c.address))
 
     async def main():
         try:

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from cluster.router import ClusterRouter
+from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
@@ -86,7 +86,7 @@ def test_serve_parallel_pools_greedy_equal_and_ranks_gone(ray_session, tmp_path,
     spec = parse_spec({"model": str(model), "dtype": "float32", "mode": "disaggregated",
                        "pools": {"prefill": {**pool, **prefill}, "decode": {**pool, **decode}},
                        "server": {"request_timeout_s": 120.0}})
-    pids = asyncio.run(_serve(ClusterRouter.from_spec(spec), spec, prompts, ref))
+    pids = asyncio.run(_serve(start_cluster(spec), spec, prompts, ref))
     everyone = [p for ps in pids.values() for p in ps]
     assert _wait_gone(everyone) == [], "rank processes outlived the cluster"
     assert not [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from cluster.router import ClusterRouter
+from cluster.serving.ray_pools import start_cluster
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
 from tests.cluster_helpers import assert_cluster_empty
@@ -37,11 +37,11 @@ def test_prefix_caching_and_routing_through_ray_actors(ray_session, tiny_dir):
             "kv": {"page_size": 8, "num_pages": 64, "prefix_caching": True}}
     spec = parse_spec({"model": str(tiny_dir), "dtype": "float32", "mode": "disaggregated",
                        "pools": {"prefill": pool, "decode": pool}, "routing": {"refresh_s": 0.2}})
-    router = ClusterRouter.from_spec(spec)
+    router = start_cluster(spec)
 
     async def main():
         try:
-            assert router._prefix.active("prefill") and router._prefix.active("decode")
+            assert router.prefix.active("prefill") and router.prefix.active("decode")
             warm = (await collect_stream(router, "warm", BASE, PARAMS, router.model_name))[0]
             got = await asyncio.gather(*(collect_stream(router, f"r{i}", p, PARAMS, router.model_name)
                                          for i, p in enumerate(PROMPTS)))

@@ -1,7 +1,7 @@
 """Acceptance (issue 22): the local Ray that `pdserve serve` starts exposes nothing unauthenticated beyond
 loopback, and nothing but read-only metrics without its token even there.
 
-A tiny-model disaggregated cluster is started the way `pdserve serve` starts one (`ClusterRouter.from_spec`,
+A tiny-model disaggregated cluster is started the way `pdserve serve` starts one (`start_cluster`,
 `ray.address: local`), after ray was imported with the default "any interface" setting (a user program
 that imported ray first; the hardest case for pdserve's loopback setting). Then every LISTEN socket of
 this process and its descendants (Ray's GCS, raylet, agents, monitor, dashboard head, the workers; psutil)
@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from cluster import ray_session
-from cluster.router import ClusterRouter
+from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest
 from cluster.spec import parse_spec
 from engine import SamplingParams
@@ -137,7 +137,7 @@ def test_local_ray_listens_on_loopback_only_and_refuses_callers_without_the_toke
     pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128}
     spec = parse_spec({"model": str(tiny_dir), "dtype": "float32", "mode": "disaggregated",
                        "pools": {"prefill": pool, "decode": pool}})
-    router = ClusterRouter.from_spec(spec, num_cpus=2)
+    router = start_cluster(spec, num_cpus=2)
     path = ray_session.token_path()
 
     async def main():

@@ -48,12 +48,12 @@ def test_hostile_spec_is_a_spec_error_naming_the_place(name, tmp_path):
 
 
 # The KV data plane and the HTTP path (and the router behind it): nothing here may deserialize bytes into
-# objects that can run code. Ray's own control plane (cluster/actors.py) is trusted inside an authenticated
-# cluster and is outside this scan.
-SCANNED = ["kv_transfer", "cluster/http", "cluster/router.py", "cluster/flight.py", "cluster/recovery.py",
-           "cluster/intake.py", "cluster/serving_api.py", "cluster/server.py", "cluster/client.py",
-           "cluster/worker_loop.py", "prefill_worker", "decode_worker", "cluster/spec.py",
+# objects that can run code. Ray's own control plane (cluster/serving/actors.py) is trusted inside an
+# authenticated cluster and is outside this scan.
+SCANNED = ["kv_transfer", "cluster/http", "cluster/serving", "cluster/serving_api.py", "cluster/server.py",
+           "cluster/client.py", "prefill_worker", "decode_worker", "cluster/spec.py",
            "cluster/spec_errors.py", "cluster/spec_sections.py", "cluster/launch.py", "cluster/local_backend.py"]
+NOT_SCANNED = {"cluster/serving/actors.py"}
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve", "joblib"}
 BANNED_CALLS = {("torch", "load"), ("pickle", "loads"), ("pickle", "load"), ("numpy", "load"), ("np", "load")}
 
@@ -63,7 +63,8 @@ def scanned_files() -> list[Path]:
     for entry in SCANNED:
         p = ROOT / entry
         out += sorted(p.rglob("*.py")) if p.is_dir() else [p]
-    return [p for p in out if not p.name.endswith("_pb2.py") and not p.name.endswith("_pb2_grpc.py")]
+    return [p for p in out if not p.name.endswith("_pb2.py") and not p.name.endswith("_pb2_grpc.py")
+            and str(p.relative_to(ROOT)) not in NOT_SCANNED]
 
 
 def offences(path: Path) -> list[str]:

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from cluster.router import ClusterRouter, RouterConfig
+from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError, GenerateRequest
-from cluster.worker_loop import start_local
+from cluster.serving.worker_loop import start_local
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
 from engine.llm import LLM
@@ -167,7 +167,7 @@ def test_a_prefill_worker_killed_mid_prefill_is_re_prefilled_on_a_healthy_one(ti
             while not p0.flights:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.005)
-            victims = [f for f in router._flights.values() if f.prefill is p0 and f.sent_tokens == 0]
+            victims = [f for f in router.flights.by_wid.values() if f.prefill is p0 and f.sent_tokens == 0]
             assert victims
             await stop(router, "prefill", 0)
             results = await asyncio.gather(*tasks)
@@ -186,7 +186,7 @@ def test_without_recoveries_left_a_lost_worker_fails_only_its_requests_typed(tin
             gens, outs = streams(router)
             for g, out in zip(gens, outs):
                 out.append(await g.__anext__())
-            victims = {f.req.request_id for f in router._flights.values() if f.decode is router.workers["decode"][0]}
+            victims = {f.req.request_id for f in router.flights.by_wid.values() if f.decode is router.workers["decode"][0]}
             await stop(router, "decode", 0)
             for i, (g, out) in enumerate(zip(gens, outs)):
                 if f"r{i}" in victims:

@@ -206,3 +206,30 @@ def test_unit_tests_import_no_ray():
     bad = [p.name for p in here.rglob("*.py")
            if "ray" in {top(i) for i in imports_in_source(p.read_text(), module_name(p), p.name == "__init__.py")}]
     assert bad == []
+
+
+# ---- the serving path's room (cluster/serving/: its map is in its __init__) ----------------------
+# Its modules in layers: each may import only modules of earlier layers (so the imports run one way, with
+# no cycle); only `actors` and `ray_pools` import ray, and the router imports neither; outside the room
+# only the launcher imports `ray_pools` (the Ray assembly).
+SERVING_LAYERS = (("tasks", "flight", "membership", "intake", "prefix_routing", "worker_loop"),
+                  ("holdings", "actors"), ("recovery",), ("admission", "scaling"), ("router",), ("ray_pools",))
+RAY_MODULES = ("cluster.serving.actors", "cluster.serving.ray_pools")
+
+
+def test_the_serving_room_imports_one_way_and_only_its_ray_modules_import_ray():
+    rank = {f"cluster.serving.{m}": i for i, layer in enumerate(SERVING_LAYERS) for m in layer}
+    room = {n for n in MODS if n.startswith("cluster.serving.")}
+    assert room == set(rank), f"modules of cluster/serving/ not in SERVING_LAYERS: {sorted(room ^ set(rank))}"
+    backwards = [f"{n} imports {i}" for n in room for i in MODS[n][1] if i in rank and rank[i] >= rank[n]]
+    assert backwards == []
+    assert violations(lambda n: n in room and n not in RAY_MODULES, {"ray"}) == []
+    assert not {i for n in room - set(RAY_MODULES) for i in MODS[n][1]} & set(RAY_MODULES)
+    assert EAGER["cluster.serving"] == set(), "cluster/serving/__init__.py must import nothing"
+    users = sorted(n for n, (_, imps) in MODS.items() if n not in room and set(RAY_MODULES) & imps)
+    assert users == ["cluster.launch"], users
+
+
+def test_the_serving_path_left_its_old_places():
+    old = ("router", "admission", "recovery", "flight", "worker_loop", "prefix_routing", "actors", "intake")
+    assert [m for m in old if (ROOT / "cluster" / f"{m}.py").exists()] == []

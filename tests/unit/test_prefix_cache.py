@@ -300,7 +300,7 @@ TestPrefixMachine.settings = settings(max_examples=150, stateful_step_count=40, 
 def test_a_workers_cache_report_is_what_the_router_index_matches():
     """The seam for prefix-aware routing: a worker reports `PrefixCache.hashes()`; the router's index,
     given the pool's salt, names a prompt's pages the same way and matches the tokens the cache holds."""
-    from cluster.prefix_routing import PrefixIndex
+    from cluster.serving.prefix_routing import PrefixIndex
 
     alloc, cache, tables, share = make(16)
     a = request("a", list(range(3, 40)))

@@ -1,4 +1,4 @@
-"""`cluster.prefix_routing.PrefixPlacer`, the router's prefix-aware choices, on router `Worker` records with
+"""`cluster.serving.prefix_routing.PrefixPlacer`, the router's prefix-aware choices, on router `Worker` records with
 plain stats (pure: no model, no threads): the warm worker wins, load outweighs a small cached prefix, a
 decode worker without the pages for the uncached part is never picked, a lost worker is forgotten, a
 pool whose workers do not cache (or routing off) keeps the old order, and `extra()` sums the pools."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.prefix_routing import PrefixPlacer
-from cluster.recovery import Worker
+from cluster.serving.prefix_routing import PrefixPlacer
+from cluster.serving.recovery import Worker
 from decode_worker.worker import DecodeStats
 from prefill_worker.worker import PrefillStats
 

@@ -16,9 +16,9 @@ import random
 import pytest
 
 from cluster.http.metrics import FrontendMetrics
-from cluster.router import ClusterRouter, RouterConfig
+from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError
-from cluster.worker_loop import start_local
+from cluster.serving.worker_loop import start_local
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
 from engine.llm import LLM
@@ -246,7 +246,7 @@ def test_a_next_chat_turn_finds_the_answer_cached_where_it_was_decoded(tiny_dir)
         try:
             out = await c.run(0, BASE)  # 30 + 8 tokens; KV of the first 37 on its decode worker: 9 full pages
             turn2 = BASE + out + TAIL[4]
-            idx = c.router._prefix.index["decode"]
+            idx = c.router.prefix.index["decode"]
             warm = max(("decode-0", "decode-1"), key=lambda n: idx.matched_tokens(n, idx.hashes(turn2)))
             assert idx.matched_tokens(warm, idx.hashes(turn2)) == 36  # prompt and answer pages recorded
             await c.run(1, turn2)
@@ -282,13 +282,13 @@ def test_the_index_is_refreshed_from_what_the_workers_report(tiny_dir):
         c = Cluster(tiny_dir, True, refresh_s=0.1)
         try:
             await c.run(0, BASE)
-            idx = c.router._prefix.index
+            idx = c.router.prefix.index
             ghost = idx["decode"].hashes(TAIL[3] * 2)  # 4 pages no worker has
             idx["decode"].record("decode-0", ghost)
-            seen = c.router._prefix.refreshes
+            seen = c.router.prefix.refreshes
             for _ in range(200):
                 await asyncio.sleep(0.05)
-                if c.router._prefix.refreshes >= seen + 4:  # (both workers, twice: the ghost was recorded before)
+                if c.router.prefix.refreshes >= seen + 4:  # (both workers, twice: the ghost was recorded before)
                     break
             assert idx["decode"].matched_tokens("decode-0", ghost) == 0
             assert idx["prefill"].matched_tokens("prefill-0", idx["prefill"].hashes(BASE)) == 28

@@ -1,11 +1,11 @@
-"""cluster/prefix_routing.py: chained page digests, the router's per-worker LRU prefix index, and the
+"""cluster/serving/prefix_routing.py: chained page digests, the router's per-worker LRU prefix index, and the
 load-vs-cache score."""
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.prefix_routing import PrefixIndex, pick
+from cluster.serving.prefix_routing import PrefixIndex, pick
 
 
 def test_index_hashes_are_the_engines_chain():

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.actors import router_config
+from cluster.serving.ray_pools import router_config
 from cluster.spec import SpecError, parse_spec
 
 EVICT = {"method": "streaming", "budget": 12}

@@ -1,7 +1,8 @@
 """The spec's reliability knobs (issue 8): `reliability` (heartbeat and call timeouts, max_recoveries, Ray
 actor restarts) and `kv_transfer.push_timeout_s` -- each bad value a row naming the key, and the wiring
-from the spec to where each knob acts: `RouterConfig` (`actors.router_config`), the Ray actor options
-(`actors.actor_options`, and `_start_pool` with a fake actor class), the KV sender's push deadline
+from the spec to where each knob acts: `RouterConfig` (`ray_pools.router_config`), the Ray actor options
+(`actors.actor_options`, and `RayPools.start_pool` with a fake actor class, which also gets the step
+watchdog's bound: `ray_pools.step_bound`, from the spec or the latency profile), the KV sender's push deadline
 (`actors.kv_configs`), and a router built from that config declaring a silent worker dead at the spec's
 bound on an injected clock. No Ray cluster, no model: fakes only."""
 from __future__ import annotations
@@ -9,13 +10,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import types
+from pathlib import Path
 
 import pytest
 
-from cluster import actors
-from cluster.router import ClusterRouter
+from cluster.serving import actors, ray_pools
+from cluster.serving.router import ClusterRouter
 from cluster.spec import SpecError, load_spec, parse_spec
 
+ROOT = Path(__file__).resolve().parents[2]
 BASE = {"model": "m", "pools": {"prefill": {}, "decode": {"replicas": 2}}}
 MODEL = types.SimpleNamespace(vocab_size=100, max_position=2048)  # what router_config reads of ModelConfig
 
@@ -91,14 +94,21 @@ TUNED = {"reliability": {"heartbeat_timeout_s": 4.0, "call_timeout_s": 1.5, "max
 
 
 def test_router_config_carries_deadlines_and_recovery_limits():
-    cfg = actors.router_config(spec(**TUNED), MODEL)
+    cfg = ray_pools.router_config(spec(**TUNED), MODEL)
     assert (cfg.heartbeat_timeout_s, cfg.call_timeout_s, cfg.max_recoveries) == (4.0, 1.5, 5)
     assert cfg.rejoin_restarted  # actor_max_restarts 2: the router takes restarted actors back
     assert (cfg.request_timeout_s, cfg.max_queued_requests, cfg.vocab_size, cfg.mode) == (9.0, 7, 100,
                                                                                           "disaggregated")
-    default = actors.router_config(spec(), MODEL)
+    default = ray_pools.router_config(spec(), MODEL)
     assert (default.heartbeat_timeout_s, default.call_timeout_s, default.max_recoveries) == (30.0, 30.0, 2)
     assert not default.rejoin_restarted
+    assert default.replace_lost and (default.replace_backoff_s, default.replace_backoff_max_s) == (1.0, 60.0)
+    off = ray_pools.router_config(spec(reliability={"replace_lost_workers": False, "replace_backoff_s": 3.0,
+                                                    "replace_backoff_max_s": 2.0}), MODEL)
+    assert not off.replace_lost and (off.replace_backoff_s, off.replace_backoff_max_s) == (3.0, 3.0)
+    assert default.max_replicas == {"prefill": 8, "decode": 8}  # a resize's bound: max(replicas, 8)
+    sized = ray_pools.router_config(spec(pools={"prefill": {}, "decode": {"replicas": 2, "max_replicas": 3}}), MODEL)
+    assert sized.max_replicas == {"prefill": 8, "decode": 3}
 
 
 def test_kv_sender_push_deadline_comes_from_the_spec():
@@ -123,15 +133,33 @@ class _FakeActorClass:
         return types.SimpleNamespace(remote=lambda *args: self.created.append((opts, args)) or len(self.created))
 
 
-def test_start_pool_creates_each_actor_with_the_restart_policy(monkeypatch):
+def test_start_pool_creates_each_actor_with_the_restart_policy_and_the_step_bound(monkeypatch):
     fake = _FakeActorClass()
-    monkeypatch.setattr(actors, "_actor", lambda: fake)
+    monkeypatch.setattr(ray_pools, "_actor", lambda: fake)
     no_bundle = {"resources": {"num_cpus": 0.0}}  # no placement group: nothing asks a Ray cluster
-    s = spec(pools={"prefill": no_bundle, "decode": {**no_bundle, "replicas": 2}}, **TUNED)
-    handles, pg = actors._start_pool("decode", s.pools.decode, s, {}, 1, 1.0)
-    assert pg == [] and handles == [1, 2] and len(fake.created) == 2
+    tuned = {**TUNED, "reliability": {**TUNED["reliability"], "step_timeout_s": 7.5}}
+    s = spec(pools={"prefill": no_bundle, "decode": {**no_bundle, "replicas": 2}}, **tuned)
+    pools = ray_pools.RayPools(s, {}, 1, 1.0, 2048)
+    assert pools.start_pool("decode", s.pools.decode) == [1, 2] and pools.groups == [] and len(fake.created) == 2
+    assert [slot.name for slot in pools.slots["decode"]] == ["decode-0", "decode-1"]
     for opts, args in fake.created:
         assert opts["max_restarts"] == 2 and opts["max_task_retries"] == 0 and args[0] == "decode"
+        assert args[-1] == 7.5  # the step watchdog's bound, as the spec sets it
+
+
+def test_the_step_bound_comes_from_the_latency_profile_of_the_model_else_a_floor():
+    from cluster.planner.latency import Coeffs
+
+    prof = types.SimpleNamespace(model="m", dtype="bfloat16", coeffs={1: Coeffs((0.05, 2e-4, 0.0), (0.06, 1e-4, 1e-4))})
+    s = spec(pools={"prefill": {"max_num_batched_tokens": 512}, "decode": {"max_num_seqs": 32, "max_model_len": 1024}})
+    prefill = ray_pools.step_bound(s, "prefill", 2048, [prof])
+    decode = ray_pools.step_bound(s, "decode", 2048, [prof])
+    assert prefill == ray_pools.STEP_BOUND_FLOOR_S  # 30 x (0.05 + 0.1024) s is below the floor
+    assert decode == pytest.approx(ray_pools.STEP_BOUND_FACTOR * (0.06 + 1e-4 * 32 * 1024 + 1e-4 * 32))
+    other = types.SimpleNamespace(model="another", dtype="bfloat16", coeffs=prof.coeffs)
+    assert ray_pools.step_bound(s, "decode", 2048, [other]) == ray_pools.STEP_BOUND_FLOOR_S  # no profile of m
+    fixed = spec(reliability={"step_timeout_s": 2.0})
+    assert ray_pools.step_bound(fixed, "decode", 2048, [prof]) == 2.0
 
 
 class _Handle:
@@ -154,7 +182,7 @@ class _Handle:
 
 
 def test_router_from_the_spec_declares_a_silent_worker_dead_at_the_spec_bound():
-    cfg = dataclasses.replace(actors.router_config(spec(**TUNED), MODEL), drain_timeout_s=0.01)
+    cfg = dataclasses.replace(ray_pools.router_config(spec(**TUNED), MODEL), drain_timeout_s=0.01)
     now = [0.0]
     pools = {"prefill": [_Handle("prefill-0", False)],
              "decode": [_Handle("decode-0", True), _Handle("decode-1", False)]}
@@ -176,3 +204,15 @@ def test_router_from_the_spec_declares_a_silent_worker_dead_at_the_spec_bound():
             await router.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_default_specs_heal_and_derive_their_step_bound_from_the_shipped_profile():
+    for path in ("deploy/local.yaml", "deploy/local-2d.yaml", "deploy/colocated.yaml"):
+        s = load_spec(ROOT / path)
+        cfg = ray_pools.router_config(s, types.SimpleNamespace(vocab_size=49152, max_position=8192))
+        assert cfg.replace_lost and s.reliability.step_timeout_s is None, path  # no extra keys needed
+        for name in s.pools_in_use():
+            bound = ray_pools.step_bound(s, name, 8192)
+            assert ray_pools.STEP_BOUND_FLOOR_S <= bound <= 600, (path, name, bound)
+    decode = ray_pools.step_bound(load_spec(ROOT / "deploy/local.yaml"), "decode", 8192)
+    assert decode > ray_pools.STEP_BOUND_FLOOR_S  # 32 sequences at 4096 tokens: above the floor on this profile

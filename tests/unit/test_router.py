@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from cluster.router import ClusterRouter, RouterConfig
+from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError, GenerateRequest, OverloadedError
-from cluster.worker_loop import DECODE_METHODS, PREFILL_METHODS, LocalHandle, WorkerLoop
+from cluster.serving.worker_loop import DECODE_METHODS, PREFILL_METHODS, LocalHandle, WorkerLoop
 from decode_worker.worker import DecodeDelta, DecodeStats
 from engine import SamplingParams
 from engine.errors import InvalidRequestError, UnknownModelError
@@ -110,7 +110,7 @@ async def until(pred, timeout_s=5.0):
 
 async def settled(router, fakes):
     """Leak check: nothing held by any fake, nothing left in the router."""
-    await until(lambda: not router._flights and all(not f.held for fs in fakes.values() for f in fs))
+    await until(lambda: not router.flights.by_wid and all(not f.held for fs in fakes.values() for f in fs))
 
 
 def start(router, rid, prompt=(1, 2, 3, 4, 5), **kw):
@@ -143,7 +143,7 @@ def wid_of(fake, kind="reserve", n=0):
 @with_router(decodes=(0,), max_queued_requests=2)
 async def test_queue_limit_answers_overloaded_and_deadlines_end_queued_requests(router, fakes):
     (g1, first1), (g2, first2) = start(router, "a"), start(router, "b", deadline_s=0.2)
-    await until(lambda: len(router._flights) == 2)
+    await until(lambda: len(router.flights.by_wid) == 2)
     with pytest.raises(OverloadedError, match="limit 2"):
         await start(router, "c")[1]
     assert (await first2).finish_reason == "timeout"  # never got pages: ends at its deadline

@@ -1,4 +1,4 @@
-"""Admission beside the prefill submit (`cluster/admission.py`) and the held finish (`ClusterRouter._hold_finish`),
+"""Admission beside the prefill submit (`cluster/serving/admission.py`) and the held finish (`ClusterRouter._hold_finish`),
 against the fake workers of test_router.py (pure Python: no model, no transport, no Ray).
 
 A prefill worker answers `submit` between its steps, so a fake whose `submit` blocks stands for a busy one:
@@ -56,7 +56,7 @@ async def ready(router):
 
 def placed(router, rid) -> bool:
     """`rid` is reserved and its submit is on its way (the prefill worker is chosen)."""
-    f = router._by_request.get(rid)
+    f = router.flights.by_request.get(rid)
     return f is not None and f.prefill is not None
 
 
@@ -79,11 +79,11 @@ def test_a_blocked_submit_does_not_hold_later_requests():
             assert not slow.log and not slow.gate.is_set()
             assert [k for k, _ in dec.log] == ["reserve"] * 3
             for rid in "bc":
-                assert {"reserved", "prefill_submitted"} <= set(router._by_request[rid].timeline)
-                assert router._by_request[rid].prefill_open  # its submit answered: the prefill side is open
-            assert not router._by_request["a"].prefill_open
+                assert {"reserved", "prefill_submitted"} <= set(router.flights.by_request[rid].timeline)
+                assert router.flights.by_request[rid].prefill_open  # its submit answered: the prefill side is open
+            assert not router.flights.by_request["a"].prefill_open
             slow.gate.set()
-            await until(lambda: router._by_request["a"].prefill_open)
+            await until(lambda: router.flights.by_request["a"].prefill_open)
             for rid, first in (("a", fa), ("b", fb), ("c", fc)):
                 await router.abort(rid)
                 assert (await first).finish_reason == "abort"
@@ -125,7 +125,7 @@ def test_a_failing_submit_fails_its_request_typed_and_frees_its_pages(err, typed
             assert [d.finish_reason async for d in gg][-1] == "length"
             await settled(router, fakes)
             assert (router.ledger.completed, router.ledger.failed) == (1, 1) and router.ledger.balanced(0)
-            await until(lambda: not router._spawned)  # every task beside the loop has ended
+            await until(lambda: not router.tasks.spawned)  # every task beside the loop has ended
         finally:
             await router.shutdown()
     run(main)
@@ -169,14 +169,14 @@ def test_shutdown_cancels_an_in_flight_submit():
         router, _ = make_router([pre], call_timeout_s=60.0)
         await ready(router)
         ga, fa = start(router, "a")
-        await until(lambda: placed(router, "a") and router._spawned)
-        submit = next(iter(router._spawned))
+        await until(lambda: placed(router, "a") and router.tasks.spawned)
+        submit = next(iter(router.tasks.spawned))
         asyncio.get_running_loop().call_later(0.3, pre.gate.set)  # (closing the worker joins its thread)
         await asyncio.wait_for(router.shutdown(), 10)
         assert submit.cancelled()
         with pytest.raises(BackendUnavailableError, match="shutting down"):
             await fa
-        assert not router._spawned  # (and the request's own end, after shutdown, spawns nothing)
+        assert not router.tasks.spawned  # (and the request's own end, after shutdown, spawns nothing)
     run(main)
 
 
@@ -238,7 +238,7 @@ def test_pushes_into_one_decode_worker_wait_for_a_free_stream():
             (ga, fa), (gb, fb), (gc, fc) = (start(router, rid) for rid in "abc")
             await until(lambda: len(dec.log) == 3 and len(submits(pre)) == 1)  # all reserved, one push open
             await asyncio.sleep(0.1)
-            assert len(submits(pre)) == 1 and "prefill_submitted" not in router._by_request["b"].timeline
+            assert len(submits(pre)) == 1 and "prefill_submitted" not in router.flights.by_request["b"].timeline
             wa = submits(pre)[0]
             pre.held.pop(wa)
             await p.call("emit", [PrefillEvent(wa, "first_token", [7], "a"), PrefillEvent(wa, "transfer_done")])
@@ -252,7 +252,7 @@ def test_pushes_into_one_decode_worker_wait_for_a_free_stream():
                 await router.abort(rid)
             assert [d.finish_reason async for d in ga][-1] == "abort" and (await fc).finish_reason == "abort"
             await settled(router, fakes)
-            assert not router._slots and router._streams[id(router.workers["decode"][0])]._value == 1
+            assert not router.holdings.slots and router.holdings.streams[router.workers["decode"][0]]._value == 1
         finally:
             await router.shutdown()
     run(main)

@@ -78,7 +78,7 @@ def test_bad_request_row_is_refused_before_admission(name):
     async def body(router, fakes):
         err = await _refused(router, GenerateRequest("bad", prompt, params, model="m"))
         assert err.field == field, err
-        assert router.ledger.admitted == 0 and not router._flights
+        assert router.ledger.admitted == 0 and not router.flights.by_wid
         assert all(not f.log and not f.held for fs in fakes.values() for f in fs)
     _run(body)
 

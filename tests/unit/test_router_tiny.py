@@ -11,9 +11,9 @@ import asyncio
 import pytest
 
 from cluster.http.metrics import FrontendMetrics
-from cluster.router import ClusterRouter, RouterConfig
+from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError, GenerateRequest
-from cluster.worker_loop import start_local
+from cluster.serving.worker_loop import start_local
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
 from engine.kv_cache.spec import KVPageSpec

@@ -188,7 +188,7 @@ def test_continuous_usage_counts_the_tokens_streamed_so_far(served, chat):
 def test_a_resumed_request_owes_min_tokens_less_what_was_streamed():
     from types import SimpleNamespace
 
-    from cluster.recovery import resume_plan
+    from cluster.serving.recovery import resume_plan
 
     f = SimpleNamespace(wid="r#1", prompt_ids=[5, 6], output_ids=[7, 8, 9],
                         params=SamplingParams(max_tokens=10, min_tokens=5, seed=1))

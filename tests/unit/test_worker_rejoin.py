@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from cluster.router import ClusterRouter, RouterConfig
+from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError, GenerateRequest
-from cluster.worker_loop import DECODE_METHODS, PREFILL_METHODS, LocalHandle, WorkerLoop
+from cluster.serving.worker_loop import DECODE_METHODS, PREFILL_METHODS, LocalHandle, WorkerLoop
 from decode_worker.worker import DecodeDelta
 from prefill_worker.worker import PrefillEvent
 from tests.unit.test_router import PARAMS, FakeDecode, FakePrefill, Tok, until
@@ -82,11 +82,12 @@ def test_a_restarted_actor_rejoins_as_a_new_worker_at_the_same_address():
             assert await _complete_one(router, "before") == [7, 8]
             dec.kill()
             await until(lambda: router.ledger.workers_lost == 1)
-            assert not router.workers["decode"][0].alive and len(router.workers["decode"]) == 1
+            (old,) = router.workers["decode"]
+            assert not old.alive and old.state == "fenced"
             dec.restarted.set()  # Ray restarts the actor
             await until(lambda: router.ledger.workers_rejoined == 1)
-            old, new = router.workers["decode"]
-            assert not old.alive and new.alive and new.handle.info["address"] == old.handle.info["address"]
+            (new,) = router.workers["decode"]  # the new incarnation took the old record's slot
+            assert old.state == "gone" and not old.alive and new.alive and new.handle.info["address"] == old.handle.info["address"]
             assert new.handle.info["incarnation"] != old.handle.info["incarnation"]
             assert await _complete_one(router, "after") == [7, 8]  # placed on the new incarnation
             # nothing addressed to the old incarnation (its request, cleanups) ever reached the new one
@@ -150,7 +151,7 @@ def test_a_request_waits_for_the_restart_of_a_pools_only_worker_or_its_deadline(
             assert not first.done() and router.ledger.recovered == 0  # queued, not failed
             dec.restarted.set()
             await until(lambda: router.ledger.workers_rejoined == 1)
-            new, pre_w = router.workers["decode"][1], router.workers["prefill"][0]
+            new, pre_w = router.workers["decode"][0], router.workers["prefill"][0]
             await until(lambda: any(k == "reserve" for k, _ in new.handle.fake.log))
             wid = [r for k, r in new.handle.fake.log if k == "reserve"][-1]
             await until(lambda: ("submit", wid) in pre_w.handle.fake.log)

@@ -1,6 +1,6 @@
 """KV-aware routing: which worker most likely holds a prompt's prefix, weighed against its load.
 
-Who calls it: `cluster.router` when it places a request (prefill pool: who computes the fewest uncached
+Who calls it: the router's admission (`admission.py`) when it places a request (prefill pool: who computes the fewest uncached
 tokens; decode pool: who needs the fewest KV bytes shipped). Pure Python, no clock; the only I/O is
 `PrefixPlacer.refresh` asking workers (through the router's handles) what their caches hold.
 
@@ -28,7 +28,7 @@ is its queued prompt tokens: time to first token grows with the tokens ahead plu
 `cache_weight` scales how much a cached token is worth against one queued token; ties go to the first
 candidate, so callers pass candidates in their own preference order.
 
-`PrefixPlacer` is what `cluster.router` holds: one index per pool whose workers run a prefix cache (their
+`PrefixPlacer` is what the router (`router.py`) holds: one index per pool whose workers run a prefix cache (their
 `info["prefix"]`: the engine's salt, page size and page count, so digests are the engine's own), or none
 when `RouterConfig.prefix_routing` is False / no worker caches. Decode pool: `decode_order` ranks the
 workers that have the pages for the uncached part (never one without), by load (requests in flight x

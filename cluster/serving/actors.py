@@ -1,24 +1,22 @@
-"""Ray actors for the workers, placement groups per pool, and `start_cluster` (what `ClusterRouter.from_spec`
-runs). With `cluster/router.py`'s `from_spec` path and `cluster/ray_session.py`, the only code that
-imports ray.
+"""Ray actors for the workers (`WorkerActor`) and their handles (`RayHandle`). With `ray_pools.py`
+(placement, `start_cluster`, replacing a lost actor), the only modules of the serving path that import ray
+(starting Ray: `cluster/ray_session.py`); neither is imported by the router (`ray_pools` imports it).
 
 Order: `init_ray(address)` (cluster/ray_session.py: a private local Ray on loopback with a per-cluster
-token, or join an existing one) -> placement groups per pool (`_placement`: `pool.placement` pack = one
-group of `replicas` bundles, each every rank's `resources`; strict_pack = a STRICT_PACK group per replica,
-a bundle per rank; Ray refuses a pool that cannot be placed) -> one `WorkerActor` per replica, each
-building its worker on its own `WorkerLoop` thread (one torch thread unless `num_threads` says otherwise;
-a tensor/pipeline-parallel engine starts its rank processes as the actor's children,
-engine/parallel/launcher.py, which exit with it) -> `RayHandle`s (the router's async handle interface)
--> `ClusterRouter` (`router_config`: the spec's deadlines and `reliability`).
+token, or join an existing one) -> placement groups per pool (`ray_pools.py`) -> one `WorkerActor` per
+replica, each building its worker on its own `WorkerLoop` thread (one torch thread unless `num_threads`
+says otherwise; the step watchdog's bound from `ray_pools.step_bound`; a tensor/pipeline-parallel engine
+starts its rank processes as the actor's children, engine/parallel/launcher.py, which exit with it) ->
+`RayHandle`s (the router's async handle interface) -> `ClusterRouter`.
 Restarts: Ray restarts a dead actor `reliability.actor_max_restarts` times (`actor_options`), but never
 retries a call on the new incarnation (max_task_retries 0): a retried `drain` would hide the death from the
 router, which must see it to recover the requests the old incarnation held. The router takes a restarted
 actor back as a new worker record (`RayHandle.reincarnation`: the restarted actor's `ready()`, whose info
-carries a fresh random `incarnation`); the lost record stays dead (cluster/recovery.py, "Rejoin").
+carries a fresh random `incarnation`); the lost record stays dead (recovery.py, "Healing"). Without
+restarts (the default) the router's `RayPools` starts a fresh actor in the lost one's slot.
 Test hooks on `WorkerActor`, called by fault tests on the actor handle and never by the router, a spec or
-HTTP: `slow_steps(delay_s)` (a slow worker) and `rss_bytes()` (memory under repeated faults).
-`shutdown()` stops every actor's loop (its worker aborts what it holds), kills the actors, removes the
-placement groups and, if it started Ray, shuts Ray down (`shutdown_ray`: the token file goes with it).
+HTTP: `slow_steps(delay_s)` (a slow worker), `hang_steps()` (every later step blocks: a hung worker, for
+the step watchdog) and `rss_bytes()` (memory under repeated faults).
 
 Deltas flow back by long polling: the router keeps one `drain(timeout_s)` call outstanding per actor; the
 actor (a threaded actor: Ray runs its methods on a small thread pool) answers as soon as its step loop
@@ -33,20 +31,21 @@ import asyncio
 import gc
 import importlib
 import os
+import threading
 import time
 import uuid
 from typing import Any
 
-from cluster.ray_session import init_ray, shutdown_ray
+from cluster.serving.worker_loop import DECODE_METHODS, PREFILL_METHODS, WorkerLoop
 from cluster.serving_api import BackendUnavailableError
-from cluster.worker_loop import DECODE_METHODS, PREFILL_METHODS, WorkerLoop
 from engine.errors import PdserveError
 
 
 class WorkerActor:
     """One prefill, decode or colocated worker in its own process (wrapped by `ray.remote` in `_actor`)."""
 
-    def __init__(self, kind: str, name: str, engine_kwargs: dict, kv: dict, num_threads: int = 1):
+    def __init__(self, kind: str, name: str, engine_kwargs: dict, kv: dict, num_threads: int = 1,
+                 step_timeout_s: float | None = None):
         import torch
 
         torch.set_num_threads(num_threads)  # one process per worker, one thread each (2-core machines)
@@ -54,8 +53,10 @@ class WorkerActor:
         methods = PREFILL_METHODS if kind == "prefill" else DECODE_METHODS
         incarnation = uuid.uuid4().hex  # new on every (re)start: the router tells a restarted actor apart
         self.step_delay_s = 0.0  # fault tests only (`slow_steps`); a restarted incarnation starts at 0
+        self.step_gate = threading.Event()  # fault tests only (`hang_steps`): steps wait while it is clear
+        self.step_gate.set()
         self.loop = WorkerLoop(lambda: self._delayable(_build(kind, engine_kwargs, kv)), methods, name,
-                               lambda worker: {**_info(worker), "incarnation": incarnation})
+                               lambda worker: {**_info(worker), "incarnation": incarnation}, step_timeout_s)
 
     def ready(self, timeout_s: float) -> dict:
         return self.loop.wait_ready(timeout_s)
@@ -65,6 +66,10 @@ class WorkerActor:
     def slow_steps(self, delay_s: float) -> None:
         """Every later step of the worker first sleeps `delay_s` (a slow or overloaded machine; 0 = off)."""
         self.step_delay_s = float(delay_s)
+
+    def hang_steps(self) -> None:
+        """Every later step of the worker blocks for good (a hung kernel): only the step watchdog sees it."""
+        self.step_gate.clear()
 
     def rss_bytes(self) -> int:
         """This actor process's resident memory after a full collection (memory under repeated faults)."""
@@ -76,6 +81,7 @@ class WorkerActor:
         step = worker.step
 
         def delayed_step():
+            self.step_gate.wait()
             if self.step_delay_s > 0:
                 time.sleep(self.step_delay_s)
             return step()
@@ -219,118 +225,3 @@ def actor_options(pool, spec) -> dict[str, Any]:
     opts = {"num_cpus": opts["num_cpus"] * n, "num_gpus": opts["num_gpus"] * n,
             "resources": {k: v * n for k, v in opts["resources"].items()}}
     return {**opts, **spec.reliability.actor_options()}
-
-
-def router_config(spec, config):
-    """The router's settings from the spec and the resolved model's `ModelConfig` (pure: no Ray)."""
-    from cluster.router import RouterConfig
-
-    pools = spec.pools_in_use()
-    serving = [p for n, p in pools.items() if n != "prefill"]
-    max_len = min(min(p.max_model_len or config.max_position, config.max_position) for p in pools.values())
-    prefill = pools.get("prefill")
-    return RouterConfig(spec.mode, spec.model, config.vocab_size, max_len,
-                        min(p.kv.num_pages * p.kv.page_size for p in serving),
-                        prefill.kv.num_pages * prefill.kv.page_size if prefill is not None else None,
-                        spec.server.max_queued_requests, spec.server.request_timeout_s,
-                        **spec.reliability.router_options(), **spec.routing.router_options())
-
-
-def _bundle(pool, ranks: int = 1) -> dict[str, float]:
-    """Ray resources of `ranks` ranks of one replica (`resources` are per rank)."""
-    r = pool.resources
-    b = {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.custom}
-    return {k: float(v) * ranks for k, v in b.items() if v > 0}
-
-
-def _placement(name: str, pool, ready_timeout_s: float) -> tuple[list, list]:
-    """(placement groups, per replica the (group, bundle index) its actor goes to, or None: unplaced).
-    pack: one SPREAD group, one bundle of every rank's resources per replica (a bundle is on one node, so
-    are the rank processes, children of the actor); strict_pack: a STRICT_PACK group per replica, one
-    bundle per rank, the actor in bundle 0 and its rank processes using the others' reservation."""
-    import ray
-    from ray.util.placement_group import placement_group
-
-    if pool.placement == "strict_pack" and pool.degree > 1:
-        bundle = _bundle(pool)
-        groups = [placement_group([bundle] * pool.degree, strategy="STRICT_PACK")
-                  for _ in range(pool.replicas)] if bundle else []
-        slots = [(g, 0) for g in groups]
-    else:
-        bundle = _bundle(pool, pool.degree)
-        groups = [placement_group([bundle] * pool.replicas, strategy="SPREAD")] if bundle else []
-        slots = [(groups[0], i) for i in range(pool.replicas)] if groups else []
-    try:
-        if groups:  # (none: nothing to ask a Ray cluster)
-            ray.get([g.ready() for g in groups], timeout=ready_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        for g in groups:
-            ray.util.remove_placement_group(g)
-        raise BackendUnavailableError(f"pools.{name}: Ray cannot place {pool.replicas} replicas of {pool.degree} "
-                                      f"rank(s) x {_bundle(pool)} ({pool.placement}; cluster resources: "
-                                      f"{ray.cluster_resources()})") from None
-    return groups, slots or [None] * pool.replicas
-
-
-def _start_pool(name: str, pool, spec, kv: dict, num_threads: int, ready_timeout_s: float):
-    """A pool's placement groups and `replicas` actors; (handles, placement groups)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    groups, slots = _placement(name, pool, ready_timeout_s)
-    engine_kwargs = spec.engine_kwargs(name)
-    if pool.resources.num_gpus > 0:
-        engine_kwargs["device"] = "cuda"  # TP/PP ranks: cuda:rank of the GPUs the actor sees
-    actors = []
-    for i, slot in enumerate(slots):
-        opts = actor_options(pool, spec)
-        if slot is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(*slot)  # (group, bundle index)
-        actors.append(_actor().options(**opts).remote(name, f"{name}-{i}", engine_kwargs, kv, num_threads))
-    return actors, groups
-
-
-def start_cluster(spec, router_cls, num_cpus: float | None = None, num_threads: int = 1,
-                  ready_timeout_s: float = 600.0, transport: Any = "grpc"):
-    """Start (or join) Ray, place every pool, wait until each worker is ready, return the router.
-    `transport`: a name in `kv_transfer.contract.TRANSPORTS`, or (fault tests) a transport object that
-    pickles to plain data, such as `kv_transfer.fault_transport.FaultyTransport`."""
-    from cluster.spec import resolve_model_config
-    from engine.loader import resolve_model
-    from engine.tokenizer import Tokenizer
-
-    config = resolve_model_config(spec)
-    spec.check_against_model(config)
-    pools = spec.pools_in_use()  # TP/PP degrees and what they cannot run with: check_against_model above
-    owns_ray = init_ray(spec.ray.address, num_cpus)  # before `import ray`: Ray reads its bind setting then
-    import ray
-    kv = {**(kv_configs(spec) if spec.mode == "disaggregated" else {}), "transport": transport}
-    started: list[tuple[str, list, Any]] = []
-    try:
-        for name, pool in pools.items():
-            started.append((name, *_start_pool(name, pool, spec, kv, num_threads, ready_timeout_s)))
-        infos = {name: ray.get([a.ready.remote(ready_timeout_s) for a in actors], timeout=ready_timeout_s)
-                 for name, actors, _ in started}
-    except BaseException:
-        _teardown_sync(started, owns_ray)
-        raise
-    handles = {name: [RayHandle(f"{name}-{i}", a, infos[name][i]) for i, a in enumerate(actors)]
-               for name, actors, _ in started}
-    serving = [p for n, p in pools.items() if n != "prefill"]
-    rcfg = router_config(spec, config)
-
-    async def teardown() -> None:
-        await asyncio.to_thread(_teardown_sync, started, owns_ray)
-
-    return router_cls(rcfg, handles, Tokenizer(resolve_model(spec.model, spec.revision)), serving[0].kv.page_size, teardown)
-
-
-def _teardown_sync(started, owns_ray: bool) -> None:
-    import ray
-
-    for _, actors, groups in started:
-        for a in actors:
-            ray.kill(a)  # a TP/PP actor's rank processes see their socket close and exit
-        for g in groups:
-            ray.util.remove_placement_group(g)
-    if owns_ray:
-        shutdown_ray()

@@ -1,6 +1,6 @@
 """Request intake checks for `ClusterRouter.generate`: typed 400s before a request is admitted. Pure Python.
 
-Who calls it: `cluster/router.py` (`_open`), once per request, before it joins the queue. It fixes a seed
+Who calls it: `router.py` (`_open`), once per request, before it joins the queue. It fixes a seed
 when the request has none, since both workers (and any recompute or resume) must sample the same tokens.
 """
 from __future__ import annotations

@@ -2,19 +2,26 @@
 
 Who calls it: the HTTP frontend / Python client through `cluster.serving_api` (`generate`, `abort`,
 `stats`, `shutdown`). It talks to workers only through handles with `call(method, *args)`,
-`drain(timeout_s)` and `close()`: Ray actors (`cluster/actors.py`, built by `ClusterRouter.from_spec`) or
-in-process `WorkerLoop`s (`cluster.worker_loop.LocalHandle`; unit tests). No Ray import here.
+`drain(timeout_s)` and `close()`: Ray actors (`actors.py`, whose `start_cluster` builds the router) or
+in-process `WorkerLoop`s (`worker_loop.LocalHandle`; unit tests). No Ray import here, and nothing here
+imports `actors` (the arrow points the other way).
+
+What it owns (collaborators with explicit state; each gets what it reads and changes passed in):
+`pools` (one `PoolMembership` per pool: the live set), `flights` (`FlightTable`), `holdings` (what workers
+hold for a flight), `admission` (`Admission`: placement), `recovery` (`Recovery`: pollers, losses,
+re-placement, rejoin), `prefix` (`PrefixPlacer`), `tasks` (`Tasks`: what runs beside the callers) and the
+`ledger`. This module keeps the request's own life: intake, worker events -> deltas, the end.
 
 Life of a request (disaggregated; DESIGN.md "Life of a request"):
   1. `generate()` validates and tokenizes (typed 400s), fixes a seed, checks the queue limit (requests
      without a first token yet; beyond `max_queued_requests` -> `OverloadedError`, 429) and joins the FIFO.
-  2. The admission task (`cluster/admission.py`) takes the head: decode worker with the most free pages,
+  2. The admission loop (`admission.py`) takes the head: decode worker with the most free pages,
      then the least load; `reserve` there (None = no pages now: the next worker, else wait for capacity);
      then the prefill worker with the fewest queued prefill tokens gets `submit(prompt, descriptor, decode
      address)` from a task beside the loop (the call waits for that worker's current step; it waits
      first for one of the decode worker's `kv_streams_per_decode` receive streams): it prefills and
      ships each layer's KV as computed. With prefix caching (`prefix_routing`, on where the
-     workers cache), `cluster/prefix_routing.PrefixPlacer` orders both choices by cached prefix against load
+     workers cache), `prefix_routing.PrefixPlacer` orders both choices by cached prefix against load
      (never a decode worker short of pages), and the reservation's `kv_start` tells the prefill worker
      which KV the decode side already holds.
   3. One poller per worker long-polls `drain()`; events go to their flight's queue. The prefill's first
@@ -23,10 +30,10 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"):
      its first token), "timeout" at its deadline (request's `deadline_s` or the server default), "abort"
      on `abort()`, or a typed error (a failed transfer under policy "fail", a dead worker). Whatever a
      worker may still hold -- reservation, running request, held prefill pages, transfer -- is freed by
-     `abort`/`cancel` on both sides, also when the caller stops iterating (client disconnect).
+     `abort`/`cancel` on both sides (`holdings.py`), also when the caller stops iterating (client disconnect).
   5. A lost worker (drain or call failed, or no heartbeat within `heartbeat_timeout_s` on the injectable
      `clock`) does not end the requests it harmed: they are re-placed elsewhere and resume where their
-     stream stopped (`cluster/recovery.py`); the ledger there counts how every admitted request ended.
+     stream stopped (`recovery.py`); the ledger there counts how every admitted request ended.
 Colocated: step 2 is `add_request` on the replica with the least load; every event is a decode delta.
 Timelines: the router marks its own events; workers' `times` (prefill, transfer, decode) are folded in,
 and the decode worker's per-request KV figures (`DecodeDelta.kv`: kv_bytes, kv_pages -- counts, not times).
@@ -38,26 +45,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
-from cluster.admission import PUSH_ENDS, AdmissionMixin, Inbox
-from cluster.flight import Flight
-from cluster.intake import validate_request
-from cluster.prefix_routing import PrefixPlacer
-from cluster.recovery import Ledger, RecoveryMixin, Worker, WorkerHandle, outcome_of
+from cluster.serving.admission import Admission
+from cluster.serving.flight import Flight, FlightTable, Inbox
+from cluster.serving.holdings import PUSH_ENDS, Holdings
+from cluster.serving.intake import validate_request
+from cluster.serving.membership import PoolMembership, Spawner, Worker, WorkerHandle
+from cluster.serving.prefix_routing import PrefixPlacer
+from cluster.serving.recovery import Ledger, Recovery, outcome_of
+from cluster.serving.scaling import Scaler
+from cluster.serving.tasks import Tasks
 from cluster.serving_api import (BackendStats, BackendUnavailableError, GenerateDelta, GenerateRequest,
                                  OverloadedError)
 from decode_worker.worker import DecodeDelta
-from engine.errors import InvalidRequestError, PdserveError, UnknownModelError
+from engine.errors import InvalidRequestError, UnknownModelError
 from kv_transfer.config import ReceiverConfig
 from prefill_worker.worker import PrefillEvent
 
 _TIMEOUT, _ABORT, _FINAL = "timeout", "abort", "final"  # router signals (_FINAL: see `_next_item`)
-log = logging.getLogger("pdserve.router")
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,11 @@ class RouterConfig:
     max_recoveries: int = 2  # re-placements of one request after worker losses before it fails
     call_timeout_s: float = 30.0  # a placement command unanswered this long: its worker is lost
     rejoin_restarted: bool = False  # take a lost worker's restarted incarnation back (Ray restarts actors)
+    replace_lost: bool = True  # start a fresh worker in a lost one's slot (where the router has a spawner)
+    replace_backoff_s: float = 1.0  # crash loops: the n-th quick death in a row waits this x 2^(n-1)...
+    replace_backoff_max_s: float = 60.0  # ...at most this long
+    max_replicas: dict = dataclasses.field(default_factory=dict)  # pool -> a resize's upper bound (none: no growth)
+    scale_drain_s: float = 30.0  # a worker leaving a pool finishes what it holds this long, then hands off
     prefix_routing: bool | None = None  # route by cached prefix (cluster/prefix_routing.py); None: where workers cache
     prefix_cache_weight: float = 1.0  # one cached prompt token against one queued token
     decode_load_tokens: float = 64.0  # a decode worker's request in flight, in prompt tokens to ship
@@ -85,42 +98,41 @@ class RouterConfig:
     kv_streams_per_decode: int = ReceiverConfig.max_streams - 2
 
 
-class ClusterRouter(AdmissionMixin, RecoveryMixin):
+class ClusterRouter:
     def __init__(self, config: RouterConfig, pools: dict[str, list[WorkerHandle]], tokenizer,
-                 page_size: int = 16, teardown=None, clock: Callable[[], float] = time.monotonic):
+                 page_size: int = 16, teardown=None, clock: Callable[[], float] = time.monotonic,
+                 spawner: Spawner | None = None):
         """`pools`: "prefill" and "decode" handles (disaggregated) or "colocated" ones; `teardown`: an
-        async callable run last by `shutdown()` (Ray: kill actors, remove placement groups); `clock`:
-        monotonic seconds for deadlines and heartbeats (tests inject one)."""
+        async callable run last by `shutdown()`; `clock`: monotonic seconds for deadlines and heartbeats
+        (tests inject one); `spawner`: starts fresh workers in lost ones' slots (Ray: `actors.RayPools`,
+        which also stops them all at shutdown), None: a lost worker's slot stays empty."""
         self.cfg = config
         self.model_name = config.model_name
         self._tokenizer = tokenizer
-        self._page_size = page_size
         self._teardown = teardown
-        self.workers = {pool: [Worker(h, pool) for h in hs] for pool, hs in pools.items()}
-        self._flights: dict[str, Flight] = {}  # wid -> flight
-        self._by_request: dict[str, Flight] = {}  # client request id -> flight
-        self._waiting: list[Flight] = []  # FIFO of flights not yet admitted
-        self._ids = itertools.count()
-        self._wake: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._spawned: set[asyncio.Task] = set()  # submits and cleanup calls beside the loop (see _spawn)
-        self._finals: dict[str, DecodeDelta] = {}  # wid -> decode's last delta, held for the prefill's report
-        self._streams: dict[int, asyncio.Semaphore] = {}  # id(decode worker) -> its free KV receive streams
-        self._slots: dict[str, asyncio.Semaphore] = {}  # wid -> the stream its push holds (admission.py)
-        self._closed = False
         self._clock = clock
+        self.pools = {pool: PoolMembership(pool, hs, clock()) for pool, hs in pools.items()}
+        self.flights = FlightTable()
+        self.tasks = Tasks()
         self.ledger = Ledger()
-        self._restarting: dict[str, int] = {}  # pool -> lost workers whose restarted actor is awaited
+        self.holdings = Holdings(self.tasks, config.kv_streams_per_decode)
         infos = {pool: [(h.name, getattr(h, "info", None)) for h in hs] for pool, hs in pools.items()}
-        self._prefix = PrefixPlacer(infos, config.prefix_routing, config.prefix_cache_weight,
-                                    config.decode_load_tokens)
+        self.prefix = PrefixPlacer(infos, config.prefix_routing, config.prefix_cache_weight,
+                                   config.decode_load_tokens)
+        self.spawner = spawner
+        self.recovery = Recovery(config, self.pools, self.flights, self.holdings, self.tasks, self.prefix,
+                                 self.ledger, tokenizer, clock, spawner)
+        self.admission = Admission(config, self.pools, self.flights, self.holdings, self.recovery, self.prefix,
+                                   self.tasks, page_size, clock)
+        self.scaler = Scaler(config, self.pools, self.flights, self.holdings, self.recovery, self.prefix,
+                             self.tasks, spawner, clock)
+        self._finals: dict[str, DecodeDelta] = {}  # wid -> decode's last delta, held for the prefill's report
+        self._started = False
 
-    @classmethod
-    def from_spec(cls, spec, **kwargs) -> "ClusterRouter":
-        """Start the spec's pools as Ray actors (starting or joining Ray) and route over them."""
-        from cluster.actors import start_cluster  # the only path that imports ray
-
-        return start_cluster(spec, cls, **kwargs)
+    @property
+    def workers(self) -> dict[str, list[Worker]]:
+        """Every pool's listed members (fenced ones too), by pool: a read-only view of `pools`."""
+        return {pool: m.members for pool, m in self.pools.items()}
 
     # ---- ServingBackend ----------------------------------------------------------------------
     def tokenizer(self):
@@ -148,67 +160,86 @@ class ClusterRouter(AdmissionMixin, RecoveryMixin):
             self._end(f, outcome)  # normal end, error, timeout, or the caller stopped iterating
 
     async def abort(self, request_id: str) -> None:
-        f = self._by_request.get(request_id)
+        f = self.flights.by_request.get(request_id)
         if f is not None and not f.done:
             f.queue.put_nowait(_ABORT)
 
     async def stats(self) -> BackendStats:
         self._ensure_started()
-        everyone = [w for ws in self.workers.values() for w in ws if w.stats is not None and w.alive]
-        queued = sum(f.queued for f in self._flights.values())
-        extra = {f"{w.handle.name}.{k}": float(v) for w in everyone for k, v in dataclasses.asdict(w.stats).items()
+        everyone = [w for m in self.pools.values() for w in m.live() if w.stats is not None]
+        queued = self.flights.queued()
+        extra = {f"{w.name}.{k}": float(v) for w in everyone for k, v in dataclasses.asdict(w.stats).items()
                  if isinstance(v, (int, float))}
         senders = [w.stats for w in everyone if w.pool == "prefill"]  # totals the /metrics gauges read
         extra["kv_transfer_bytes"] = float(sum(s.kv_bytes_sent for s in senders))
         extra["kv_transfer_seconds"] = float(sum(s.kv_transfer_seconds for s in senders))
-        extra.update(self.ledger.extra(len(self._flights)))
-        extra.update(self._prefix.extra(everyone))
-        return BackendStats(queued, len(self._flights) - queued, sum(w.stats.pages_in_use for w in everyone),
+        extra.update(self.ledger.extra(len(self.flights)))
+        extra.update(self.prefix.extra(everyone))
+        health = self.health()
+        for pool, h in health["pools"].items():
+            extra.update({f"pool_{pool}_{k}": float(h[k]) for k in ("live", "target", "pending", "degraded")})
+        return BackendStats(queued, len(self.flights) - queued, sum(w.stats.pages_in_use for w in everyone),
                             sum(w.stats.num_pages for w in everyone),
-                            sum(w.stats.num_preemptions for w in everyone if w.pool != "prefill"), extra)
+                            sum(w.stats.num_preemptions for w in everyone if w.pool != "prefill"), extra, health)
+
+    def health(self) -> dict[str, Any]:
+        """{"status": "ok" | "degraded", "pools": {pool: {live, target, pending, degraded, reason, since}}}:
+        a pool is degraded while fewer of its workers are live than it should have or one is being
+        replaced; `reason` says why it became so, `since` when (unix seconds)."""
+        offset = time.time() - self._clock()  # router clock -> unix time
+        pools = {}
+        for name, m in self.pools.items():
+            h = m.health()
+            pools[name] = {"live": h.live, "target": h.target, "pending": h.pending, "degraded": h.degraded,
+                           "reason": h.reason, "since": None if h.since is None else h.since + offset}
+        return {"status": "degraded" if any(p["degraded"] for p in pools.values()) else "ok", "pools": pools}
+
+    async def scale(self, pool: str, replicas: int) -> dict[str, Any]:
+        """Resize `pool` to `replicas` workers while serving (`scaling.py`): {pool, replicas, added, removed};
+        `ScaleError` (400) on bad input, with nothing changed."""
+        self._ensure_started()
+        return await self.scaler.scale(pool, replicas)
 
     async def worker_stats(self) -> dict[str, Any]:
         """Fresh stats of every live worker, by name (tests: leak checks, preemption counters)."""
         out = {}
-        for w in (w for ws in self.workers.values() for w in ws if w.alive):
-            out[w.handle.name] = await w.handle.call("stats")
+        for w in (w for m in self.pools.values() for w in m.live()):
+            out[w.name] = await w.handle.call("stats")
         return out
 
     async def shutdown(self) -> None:
-        if self._closed:
+        if self.tasks.closed:
             return
-        self._closed = True
-        for f in list(self._flights.values()):
+        self.tasks.closed = True  # (from now on no cleanup call starts: closing the workers frees it all)
+        for f in list(self.flights.by_wid.values()):
             f.queue.put_nowait(BackendUnavailableError("the router is shutting down"))
-        for t in [*self._tasks, *self._spawned]:  # (a submit or cleanup call may wait on a wedged worker)
-            t.cancel()
-        await asyncio.gather(*self._tasks, *self._spawned, return_exceptions=True)
-        await asyncio.gather(*(w.handle.close() for ws in self.workers.values() for w in ws), return_exceptions=True)
+        await self.tasks.close()
+        await asyncio.gather(*(w.handle.close() for m in self.pools.values() for w in m.members),
+                             return_exceptions=True)
+        if self.spawner is not None:
+            await self.spawner.close()
         if self._teardown is not None:
             await self._teardown()
 
     # ---- intake ------------------------------------------------------------------------------
     def _open(self, req: GenerateRequest) -> Flight:
-        if self._closed:
+        if self.tasks.closed:
             raise BackendUnavailableError("the router is shut down")
         if req.model != self.model_name:
             raise UnknownModelError(req.model, f"this server serves {self.model_name!r}")
         prompt_ids, params = validate_request(req, self.cfg, self._tokenizer)
-        if req.request_id in self._by_request:
+        if req.request_id in self.flights.by_request:
             raise InvalidRequestError("request_id", f"{req.request_id!r} is already in flight")
-        queued = sum(f.queued for f in self._flights.values())
+        queued = self.flights.queued()
         if queued >= self.cfg.max_queued_requests:
             raise OverloadedError(f"{queued} requests are queued (limit {self.cfg.max_queued_requests}); retry later")
         self._ensure_started()
         timeout = req.deadline_s if req.deadline_s is not None else self.cfg.request_timeout_s
-        f = Flight(req, f"{req.request_id}#{next(self._ids)}", prompt_ids, params, self._clock() + timeout,
-                   Inbox(self._on_arrival))
+        f = Flight(req, self.flights.new_wid(req.request_id), prompt_ids, params, self._clock() + timeout,
+                   Inbox(self.holdings.on_arrival))
         f.mark("queued")
         self.ledger.admitted += 1
-        self._flights[f.wid] = f
-        self._by_request[req.request_id] = f
-        self._waiting.append(f)
-        self._wake.set()
+        self.flights.add(f)
         return f
 
     # ---- events -> deltas --------------------------------------------------------------------
@@ -249,7 +280,7 @@ class ClusterRouter(AdmissionMixin, RecoveryMixin):
         if item.error is not None:
             f.decode_open = False  # the decode worker already ended it
             if f.prefill is not None and not f.prefill_ended:  # the KV failed: maybe its prefill worker died
-                self._spawn(self._confirm_failure(f, f.wid, item.error))
+                self.tasks.spawn(self.recovery.confirm_failure(f, f.wid, item.error))
                 return None
             f.done = True
             raise BackendUnavailableError(f"request {f.req.request_id}: {item.error}")
@@ -262,15 +293,15 @@ class ClusterRouter(AdmissionMixin, RecoveryMixin):
 
     def _on_prefill(self, f: Flight, ev: PrefillEvent) -> GenerateDelta | None:
         if ev.kind in ("first_token", "finished"):
-            self._uncount_prefill(f)
+            f.uncount_prefill()
         if ev.kind in PUSH_ENDS:
             f.prefill_open, f.prefill_ended = False, True
-            self._free_stream(f.wid)  # (freed on arrival already, unless it outran the submit's answer)
+            self.holdings.free_stream(f.wid)  # (freed on arrival already, unless it outran the submit's answer)
             if f.wid in self._finals:  # the decode side finished first: the record is complete now
                 return self._finish_held(f)
         if ev.kind == "transfer_failed":
             if self.cfg.mode == "disaggregated" and f.decode is not None and f.decode_open:
-                self._spawn(self._call(f.decode, "fail_transfer", f.wid, ev.reason or "transfer failed"))
+                self.tasks.spawn(self.holdings.call(f.decode, "fail_transfer", f.wid, ev.reason or "transfer failed"))
             return None  # the decode worker applies the failure policy and reports what follows
         if ev.kind in ("first_token", "finished"):
             n = len(ev.token_ids)
@@ -293,84 +324,35 @@ class ClusterRouter(AdmissionMixin, RecoveryMixin):
         item = self._finals.pop(f.wid)  # (its tokens and text were streamed by `_hold_finish`)
         return f.advance([], item.num_output, "", item.text_len, None, True, item.finish_reason)
 
-    # ---- admission ---------------------------------------------------------------------------
+    # ---- start and end ---------------------------------------------------------------------------
     def _ensure_started(self) -> None:
-        if self._wake is not None:
+        """Start the admission loop, a poller per member and the prefix refresh (on first use: they need
+        the caller's event loop)."""
+        if self._started:
             return
-        self._wake = asyncio.Event()
-        self._tasks.append(asyncio.create_task(self._admission()))
-        for ws in self.workers.values():
-            self._tasks += [asyncio.create_task(self._poll(w)) for w in ws]
-        if self._prefix.index and self.cfg.prefix_refresh_s > 0:
-            self._tasks.append(asyncio.create_task(self._refresh_prefix()))
+        self._started = True
+        self.tasks.start(self.admission.run())
+        for m in self.pools.values():
+            for w in m.live():
+                self.tasks.start(self.recovery.poll(w))
+        if self.prefix.index and self.cfg.prefix_refresh_s > 0:
+            self.tasks.start(self._refresh_prefix())
 
     async def _refresh_prefix(self) -> None:
-        while not self._closed:
+        while not self.tasks.closed:
             await asyncio.sleep(self.cfg.prefix_refresh_s)
-            await self._prefix.refresh(self._everyone(), self._flights, self.cfg.call_timeout_s)
-
-    # ---- workers (polling, losses and recovery: cluster/recovery.py) ---------------------------
-    def _uncount_prefill(self, f: Flight) -> None:
-        if f.prefill_tokens_counted:
-            f.prefill_tokens_counted = False
-            f.prefill.queued_tokens -= f.prefill_tokens
+            await self.prefix.refresh(self.recovery.everyone(), self.flights.by_wid, self.cfg.call_timeout_s)
 
     def _end(self, f: Flight, outcome: str) -> None:
         """The flight leaves the router (exactly once, counted in the ledger); workers' holdings are freed."""
-        if self._flights.pop(f.wid, None) is None:
+        if not self.flights.remove(f):
             return
         self.ledger.end(outcome)
         self._finals.pop(f.wid, None)
-        if self._by_request.get(f.req.request_id) is f:
-            del self._by_request[f.req.request_id]
         f.done = True
-        self._release(f)
+        self.holdings.release(f)
         for w in (f.prefill, f.decode):
             if w is not None:
                 w.flights.discard(f.wid)
         if outcome == "completed" and f.decode is not None:  # its cache now holds the output's pages too
-            self._prefix.record_output(f.decode, list(f.prompt_ids) + list(f.output_ids))
-        if self._wake is not None:
-            self._wake.set()
-
-    def _release(self, f: Flight) -> None:
-        self._uncount_prefill(f)
-        if f.decode is not None and f.decode_open:
-            f.decode_open = False
-            self._spawn(self._call(f.decode, "abort", f.wid))
-        if f.prefill is not None and f.prefill_open:
-            f.prefill_open = False
-            self._spawn(self._cancel_prefill(f.prefill, f.wid))
-
-    async def _cancel_prefill(self, p: Worker, wid: str) -> None:
-        """Cancel `wid` on prefill worker `p`; its decode stream is free once `p` took the cancel (which
-        stops the push) or is dead."""
-        try:
-            await self._call(p, "cancel", wid)
-        finally:
-            self._free_stream(wid)
-
-    async def _call(self, w: Worker, method: str, *args) -> None:
-        """Fire-and-forget cleanup: a dead worker has nothing left to free."""
-        if not w.alive:
-            return
-        try:
-            await w.handle.call(method, *args)
-        except PdserveError:
-            pass
-
-    def _spawn(self, coro) -> None:
-        """Run `coro` beside the loop. The set keeps a strong reference (the event loop keeps only weak
-        ones) until it ends, so `shutdown` can cancel and await it; its errors are handled inside
-        (`_guarded`, `_call`), so one that escapes is a bug and is logged, never silently dropped."""
-        if self._closed:  # shut down: closing the workers freed what a cleanup call would have
-            coro.close()
-            return
-        task = asyncio.get_running_loop().create_task(coro)
-        self._spawned.add(task)
-        task.add_done_callback(self._reap)
-
-    def _reap(self, task: asyncio.Task) -> None:
-        self._spawned.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("router task %s failed", task.get_coro(), exc_info=task.exception())
+            self.prefix.record_output(f.decode, list(f.prompt_ids) + list(f.output_ids))

@@ -12,8 +12,12 @@ Consumers take events with `drain(timeout_s)` (blocks until there are some; retu
 stats), or register `on_events` to be woken (the in-process `LocalHandle` wakes an asyncio event). A step
 that raises stops the loop: the worker is closed, pending and later calls fail with
 `BackendUnavailableError`, and `drain` raises it too, so the router fails that worker's requests.
+Step watchdog: a step still running after `step_timeout_s` (a hung kernel, a deadlock, a blocked test
+hook) makes `drain` raise `BackendUnavailableError` too, although the loop thread cannot be stopped from
+outside: the router then fences the worker and its supervisor replaces the process (Ray: kills the actor).
+`drain` answers on the caller's thread, so a hung step never hides behind a healthy-looking long poll.
 
-Who uses it: `cluster/actors.py` (one loop per Ray actor; Ray's threads call `call`/`drain`) and
+Who uses it: `actors.py` (one loop per Ray actor; Ray's threads call `call`/`drain`) and
 `LocalHandle` below (in-process workers: unit tests, single-process serving).
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ import asyncio
 import concurrent.futures as cf
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 from cluster.serving_api import BackendUnavailableError
@@ -33,10 +38,13 @@ DECODE_METHODS = frozenset({"reserve", "add_request", "fail_transfer", "abort", 
 
 class WorkerLoop:
     def __init__(self, factory: Callable[[], Any], methods: frozenset[str], name: str = "worker",
-                 info: Callable[[Any], dict] = lambda w: {}):
+                 info: Callable[[Any], dict] = lambda w: {}, step_timeout_s: float | None = None):
         """`factory()` builds the worker on the loop thread; `methods`: what `call` may invoke;
-        `info(worker)`: what `wait_ready()` returns (e.g. the decode worker's KV address)."""
+        `info(worker)`: what `wait_ready()` returns (e.g. the decode worker's KV address);
+        `step_timeout_s`: the step watchdog's bound (None: off)."""
         self.name = name
+        self.step_timeout_s = step_timeout_s
+        self._step_since: float | None = None  # time.monotonic() when the running step began
         self._methods = methods
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
@@ -71,6 +79,7 @@ class WorkerLoop:
         """Events since the last drain (waiting up to `timeout_s` for one) and the latest stats."""
         with self._cond:
             self._cond.wait_for(lambda: self._events or self._stopped, timeout_s)
+            self._check_step()
             events, self._events = self._events, []
             if not events and self._error is not None:
                 raise BackendUnavailableError(f"worker {self.name} stopped: {self._error}")
@@ -78,12 +87,22 @@ class WorkerLoop:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Close the worker (its requests aborted, pages freed) and end the thread."""
-        self._cmds.put(_STOP)
+        self.request_stop()
         self._thread.join(timeout_s)
+
+    def request_stop(self) -> None:
+        """Tell the loop to stop after its current step (without waiting: that step may hang)."""
+        self._cmds.put(_STOP)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def _check_step(self) -> None:
+        since, bound = self._step_since, self.step_timeout_s
+        if since is not None and bound is not None and (took := time.monotonic() - since) > bound:
+            raise BackendUnavailableError(f"worker {self.name}: a step has run for {took:.1f} s "
+                                          f"(watchdog bound {bound:.1f} s): hung")
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _run(self, factory, info) -> None:
@@ -100,11 +119,14 @@ class WorkerLoop:
                 break
             if not worker.has_work():
                 continue
+            self._step_since = time.monotonic()
             try:
                 events = worker.step()
             except Exception as e:  # noqa: BLE001 - a bug in a step must not hang every caller
                 self._finish(worker, f"step failed: {type(e).__name__}: {e}")
                 return
+            finally:
+                self._step_since = None
             self._publish(events, worker.stats())
         self._finish(worker, None)
 
@@ -203,8 +225,47 @@ def worker_info(worker) -> dict:
     return {"address": getattr(worker, "address", None), "prefix": getattr(worker, "prefix_info", None)}
 
 
-def start_local(kind: str, name: str, factory: Callable[[], Any], timeout_s: float | None = 300.0) -> LocalHandle:
+def start_local(kind: str, name: str, factory: Callable[[], Any], timeout_s: float | None = 300.0,
+                step_timeout_s: float | None = None) -> LocalHandle:
     """Build a worker of `kind` ("prefill", "decode", "colocated") on its own thread in this process."""
     methods = PREFILL_METHODS if kind == "prefill" else DECODE_METHODS
-    loop = WorkerLoop(factory, methods, name, worker_info)
+    loop = WorkerLoop(factory, methods, name, worker_info, step_timeout_s)
     return LocalHandle(name, loop, loop.wait_ready(timeout_s))
+
+
+class LocalPools:
+    """The router's `Spawner` for in-process pools (unit tests, single-process serving): a fresh worker in
+    a lost one's slot is built by that pool's factory on a new thread. A hung worker's thread cannot be
+    killed: it is told to stop and left to end on its own (a daemon thread)."""
+
+    def __init__(self, factories: dict[str, Callable[[], Any]], step_timeout_s: float | None = None):
+        self.factories, self.step_timeout_s = factories, step_timeout_s
+        self.started: list[LocalHandle] = []
+
+    def start(self, pool: str, name: str) -> LocalHandle:
+        """A worker of `pool` built now, in this thread (the initial members)."""
+        handle = start_local(pool, name, self.factories[pool], step_timeout_s=self.step_timeout_s)
+        self.started.append(handle)
+        return handle
+
+    async def replace(self, pool: str, old) -> LocalHandle:
+        old.loop.request_stop()  # (no join: a hung step would hold it)
+        self.started = [h for h in self.started if h is not old]
+        return await self._start_async(pool, old.name)
+
+    async def add(self, pool: str) -> LocalHandle:
+        taken = [int(h.name.rsplit("-", 1)[1]) for h in self.started if h.name.startswith(f"{pool}-")]
+        return await self._start_async(pool, f"{pool}-{max(taken, default=-1) + 1}")
+
+    async def remove(self, pool: str, handle) -> None:
+        self.started = [h for h in self.started if h is not handle]
+        await handle.close()
+
+    async def _start_async(self, pool: str, name: str) -> LocalHandle:
+        try:
+            return await asyncio.to_thread(self.start, pool, name)
+        except Exception as e:  # noqa: BLE001 - the construction's error, typed for the router
+            raise BackendUnavailableError(f"worker {name} failed to start: {type(e).__name__}: {e}") from None
+
+    async def close(self) -> None:
+        await asyncio.gather(*(h.close() for h in self.started), return_exceptions=True)

@@ -1,6 +1,8 @@
-"""`Flight`: the router's record of one request in flight, and how worker events become `GenerateDelta`s.
+"""`Flight`: the router's record of one request in flight, and how worker events become `GenerateDelta`s;
+`FlightTable`: every flight the router holds, by worker id and by client request id, and the admission FIFO.
 
-Owned by `cluster/router.py`; pure Python (no Ray, no torch). Events reach a flight from two workers that
+Owned by `cluster/serving/router.py` (admission and recovery read and change the table it passes them);
+pure Python (no Ray, no torch). Events reach a flight from two workers that
 do not know about each other, in any order: the prefill worker's first token (`PrefillEvent`) and the
 decode worker's deltas (`DecodeDelta`, whose first one usually repeats that first token, since the decode
 engine's outputs start at it; after a failed transfer with policy "recompute" the decode worker regenerates
@@ -9,7 +11,7 @@ it). Each event says how many output tokens exist so far (`num_output`) and how 
 and rebuilds the text from whichever view is newest. Text that may be the start of a stop string is held
 back until the next token resolves it (the engine cuts the final text at the stop).
 
-Recovery (`cluster/recovery.py`): after a worker loss the flight runs again elsewhere as `run_prompt` (prompt
+Recovery (`cluster/serving/recovery.py`): after a worker loss the flight runs again elsewhere as `run_prompt` (prompt
 + `output_ids`) under a new `wid`; `rebase()` makes the new workers' counts (which start at 0) continue the
 client's stream: `base_tokens`/`base_chars` are added to every later event's `num_output`/`text_len`.
 The new workers detokenize their outputs on their own, so the seam may lack a separator (a tokenizer
@@ -17,9 +19,11 @@ drops the leading space of a text's first token): `seam(first new ids)` gives th
 """
 from __future__ import annotations
 
+import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from cluster.serving_api import GenerateDelta, GenerateRequest
 from engine.sampling_params import SamplingParams
@@ -46,7 +50,7 @@ class Flight:
     deadline: float  # monotonic
     queue: object  # asyncio.Queue of worker events and router signals
     timeline: dict[str, float] = field(default_factory=dict)
-    prefill: object = None  # router-side worker records (router.Worker)
+    prefill: object = None  # router-side worker records (membership.Worker)
     decode: object = None
     prefill_open: bool = False  # the prefill worker may still hold pages or a transfer for it
     prefill_ended: bool = False  # a terminal prefill event arrived (possibly before submit() returned)
@@ -74,6 +78,12 @@ class Flight:
     def queued(self) -> bool:
         """Counts against the queue limit: accepted, no token streamed yet, not ended."""
         return not self.done and self.sent_tokens == 0
+
+    def uncount_prefill(self) -> None:
+        """Its prompt no longer counts in its prefill worker's queued tokens (first token back, or it left)."""
+        if self.prefill_tokens_counted:
+            self.prefill_tokens_counted = False
+            self.prefill.queued_tokens -= self.prefill_tokens
 
     def mark(self, event: str) -> None:
         self.timeline.setdefault(event, time.time())
@@ -132,3 +142,70 @@ class Flight:
         return GenerateDelta(self.req.request_id, [], "", True, reason, len(self.prompt_ids), self.sent_tokens,
                              [] if self.params.logprobs is not None else None,
                              dict(self.timeline) if self.req.return_timeline else None)
+
+
+class Inbox(asyncio.Queue):
+    """A flight's queue of worker events and router signals; the router sees each item as it arrives
+    (`on_arrival`), not when the client reads it, so a slow reader holds no resource other flights need."""
+
+    def __init__(self, on_arrival: Callable[[Any], None]):
+        super().__init__()
+        self._on_arrival = on_arrival
+
+    def put_nowait(self, item) -> None:
+        self._on_arrival(item)
+        super().put_nowait(item)
+
+
+class FlightTable:
+    """The router's flights: `by_wid` (the id workers know: request id + a counter, renewed by each
+    recovery), `by_request` (the client's id), and `waiting` (not placed yet, in arrival order; a
+    recovered flight goes back to its head). `wake` tells the admission loop that something changed."""
+
+    def __init__(self):
+        self.by_wid: dict[str, Flight] = {}
+        self.by_request: dict[str, Flight] = {}
+        self.waiting: list[Flight] = []
+        self.wake = asyncio.Event()
+        self._ids = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.by_wid)
+
+    def get(self, wid: str) -> Flight | None:
+        return self.by_wid.get(wid)
+
+    def new_wid(self, request_id: str) -> str:
+        return f"{request_id}#{next(self._ids)}"
+
+    def queued(self) -> int:
+        """Flights counting against the queue limit (accepted, no token streamed yet)."""
+        return sum(f.queued for f in self.by_wid.values())
+
+    def add(self, f: Flight) -> None:
+        """A new flight joins the end of the queue."""
+        self.by_wid[f.wid] = f
+        self.by_request[f.req.request_id] = f
+        self.waiting.append(f)
+        self.wake.set()
+
+    def remove(self, f: Flight) -> bool:
+        """`f` leaves the table; False if it had left already."""
+        if self.by_wid.pop(f.wid, None) is None:
+            return False
+        if self.by_request.get(f.req.request_id) is f:
+            del self.by_request[f.req.request_id]
+        if f in self.waiting:
+            self.waiting.remove(f)
+        self.wake.set()
+        return True
+
+    def requeue_first(self, f: Flight, rebase: Callable[[str], None]) -> None:
+        """`f` is placed again, first in line, under a fresh wid (`rebase(wid)` moves the flight onto it)."""
+        del self.by_wid[f.wid]
+        rebase(self.new_wid(f.req.request_id))
+        self.by_wid[f.wid] = f
+        if f in self.waiting:
+            self.waiting.remove(f)
+        self.waiting.insert(0, f)
+        self.wake.set()
