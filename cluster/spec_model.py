@@ -2,7 +2,7 @@
 `pdserve validate` (never downloads) and `pdserve serve` (resolves, downloading a Hub id if needed).
 
 Who calls it: `cluster.spec.ClusterSpec._check` -> `name_problems` (pure: no filesystem, no network);
-`cluster/cli.py validate` -> `config_for_validate`; `cluster/actors.py start_cluster` ->
+`cluster/cli.py validate` -> `config_for_validate`; `cluster/serving/ray_pools.py start_cluster` ->
 `resolve_model_config` (re-exported by `cluster.spec`).
 
 What `validate` checks of a Hub id (`org/name`, not a local path): its shape (huggingface_hub's rules),
