@@ -190,7 +190,8 @@ def qoe_lines(result: BenchResult) -> list[str]:
     q = result.config.qoe
     out = ["", f"QoE (Andes, arXiv 2404.16283): a reader expecting the first token {q.ttft_s:g} s after sending, "
            f"then {q.tds:g} tokens/s; 1 = no token read late, failed requests 0 (`--qoe-ttft`, `--qoe-pace`):", "",
-           f"| target | rate (req/s) | QoE mean | p10 | p50 | min | share >= {GOOD:g} |", "|---|---|---|---|---|---|---|"]
+           f"| target | rate (req/s) | QoE mean | p10 | p50 | min | share >= {GOOD:g} |",
+           "|---|---|---|---|---|---|---|"]
     for t, r in rows:
         s = r.summary.qoe
         out.append(f"| {t.label} | {_f(r.rate, '.3g')} | {_f(s['mean'], '.3f')} | {_f(s['p10'], '.3f')} "
