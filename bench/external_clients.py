@@ -7,11 +7,10 @@ generator, at the same rates on the same synthetic workload (issue 22).
     python bench/external_clients.py --install-only        # just build the clients' venvs
 
 Order:
-  1. one throwaway venv per client (default ~/.cache/pdserve/external-clients/<client>, `python -m venv`;
-     never the project's venv): pip installs the pinned client plus, for GuideLLM (which needs torch),
-     the project interpreter's own torch version, so a CPU machine gets no CUDA build. Reused while its
-     stamp (the pip requirements) matches.
-  2. `pdserve serve SPEC` on a free port (cluster/bench/server.py); a few sequential warm-up requests.
+  1. one throwaway venv per client (default ~/.cache/pdserve/external-clients/<client>, `python -m venv`,
+     never the project's): the pinned client, plus for GuideLLM the project's own torch version (no CUDA
+     build on a CPU machine); reused while its stamp (the requirements) matches.
+  2. `pdserve serve SPEC` (with any `--set KEY=VALUE`) on a free port (cluster/bench/server.py); warm-up.
   3. per rate, one after the other on the same server, each sending --num-requests requests at a
      constant rate with --input prompt tokens and exactly --output output tokens (ignore_eos):
        pdserve   cluster/bench/loadgen.py (token-id prompts of exact length; options under `pdserve`)
@@ -214,13 +213,13 @@ def ensure_venv(client: str, root: Path) -> Path:
 
 def _run(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> str | None:
     """Run a client to completion; None if it exited 0, else why not (with the log's tail). The client
-    gets its own process group, so a timeout stops it and the processes it started (AIPerf's services)."""
+    gets its own process group, so a timeout or Ctrl-C stops it and what it started (AIPerf's services)."""
     with log.open("w") as f:
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              env=env or client_env(), start_new_session=True)
         try:
             rc = p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
+        except BaseException as e:  # the timeout, or Ctrl-C (its own group does not see the terminal's)
             for sig, wait_s in ((signal.SIGINT, 30.0), (signal.SIGKILL, 10.0)):
                 try:
                     os.killpg(p.pid, sig)  # the group this call started, nothing else
@@ -228,6 +227,8 @@ def _run(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None
                     break
                 except (subprocess.TimeoutExpired, ProcessLookupError):
                     continue
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
             rc = f"timeout after {timeout_s:g} s"
     if rc == 0:
         return None
@@ -291,13 +292,14 @@ RUNNERS = {"guidellm": run_guidellm, "aiperf": run_aiperf}
 
 def measure(args, bins: dict[str, Path], out: Path) -> list[ClientResult]:
     from cluster.bench.prompts import PromptSource, load_tokenizer
-    from cluster.bench.server import SpecServer
+    from cluster.bench.server import SpecServer, spec_variants
     from engine.loader import resolve_model
 
-    model_name = (yaml.safe_load(Path(args.spec).read_text()) or {}).get("model", "smollm2-135m")
+    [[variant]] = spec_variants([args.spec], args.set, out)  # one value per --set: one variant
+    model_name = (yaml.safe_load(Path(variant.path).read_text()) or {}).get("model", "smollm2-135m")
     tok_dir = str(resolve_model(model_name))  # a local HF directory: the clients' tokenizer, no hub
     results: list[ClientResult] = []
-    with SpecServer(args.spec, out / "server.log") as srv:
+    with SpecServer(variant.path, out / "server.log") as srv:
         print(f"[clients] serving {srv.model} at {srv.base_url}", flush=True)
         ctx = {"url": srv.base_url, "model": srv.model, "tokenizer": tok_dir, "n": args.num_requests,
                "input": args.input, "output": args.output, "timeout": args.timeout,
@@ -337,16 +339,14 @@ def reparse(out: Path) -> list[ClientResult]:
 
 
 def _floats(text: str) -> list[float]:
-    vals = [float(x) for x in text.split(",") if x.strip()]
-    if not vals or any(v <= 0 for v in vals):
+    if not (vals := [float(x) for x in text.split(",") if x.strip()]) or min(vals) <= 0:
         raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
     return vals
 
 
 def _clients(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = set(names) - set(CLIENTS)
-    if unknown:
+    if unknown := set(names) - set(CLIENTS):
         raise argparse.ArgumentTypeError(f"unknown client(s) {sorted(unknown)}; known: {list(CLIENTS)}")
     return names
 
@@ -355,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", default="deploy/local.yaml", help="spec `pdserve serve` runs (default %(default)s)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a spec key for this run, e.g. dtype=float32 (repeatable; one value each)")
     p.add_argument("--rates", type=_floats, default=[0.5, 1.0], help="req/s, comma-separated (default 0.5,1)")
     p.add_argument("--num-requests", type=int, default=20, help="requests per client and rate (default %(default)s)")
     p.add_argument("--input", type=int, default=256, help="prompt tokens (default %(default)s)")
@@ -370,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_requests < 1 or args.input < 1 or args.output < 2:
         p.error("--num-requests and --input must be >= 1, --output >= 2 (ITL needs two tokens)")
+    if any("," in s for s in args.set):
+        p.error("--set takes one value per key here (no sweeps)")
     return args
 
 
