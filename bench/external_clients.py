@@ -14,11 +14,10 @@ Order:
   3. per rate, one after the other on the same server, each sending --num-requests requests at a
      constant rate with --input prompt tokens and exactly --output output tokens (ignore_eos):
        pdserve   cluster/bench/loadgen.py (token-id prompts of exact length; options under `pdserve`)
-       guidellm  `guidellm run --scenario` (constant profile, synthetic_text, max_requests; it always
-                 sends `ignore_eos: true`, `stop: null` and stream_options.continuous_usage_stats)
-       aiperf    `aiperf profile` (constant arrival pattern, synthetic tokens with stddev 0,
-                 `--extra-inputs ignore_eos:true`, server token counts)
-     The clients send `ignore_eos` at the top level of the body (vLLM's form) and their prompts as text.
+       guidellm  `guidellm run --scenario` (constant profile, synthetic_text, max_requests; it always sends
+                 top-level `ignore_eos: true`, `stop: null`, stream_options.continuous_usage_stats; text prompts)
+       aiperf    `aiperf profile` (constant arrival pattern, synthetic text prompts with stddev 0,
+                 `--extra-inputs ignore_eos:true` at the top level, server token counts)
   4. each client's JSON (GuideLLM's benchmarks.json, AIPerf's profile_export_aiperf.json) is parsed and a
      table printed: client x rate x {TTFT p50/p90, ITL p50/p90, completed/sent}, each ratio against
      pdserve bench at the same rate; also written to DIR/summary.md and DIR/results.json.
@@ -94,14 +93,10 @@ def parse_aiperf(doc: dict, rate: float, sent: int) -> ClientResult:
     the latencies), `request_count` = successful requests, `error_request_count` = failed ones."""
     def stat(tag: str, key: str) -> float | None:
         m = doc.get(tag) or {}
-        v = _num(m.get(key))
-        if v is None or tag == "request_count":
-            return v
-        unit = m.get("unit", "ms")
-        scale = {"ms": 1.0, "s": 1000.0, "us": 1e-3, "ns": 1e-6}.get(unit)
+        scale = {"ms": 1.0, "s": 1000.0, "us": 1e-3, "ns": 1e-6, "requests": 1.0}.get(m.get("unit", "ms"))
         if scale is None:
-            raise ValueError(f"aiperf {tag}: unknown unit {unit!r}")
-        return v * scale
+            raise ValueError(f"aiperf {tag}: unknown unit {m.get('unit')!r}")
+        return None if (v := _num(m.get(key))) is None else v * scale
 
     ok = int(stat("request_count", "avg") or 0)
     failed = int(_num((doc.get("error_request_count") or {}).get("avg")) or 0)
@@ -331,11 +326,12 @@ def report(results: list[ClientResult], out: Path, args_doc: dict) -> str:
     return md
 
 
-def reparse(out: Path) -> list[ClientResult]:
-    """--parse-only: the pdserve rows from results.json, the clients' rows parsed again from their files."""
+def reparse(out: Path) -> tuple[list[ClientResult], dict]:
+    """--parse-only: the pdserve rows from results.json, the clients' rows parsed again from their files
+    (a run's own error, say an exit code, is not kept: only what its files say), and the run's args."""
     doc = json.loads((out / "results.json").read_text())
     rows = [ClientResult(**r) for r in doc["results"]]
-    return [r if r.client == "pdserve" else read_result(r.client, r.rate, r.sent, out, None) for r in rows]
+    return [r if r.client == "pdserve" else read_result(r.client, r.rate, r.sent, out) for r in rows], doc["args"]
 
 
 def _floats(text: str) -> list[float]:
@@ -380,7 +376,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.parse_only:
-        print(report(reparse(args.parse_only), args.parse_only, {"parse_only": str(args.parse_only)}))
+        rows, run_args = reparse(args.parse_only)
+        print(report(rows, args.parse_only, run_args))
         return 0
     bins = {c: ensure_venv(c, args.venv_root) for c in args.clients}
     if args.install_only:

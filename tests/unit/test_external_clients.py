@@ -125,3 +125,13 @@ def test_pdserve_rows_use_the_bench_metrics():
     r = ec.pdserve_result(recs, 0.5)
     assert (r.completed, r.sent) == (3, 4)
     assert r.ttft_p50_ms == pytest.approx(200.0) and r.itl_p50_ms == pytest.approx(20.0)
+
+
+def test_report_files_and_parse_only_round_trip(tmp_path):
+    (tmp_path / "guidellm@2.json").write_text((DATA / "guidellm_0.8.1_benchmarks.json").read_text())
+    results = [row("pdserve", 2.0, 160.0, 11.0, 6, 6), ec.read_result("guidellm", 2.0, 6, tmp_path)]
+    md = ec.report(results, tmp_path, {"rates": [2.0], "num_requests": 6})
+    summary = (tmp_path / "summary.md").read_text()
+    assert summary.count("| guidellm | 2 |") == 1 and md in summary
+    rows, run_args = ec.reparse(tmp_path)
+    assert rows == results and run_args == {"rates": [2.0], "num_requests": 6}
