@@ -13,14 +13,16 @@ Order:
   2. `pdserve serve SPEC` (with any `--set KEY=VALUE`) on a free port (cluster/bench/server.py); warm-up.
   3. per rate, one after the other on the same server, each sending --num-requests requests at a
      constant rate with --input prompt tokens and exactly --output output tokens (ignore_eos):
-       pdserve   cluster/bench/loadgen.py (token-id prompts of exact length; options under `pdserve`)
+       pdserve   cluster/bench/loadgen.py (token-id prompts of exact length; options under `pdserve`),
+                 before the clients and again after them: the baseline pools both, and their ratio shows
+                 how much a shared machine drifted meanwhile (bench/external_results.py)
        guidellm  `guidellm run --scenario` (constant profile, synthetic_text, max_requests; it always sends
                  top-level `ignore_eos: true`, `stop: null`, stream_options.continuous_usage_stats; text prompts)
        aiperf    `aiperf profile` (constant arrival pattern, synthetic text prompts with stddev 0,
                  `--extra-inputs ignore_eos:true` at the top level, server token counts)
   4. each client's JSON (GuideLLM's benchmarks.json, AIPerf's profile_export_aiperf.json) is parsed and a
-     table printed: client x rate x {TTFT p50/p90, ITL p50/p90, completed/sent}, each ratio against
-     pdserve bench at the same rate; also written to DIR/summary.md and DIR/results.json.
+     table printed (bench/external_results.py): client x rate x {TTFT p50/p90, ITL p50/p90, completed/sent},
+     each ratio against pdserve bench at the same rate; also in DIR/summary.md and DIR/results.json.
 Acceptance (issue 22): every client completes every request at both rates, and its TTFT and ITL p50 are
 within 10% of pdserve bench's.
 
@@ -36,117 +38,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import yaml
 
-CLIENTS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # plain script folder: make `bench`, `cluster` importable without an install
+    sys.path.insert(0, str(ROOT))
+from bench.external_results import (CLIENTS, ClientResult, fmt, pdserve_result, read_result, report,  # noqa: E402
+                                    reparse, verdict)
+
+PINS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}  # the versions whose outputs were read
 NEEDS_TORCH = {"guidellm"}  # its data loader imports torch
-ACCEPT_P50 = 0.10  # the issue's bound on |client p50 / pdserve p50 - 1|
-
-
-@dataclass
-class ClientResult:
-    client: str
-    rate: float
-    ttft_p50_ms: float | None = None
-    ttft_p90_ms: float | None = None
-    itl_p50_ms: float | None = None
-    itl_p90_ms: float | None = None
-    completed: int = 0
-    sent: int = 0  # requests asked for
-    error: str | None = None  # the run or its parse failed
-    source: str | None = None  # the file the numbers came from
-
-
-# ---- parsers (pure: a loaded JSON document in, a ClientResult out) --------------------------------
-def _num(x) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
-
-
-def parse_guidellm(doc: dict, rate: float, sent: int) -> ClientResult:
-    """GuideLLM 0.8 `benchmarks.json` (GenerativeBenchmarksReport) with one benchmark (one rate)."""
-    benches = doc.get("benchmarks") or []
-    if len(benches) != 1:
-        return ClientResult("guidellm", rate, sent=sent, error=f"expected 1 benchmark, found {len(benches)}")
-    m = benches[0]["metrics"]
-
-    def pct(key: str, p: str) -> float | None:
-        ok = (m.get(key) or {}).get("successful") or {}
-        return _num((ok.get("percentiles") or {}).get(p)) if ok.get("count") else None
-
-    totals = m.get("request_totals") or {}
-    return ClientResult("guidellm", rate, pct("time_to_first_token_ms", "p50"), pct("time_to_first_token_ms", "p90"),
-                        pct("inter_token_latency_ms", "p50"), pct("inter_token_latency_ms", "p90"),
-                        int(totals.get("successful") or 0), max(sent, int(totals.get("total") or 0)))
-
-
-def parse_aiperf(doc: dict, rate: float, sent: int) -> ClientResult:
-    """AIPerf 0.13 `profile_export_aiperf.json`: one object per metric tag, values in its `unit` (ms for
-    the latencies), `request_count` = successful requests, `error_request_count` = failed ones."""
-    def stat(tag: str, key: str) -> float | None:
-        m = doc.get(tag) or {}
-        scale = {"ms": 1.0, "s": 1000.0, "us": 1e-3, "ns": 1e-6, "requests": 1.0}.get(m.get("unit", "ms"))
-        if scale is None:
-            raise ValueError(f"aiperf {tag}: unknown unit {m.get('unit')!r}")
-        return None if (v := _num(m.get(key))) is None else v * scale
-
-    ok = int(stat("request_count", "avg") or 0)
-    failed = int(_num((doc.get("error_request_count") or {}).get("avg")) or 0)
-    return ClientResult("aiperf", rate, stat("time_to_first_token", "p50"), stat("time_to_first_token", "p90"),
-                        stat("inter_token_latency", "p50"), stat("inter_token_latency", "p90"), ok,
-                        max(sent, ok + failed))
-
-
-def pdserve_result(records: list, rate: float) -> ClientResult:
-    from cluster.bench.metrics import summarize
-
-    s = summarize(records, math.inf, math.inf)
-    return ClientResult("pdserve", rate, _num(s.ttft_ms["p50"]), _num(s.ttft_ms["p90"]), _num(s.tpot_ms["p50"]),
-                        _num(s.tpot_ms["p90"]), s.completed, s.requests)
-
-
-# ---- the table --------------------------------------------------------------------------------------
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _f(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def verdict(r: ClientResult, base: ClientResult | None) -> str:
-    """'ok' when the issue's acceptance holds for this row, else what fails."""
-    if r.error:
-        return r.error.splitlines()[0][:80].replace("|", "/")
-    bad = [] if r.completed == r.sent else [f"{r.sent - r.completed} failed"]
-    for name, key in (("TTFT", "ttft_p50_ms"), ("ITL", "itl_p50_ms")):
-        q = _ratio(getattr(r, key), getattr(base, key) if base else None)
-        if r.client != "pdserve" and (q is None or abs(q - 1.0) > ACCEPT_P50):
-            bad.append(f"{name} p50 x{_f(q, '.2f')}")
-    return "ok" if not bad else ", ".join(bad)
-
-
-def table(results: list[ClientResult]) -> str:
-    base = {r.rate: r for r in results if r.client == "pdserve" and not r.error}
-    lines = ["| client | rate (req/s) | TTFT p50 / p90 (ms) | ITL p50 / p90 (ms) | completed/sent "
-             "| TTFT p50, p90 vs pdserve | ITL p50, p90 vs pdserve | acceptance |", "|---|---|---|---|---|---|---|---|"]
-    order = ["pdserve", *CLIENTS]
-    for r in sorted(results, key=lambda r: (r.rate, order.index(r.client))):
-        b = base.get(r.rate)
-        rt = lambda k: _f(_ratio(getattr(r, k), getattr(b, k) if b else None), ".2f")  # noqa: E731
-        lines.append(f"| {r.client} | {r.rate:g} | {_f(r.ttft_p50_ms, '.0f')} / {_f(r.ttft_p90_ms, '.0f')} "
-                     f"| {_f(r.itl_p50_ms, '.1f')} / {_f(r.itl_p90_ms, '.1f')} | {r.completed}/{r.sent} "
-                     f"| {rt('ttft_p50_ms')}, {rt('ttft_p90_ms')} | {rt('itl_p50_ms')}, {rt('itl_p90_ms')} "
-                     f"| {verdict(r, b)} |")
-    return "\n".join(lines)
 
 
 # ---- the clients' commands ---------------------------------------------------------------------------
@@ -189,7 +98,7 @@ def requirements(client: str) -> list[str]:
     from importlib.metadata import version
 
     # GuideLLM needs torch: the project's own version, so a CPU machine gets no CUDA build
-    return [CLIENTS[client]] + ([f"torch=={version('torch')}"] if client in NEEDS_TORCH else [])
+    return [PINS[client]] + ([f"torch=={version('torch')}"] if client in NEEDS_TORCH else [])
 
 
 def ensure_venv(client: str, root: Path) -> Path:
@@ -249,36 +158,17 @@ def run_aiperf(bin_dir: Path, ctx: dict, rate: float, out: Path) -> ClientResult
     return read_result("aiperf", rate, ctx["n"], out, err)
 
 
-def read_result(client: str, rate: float, sent: int, out: Path, err: str | None = None) -> ClientResult:
-    """Parse what a client left in `out` for `rate` (its run's error, if any, is kept)."""
-    if client == "guidellm":
-        files = [out / f"guidellm@{rate:g}.json"]
-    else:
-        files = sorted((out / f"aiperf@{rate:g}").rglob("profile_export_aiperf.json"), key=lambda p: p.stat().st_mtime)
-    files = [f for f in files if f.exists()]
-    if not files:
-        return ClientResult(client, rate, sent=sent, error=err or f"{client} wrote no JSON under {out}")
-    parse = parse_guidellm if client == "guidellm" else parse_aiperf
-    try:
-        r = parse(json.loads(files[-1].read_text()), rate, sent)
-    except (ValueError, KeyError, TypeError) as e:
-        r = ClientResult(client, rate, sent=sent, error=f"cannot parse {files[-1]}: {e}")
-    r.source, r.error = str(files[-1]), err or r.error
-    return r
-
-
 # ---- pdserve bench's own load generator ----------------------------------------------------------------
-def run_pdserve(ctx: dict, rate: float, round_no: int, warm_up: bool = False) -> tuple[ClientResult, list]:
-    """N requests at `rate` (constant gaps); `warm_up`: 3 requests one at a time, prompts of a round no
-    probe uses (a prefix cache must not serve a probe from them)."""
+def run_pdserve(ctx: dict, rate: float, round_no: int, warm_up: bool = False) -> list:
+    """N requests at `rate` (constant gaps), their records; `warm_up`: 3 requests one at a time. Each call
+    its own round of prompts (a prefix cache never serves one run from another's)."""
     from cluster.bench.loadgen import Target, run_load, run_sequential
     from cluster.bench.workload import RequestSpec
 
     n = 3 if warm_up else ctx["n"]
     reqs = [RequestSpec(i, i / rate, ctx["input"], ctx["output"], (), round_no) for i in range(n)]
     target = Target(ctx["url"], ctx["model"], pdserve=True, timeout_s=ctx["timeout"])
-    records = asyncio.run((run_sequential if warm_up else run_load)(reqs, ctx["source"].prompt, target))
-    return pdserve_result(records, rate), records
+    return asyncio.run((run_sequential if warm_up else run_load)(reqs, ctx["source"].prompt, target))
 
 
 # ---- the run ------------------------------------------------------------------------------------------------
@@ -301,37 +191,25 @@ def measure(args, bins: dict[str, Path], out: Path) -> list[ClientResult]:
                "source": PromptSource(load_tokenizer(model_name))}
         run_pdserve(ctx, 1.0, 99, warm_up=True)
         for k, rate in enumerate(args.rates):
-            r, records = run_pdserve(ctx, rate, k)
-            (out / f"pdserve@{rate:g}.json").write_text(json.dumps([asdict(x) for x in records]))
-            results.append(r)
-            _say(r)
+            before = run_pdserve(ctx, rate, 2 * k)
+            _say(pdserve_result(before, rate))
             for client in args.clients:
                 time.sleep(args.gap)  # let the last run's stragglers and aborts clear
                 results.append(RUNNERS[client](bins[client], ctx, rate, out))
                 _say(results[-1])
+            time.sleep(args.gap)
+            after = run_pdserve(ctx, rate, 2 * k + 1)
+            (out / f"pdserve@{rate:g}.json").write_text(json.dumps([asdict(x) for x in before + after]))
+            results.append(pdserve_result(before, rate, after))
+            _say(results[-1])
     return results
 
 
 def _say(r: ClientResult) -> None:
-    print(f"[clients] {r.client} @ {r.rate:g} req/s: TTFT p50 {_f(r.ttft_p50_ms, '.0f')} ms, ITL p50 "
-          f"{_f(r.itl_p50_ms, '.1f')} ms, {r.completed}/{r.sent} ok" + (f" -- {r.error[:300]}" if r.error else ""),
+    what = "pdserve (before and after, pooled)" if r.drift else r.client
+    print(f"[clients] {what} @ {r.rate:g} req/s: TTFT p50 {fmt(r.ttft_p50_ms, '.0f')} ms, ITL p50 "
+          f"{fmt(r.itl_p50_ms, '.1f')} ms, {r.completed}/{r.sent} ok" + (f" -- {r.error[:300]}" if r.error else ""),
           flush=True)
-
-
-def report(results: list[ClientResult], out: Path, args_doc: dict) -> str:
-    md = table(results)
-    (out / "results.json").write_text(json.dumps({"args": args_doc, "results": [asdict(r) for r in results]},
-                                                 indent=1))
-    (out / "summary.md").write_text("# GuideLLM and AIPerf beside pdserve bench\n\n" + md + "\n")
-    return md
-
-
-def reparse(out: Path) -> tuple[list[ClientResult], dict]:
-    """--parse-only: the pdserve rows from results.json, the clients' rows parsed again from their files
-    (a run's own error, say an exit code, is not kept: only what its files say), and the run's args."""
-    doc = json.loads((out / "results.json").read_text())
-    rows = [ClientResult(**r) for r in doc["results"]]
-    return [r if r.client == "pdserve" else read_result(r.client, r.rate, r.sent, out) for r in rows], doc["args"]
 
 
 def _floats(text: str) -> list[float]:
