@@ -12,7 +12,8 @@ Order:
      build on a CPU machine); reused while its stamp (the requirements) matches.
   2. `pdserve serve SPEC` (with any `--set KEY=VALUE`) on a free port (cluster/bench/server.py); warm-up.
   3. per rate, one after the other on the same server, each sending --num-requests requests at a
-     constant rate with --input prompt tokens and exactly --output output tokens (ignore_eos):
+     constant rate with --input prompt tokens and exactly --output greedy output tokens (temperature 0,
+     ignore_eos):
        pdserve   cluster/bench/loadgen.py (token-id prompts of exact length; options under `pdserve`),
                  before the clients and again after them: the baseline pools both, and their ratio shows
                  how much a shared machine drifted meanwhile (bench/external_results.py)
@@ -63,7 +64,7 @@ def guidellm_scenario(url: str, model: str, tokenizer: str, rate: float, n: int,
                       out: Path, timeout_s: float, seed: int = 0) -> dict:
     return {"spec": {
         "backend": {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
-                    "http2": False, "timeout": timeout_s},
+                    "http2": False, "timeout": timeout_s, "extras": {"body": {"temperature": 0.0}}},
         "profile": {"kind": "constant", "rate": [rate]},
         "constraints": [{"kind": "max_requests", "count": n}],
         "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
@@ -77,7 +78,8 @@ def aiperf_argv(url: str, model: str, tokenizer: str, rate: float, n: int, n_in:
     return ["profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
             "--tokenizer", tokenizer, "--synthetic-input-tokens-mean", str(n_in),
             "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(n_out),
-            "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
+            "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "temperature:0.0",
+            "--use-server-token-count",
             "--request-rate", f"{rate:g}", "--arrival-pattern", "constant", "--request-count", str(n),
             "--request-timeout-seconds", f"{timeout_s:g}", "--random-seed", str(seed),
             "--artifact-dir", str(out_dir), "--ui", "none", "--workers-max", "1", "--record-processors", "1",

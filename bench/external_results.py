@@ -103,14 +103,14 @@ def verdict(r: ClientResult, base: ClientResult | None) -> str:
     """'ok' when the issue's acceptance holds for this row, else what fails."""
     if r.error:
         return r.error.splitlines()[0][:80].replace("|", "/")
-    bad = [] if r.completed == r.sent else [f"{r.sent - r.completed} failed"]
+    bad, drift = ([] if r.completed == r.sent else [f"{r.sent - r.completed} failed"]), []
     for name, key in (("TTFT", "ttft_p50_ms"), ("ITL", "itl_p50_ms")):
         if r.client == "pdserve":  # the baseline: did the machine hold still while the clients ran?
-            q = (r.drift or {}).get(key, 1.0)
-            if q is None or abs(q - 1.0) > ACCEPT_P50:
-                bad.append(f"baseline drifted: {name} p50 after/before x{fmt(q, '.2f')}")
+            if (q := (r.drift or {}).get(key, 1.0)) is None or abs(q - 1.0) > ACCEPT_P50:
+                drift.append(f"{name} p50 x{fmt(q, '.2f')}")
         elif (q := _ratio(getattr(r, key), getattr(base, key) if base else None)) is None or abs(q - 1) > ACCEPT_P50:
             bad.append(f"{name} p50 x{fmt(q, '.2f')}")
+    bad += [f"baseline drifted (after/before): {', '.join(drift)}"] if drift else []
     return "ok" if not bad else ", ".join(bad)
 
 

@@ -88,12 +88,14 @@ def test_client_commands_carry_the_workload():
     assert scn["constraints"] == [{"kind": "max_requests", "count": 20}]
     assert scn["data"] == [{"kind": "synthetic_text", "prompt_tokens": 256, "output_tokens": 64}]
     assert scn["backend"]["request_format"] == "/v1/completions" and scn["tokenizer"]["model"] == "/tok"
+    assert scn["backend"]["extras"] == {"body": {"temperature": 0.0}}  # greedy, as pdserve bench sends
     argv = ec.aiperf_argv("http://127.0.0.1:9", "m", "/tok", 0.5, 20, 256, 64, Path("/o"), 120.0)
     flag = lambda name: argv[argv.index(name) + 1]  # noqa: E731
     assert (flag("--request-rate"), flag("--arrival-pattern"), flag("--request-count")) == ("0.5", "constant", "20")
     assert (flag("--synthetic-input-tokens-mean"), flag("--synthetic-input-tokens-stddev")) == ("256", "0")
     assert (flag("--output-tokens-mean"), flag("--output-tokens-stddev")) == ("64", "0")
     assert flag("--extra-inputs") == "ignore_eos:true" and flag("--endpoint-type") == "completions"
+    assert argv[argv.index("--extra-inputs") + 2] == "temperature:0.0"
     env = ec.client_env()
     assert "PYTHONPATH" not in env and env["HF_HUB_OFFLINE"] == "1"
 
@@ -149,5 +151,5 @@ def test_baseline_pools_the_runs_before_and_after_and_flags_a_drifting_machine()
     assert (steady.completed, steady.sent) == (8, 8) and steady.ttft_p50_ms == pytest.approx(205.0)
     assert steady.drift["ttft_p50_ms"] == pytest.approx(1.05) and er.verdict(steady, None) == "ok"
     busier = er.pdserve_result(run(0.2, 0.02), 1.0, run(0.2, 0.03))  # decode 1.5x slower in the second run
-    assert er.verdict(busier, None) == "baseline drifted: ITL p50 after/before x1.50"
+    assert er.verdict(busier, None) == "baseline drifted (after/before): ITL p50 x1.50"
     assert er.pdserve_result(run(0.2, 0.02), 1.0).drift is None  # one run: nothing to compare
