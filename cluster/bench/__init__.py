@@ -12,6 +12,7 @@ Map (in the order a run uses them):
     loadgen.py   one probe: asyncio + httpx streaming, one RequestRecord per request
     server_stats.py  the server's /metrics counters before and after a probe (KV bytes, prefix hits)
     metrics.py   TTFT/TPOT/e2e, attainment, summaries, goodput bisection; pure, no clock
+    qoe.py       Andes QoE per request (token arrivals against a reader's expected TTFT and pace); pure
     report.py    bench.json, summary.md, PNGs, the --compare ratio and its SLO-scale sweep
 Only loadgen and server touch the network; nothing here imports ray or torch at import time.
 """

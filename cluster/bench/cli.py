@@ -17,6 +17,8 @@ import math
 import sys
 import time
 
+from cluster.bench.qoe import EXPECTED_TTFT_S, READING_TDS  # plain constants: a cheap import
+
 EPILOG = """\
 SLOs: --ttft-ms/--tpot-ms take ms (2000) or a multiple of the unloaded p90 the tool measures first on the
 SLO reference (3x; the reference is the spec/endpoint, or the --slo-from spec of --compare, default the
@@ -25,7 +27,10 @@ missing and judges 1-token requests on TTFT alone. Goodput: the highest rate wit
 searched over --rates and then bisected (--bisect steps). Trace lengths are scaled (--input-scale 0.25,
 --output-scale 0.5, clipped to --max-input 1024 / --max-output 256) and the time axis is scaled to each rate.
 pdserve options (ignore_eos, timeline, token ids) go to --spec/--compare servers; to an --endpoint only
-with --pdserve-options (use --extra-body '{"ignore_eos": true}' for vLLM)."""
+with --pdserve-options (use --extra-body '{"ignore_eos": true}' for vLLM).
+QoE (Andes, arXiv 2404.16283): per request, how a reader expecting the first token after --qoe-ttft s and
+then --qoe-pace tokens/s experiences the stream (1 = no token read late, a failed request 0); its mean,
+percentiles and share >= 0.9 per probe in summary.md/bench.json, and qoe_cdf.png."""
 
 
 def _floats(text: str) -> list[float]:
@@ -84,6 +89,11 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="send token-id lists (exact lengths) or decoded text")
     b.add_argument("--pdserve-options", action="store_true", help="--endpoint is pdserve: send its options")
     b.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    b.add_argument("--qoe-pace", type=float, default=READING_TDS, metavar="TOKENS_PER_S",
+                   help="QoE: the reader's expected token delivery speed (default %(default)s, the Andes "
+                        "paper's reading speed; 3.3 is its listening speed)")
+    b.add_argument("--qoe-ttft", type=float, default=EXPECTED_TTFT_S, metavar="S",
+                   help="QoE: the reader's expected time to first token, s (default %(default)s)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--no-early-stop", action="store_true",
                    help="run every probe to the end even when it can no longer reach the attainment target")
@@ -151,6 +161,7 @@ def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cluster.bench.prompts import PromptSource, load_tokenizer
+    from cluster.bench.qoe import QoESetting
     from cluster.bench.report import write_probe, write_report
     from cluster.bench.runner import BenchConfig, SLOSetting, run_bench
     from cluster.bench.server import BenchServerError
@@ -162,6 +173,7 @@ def _bench(args: argparse.Namespace) -> int:
                                max_output=args.max_output)
         if args.min_probe_s < 0:
             raise ValueError("--min-probe-s must be >= 0")
+        qoe = QoESetting(args.qoe_ttft, args.qoe_pace)
         expand = 2 if args.bisect else 0  # doublings of the top rate the goodput search may probe
         top_rate = max([r for r in (args.rates or [args.rate]) if r] or [1.0]) * 2 ** expand
         n_load = max(args.num_requests, math.ceil(top_rate * args.min_probe_s))  # enough for the top probe
@@ -180,7 +192,7 @@ def _bench(args: argparse.Namespace) -> int:
                       num_requests=args.num_requests, min_probe_s=args.min_probe_s,
                       unloaded_requests=args.unloaded_requests, slo_scales=args.slo_scales,
                       progress=not args.no_progress, early_stop=not args.no_early_stop, timeout_s=args.timeout,
-                      out_dir=out_dir)
+                      out_dir=out_dir, qoe=qoe)
     import httpx
 
     try:
@@ -194,7 +206,7 @@ def _bench(args: argparse.Namespace) -> int:
     prompt_of = (lambda s: source.prompt(s, blocks)) if args.prompt_format == "ids" else \
         (lambda s: source.tokenizer.decode(source.prompt(s, blocks)))
     try:
-        result = run_bench(cfg, workload, prompt_of, targets, lambda t, run: write_probe(out_dir, t, run))
+        result = run_bench(cfg, workload, prompt_of, targets, lambda t, run: write_probe(out_dir, t, run, qoe))
     except BenchServerError as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return 1

@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from cluster.bench.qoe import QoESetting, qoe_stats, request_qoe
+
 
 @dataclass
 class RequestRecord:
@@ -109,9 +111,11 @@ class Summary:
     duration_s: float  # first send to last end
     request_throughput: float  # completed requests / duration
     output_throughput: float  # output tokens / duration
+    qoe: dict[str, float] | None = None  # qoe.qoe_stats over all requests (failed ones 0); None: not asked
 
 
-def summarize(records: list[RequestRecord], ttft_slo_s: float, tpot_slo_s: float) -> Summary:
+def summarize(records: list[RequestRecord], ttft_slo_s: float, tpot_slo_s: float,
+              qoe: QoESetting | None = None) -> Summary:
     ms = [request_metrics(r) for r in records]
     ok = [m for m in ms if m.ok]
     starts = [r.sent_s for r in records if r.sent_s is not None]
@@ -125,7 +129,8 @@ def summarize(records: list[RequestRecord], ttft_slo_s: float, tpot_slo_s: float
         ttft_ms=_stats(ms_of(m.ttft_s for m in ok)), tpot_ms=_stats(ms_of(m.tpot_s for m in ok)),
         e2e_ms=_stats(ms_of(m.e2e_s for m in ok)), output_tokens=out_tokens, duration_s=duration,
         request_throughput=len(ok) / duration if duration > 0 else 0.0,
-        output_throughput=out_tokens / duration if duration > 0 else 0.0)
+        output_throughput=out_tokens / duration if duration > 0 else 0.0,
+        qoe=qoe_stats([request_qoe(r, qoe) for r in records]) if qoe is not None else None)
 
 
 # ---- goodput ----------------------------------------------------------------------------------

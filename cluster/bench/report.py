@@ -6,6 +6,8 @@ Figures (matplotlib, Agg backend, imported here only):
     attainment_vs_rate.png      one line per target, SLO attainment against request rate (DistServe style),
                                 dashed line at the attainment target
     ttft_cdf.png, tpot_cdf.png  per target, at the highest rate every target measured (else its lowest)
+    qoe_cdf.png                 per target at that rate, the CDF of per-request Andes QoE (qoe.py; failed
+                                requests at 0), dashed line at the 0.9 cut the summary counts
     goodput_vs_slo_scale.png    --compare: each spec's goodput and the ratio A/B as the SLO scale goes
                                 1.5x..10x; read off the measured rates (crossing interpolated linearly
                                 between the bracketing rates), no extra runs
@@ -23,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cluster.bench.metrics import RatePoint, attainment, goodput_from_points, request_metrics
+from cluster.bench.qoe import GOOD, QoESetting, request_qoe
 from cluster.bench.runner import BenchResult, RateRun, TargetResult
 from cluster.serving_api import TIMELINE_COUNTS
 
@@ -40,7 +43,7 @@ def _clean(x):
     return x
 
 
-def record_json(r) -> dict:
+def record_json(r, qoe: QoESetting | None = None) -> dict:
     m = request_metrics(r)
     ms = lambda v: None if v is None else round(1000.0 * v, 3)  # noqa: E731
     out = {"index": r.index, "arrival_s": round(r.arrival_s, 4), "input_len": r.input_len,
@@ -49,6 +52,8 @@ def record_json(r) -> dict:
            "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens,
            "chunk_ms": [round(1000.0 * (t - r.sent_s), 2) for t in r.chunk_s] if r.sent_s is not None else [],
            "chunk_tokens": r.chunk_tokens}
+    if qoe is not None:
+        out["qoe"] = round(request_qoe(r, qoe), 4)
     times = {k: v for k, v in (r.timeline or {}).items() if k not in TIMELINE_COUNTS}
     if times and r.sent_unix is not None:
         out["timeline_ms"] = {k: round(1000.0 * (v - r.sent_unix), 2) for k, v in sorted(times.items(),
@@ -74,26 +79,26 @@ def phase_means(records) -> dict[str, float]:
     return dict(sorted(means.items(), key=lambda kv: kv[1]))
 
 
-def _run_json(run: RateRun) -> dict:
+def _run_json(run: RateRun, qoe: QoESetting | None = None) -> dict:
     return {"rate": run.rate, "stopped_early": run.stopped_early,
             "summary": asdict(run.summary) if run.summary else None, "server_delta": run.server,
-            "phases_ms": phase_means(run.records), "requests": [record_json(r) for r in run.records]}
+            "phases_ms": phase_means(run.records), "requests": [record_json(r, qoe) for r in run.records]}
 
 
-def write_probe(out_dir: Path, t: TargetResult, run: RateRun) -> Path:
+def write_probe(out_dir: Path, t: TargetResult, run: RateRun, qoe: QoESetting | None = None) -> Path:
     """One probe's records as soon as it ends (`probes/<label>@<rate>.json`): a long run that dies or is
     interrupted keeps what it measured."""
     path = out_dir / "probes" / f"{t.label}@{run.rate if run.rate is not None else 'trace'}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(dict(_run_json(run), label=t.label)), indent=1))
+    path.write_text(json.dumps(_clean(dict(_run_json(run, qoe), label=t.label)), indent=1))
     return path
 
 
-def target_json(t: TargetResult) -> dict:
+def target_json(t: TargetResult, qoe: QoESetting | None = None) -> dict:
     return {"label": t.label, "group": t.group, "spec": t.spec, "settings": t.settings,
             "goodput": asdict(t.goodput) if t.goodput else None, "server_log": t.server_log,
             "base_url": t.base_url, "error": t.error,
-            "unloaded": [record_json(r) for r in t.unloaded], "runs": [_run_json(r) for r in t.runs]}
+            "unloaded": [record_json(r, qoe) for r in t.unloaded], "runs": [_run_json(r, qoe) for r in t.runs]}
 
 
 # ---- comparison ---------------------------------------------------------------------------------
@@ -167,6 +172,7 @@ def markdown(result: BenchResult, compare: dict | None) -> str:
                   "| SLO scale | goodput A | goodput B | ratio |", "|---|---|---|---|"]
         lines += [f"| {x['scale']:g}x | {_f(x['goodput_a'], '.3g')} | {_f(x['goodput_b'], '.3g')} "
                   f"| {_f(x['ratio'], '.2f')} |" for x in compare["slo_scale_sweep"]]
+    lines += qoe_lines(result)
     lines += server_lines(result)
     lines += ["", "Mean ms after send per event (highest rate each target measured):", ""]
     for t in result.targets:
@@ -174,6 +180,23 @@ def markdown(result: BenchResult, compare: dict | None) -> str:
             phases = phase_means(t.runs[-1].records)
             lines.append(f"- {t.label}: " + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
     return "\n".join(lines) + "\n"
+
+
+def qoe_lines(result: BenchResult) -> list[str]:
+    """Andes QoE per probe (qoe.py): the pace it was judged against, mean, low tail, share >= 0.9."""
+    rows = [(t, r) for t in result.targets for r in t.runs if r.summary and r.summary.qoe]
+    if not rows:
+        return []
+    q = result.config.qoe
+    out = ["", f"QoE (Andes, arXiv 2404.16283): a reader expecting the first token {q.ttft_s:g} s after sending, "
+           f"then {q.tds:g} tokens/s; 1 = no token read late, failed requests 0 (`--qoe-ttft`, `--qoe-pace`):", "",
+           f"| target | rate (req/s) | QoE mean | p10 | p50 | min | share >= {GOOD:g} |",
+           "|---|---|---|---|---|---|---|"]
+    for t, r in rows:
+        s = r.summary.qoe
+        out.append(f"| {t.label} | {_f(r.rate, '.3g')} | {_f(s['mean'], '.3f')} | {_f(s['p10'], '.3f')} "
+                   f"| {_f(s['p50'], '.3f')} | {_f(s['min'], '.3f')} | {_f(s['share_good'], '.2f')} |")
+    return out
 
 
 def server_lines(result: BenchResult) -> list[str]:
@@ -235,9 +258,25 @@ def plot(result: BenchResult, compare: dict | None, out_dir: Path) -> dict[str, 
         ax.set(xlabel=f"{key.upper()} (ms)", ylabel="CDF", ylim=(0, 1.02), title=f"{key.upper()} CDF")
         ax.legend(fontsize=8)
         files[f"{key}_cdf"] = _save(fig, out_dir / f"{key}_cdf.png")
+    files["qoe_cdf"] = _plot_qoe(plt, result, out_dir / "qoe_cdf.png")
     if compare:
         files["goodput_vs_slo_scale"] = _plot_sweep(plt, result, compare, out_dir / "goodput_vs_slo_scale.png")
     return files
+
+
+def _plot_qoe(plt, result: BenchResult, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t, run in _cdf_runs(result):
+        vals = sorted(request_qoe(r, result.config.qoe) for r in run.records)
+        if vals:
+            ax.step(vals, [(i + 1) / len(vals) for i in range(len(vals))], where="post",
+                    label=f"{t.label} @ {_f(run.rate, '.3g')} req/s (mean {sum(vals) / len(vals):.2f})")
+    ax.axvline(GOOD, ls="--", c="gray", lw=1)
+    q = result.config.qoe
+    ax.set(xlabel="QoE per request", ylabel="CDF", xlim=(-0.02, 1.02), ylim=(0, 1.02),
+           title=f"Andes QoE CDF (expected TTFT {q.ttft_s:g} s, {q.tds:g} tok/s)")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
 
 
 def _plot_sweep(plt, result: BenchResult, compare: dict, path: Path) -> Path:
@@ -278,7 +317,7 @@ def write_report(result: BenchResult, out_dir: Path, compare_order: list[str] | 
     cfg = asdict(result.config)
     doc = {"args": args, "interrupted": result.interrupted, "config": cfg, "workload": dict(result.workload.info, name=result.workload.name),
            "slo": asdict(result.slo) if result.slo else None, "compare": compare,
-           "targets": [target_json(t) for t in result.targets]}
+           "targets": [target_json(t, result.config.qoe) for t in result.targets]}
     files = {"json": out_dir / "bench.json", "markdown": out_dir / "summary.md"}
     files["json"].write_text(json.dumps(_clean(doc), indent=1))
     files["markdown"].write_text(markdown(result, compare))

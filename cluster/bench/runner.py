@@ -13,6 +13,7 @@ SLO-reference target first, so SLOs are fixed before any loaded run:
                   (open loop, all `num_requests`, or those arriving within `duration_s`; with
                   `min_probe_s` a probe at rate r sends max(num_requests, r x min_probe_s) requests)
                   pdserve targets: /metrics scraped before and after, the change kept (server_stats.py)
+                  each probe's summary carries Andes QoE at the configured pace (qoe.py)
                   early stop (default on): once more requests have certainly missed the LOOSEST SLO of
                   the scale sweep (max(declared, max scale x reference)) than the attainment target
                   allows, the probe is cut short -- at that rate attainment is below target at every
@@ -36,6 +37,7 @@ from cluster.bench import server_stats
 from cluster.bench.loadgen import Target, run_load, run_sequential
 from cluster.bench.metrics import (GoodputResult, RatePoint, RequestRecord, Summary, find_goodput, meets,
                                    percentile, request_metrics, summarize)
+from cluster.bench.qoe import QoESetting
 from cluster.bench.server import BenchServerError, SpecServer, SpecVariant
 from cluster.bench.workload import RequestSpec, Workload
 
@@ -83,6 +85,7 @@ class BenchConfig:
     early_stop: bool = True
     timeout_s: float = 300.0  # per request, client side (pdserve targets also get it as deadline_s)
     out_dir: Path = Path("bench/out")
+    qoe: QoESetting = field(default_factory=QoESetting)  # Andes QoE's expected TTFT and reading pace
 
     @property
     def needs_unloaded(self) -> bool:
@@ -233,14 +236,15 @@ def bench_target(cfg: BenchConfig, workload: Workload, prompt_of, bt: BenchTarge
 
     def measure(rate: float | None) -> float:
         run = _probe(cfg, workload, prompt_of, target, rate, bt.label, slo, next(rounds))
-        run.summary = summarize(run.records, slo.ttft_s, slo.tpot_s)
+        run.summary = summarize(run.records, slo.ttft_s, slo.tpot_s, cfg.qoe)
         tr.runs.append(run)
         if result.on_probe is not None:
             result.on_probe(tr, run)
         s = run.summary
         _say(f"{bt.label} @ {'trace' if rate is None else f'{rate:g}'} req/s: attainment {s.attainment:.2f}, "
              f"TTFT p50 {s.ttft_ms['p50']:.0f} ms, TPOT p50 {s.tpot_ms['p50']:.1f} ms, "
-             f"{s.completed}/{s.requests} ok" + (" (stopped early)" if run.stopped_early else ""))
+             f"QoE mean {s.qoe['mean']:.2f}, {s.completed}/{s.requests} ok"
+             + (" (stopped early)" if run.stopped_early else ""))
         time.sleep(1.0)  # let late cleanup (aborts, page frees) finish before the next probe
         return s.attainment
 

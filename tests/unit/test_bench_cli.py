@@ -12,6 +12,7 @@ def test_bench_is_registered_with_the_issue_flags():
                                       "--ttft-ms", "3x", "--tpot-ms", "150", "--num-requests", "7",
                                       "--duration", "30", "--seed", "4", "--out", "x", "--workload", "azure-code"])
     assert args.rates == [0.5, 1.0, 2.0] and args.num_requests == 7 and args.duration == 30.0 and args.seed == 4
+    assert (args.qoe_pace, args.qoe_ttft) == (4.8, 1.0)  # the Andes paper's reading speed
     with pytest.raises(SystemExit):  # one mode only
         build_parser().parse_args(["bench", "--spec", "a.yaml", "--endpoint", "http://x"])
     with pytest.raises(SystemExit):
@@ -31,6 +32,8 @@ def test_slo_settings():
     (["--spec", "deploy/local.yaml", "--rate", "0"], "rates must be > 0"),
     (["--spec", "deploy/local.yaml", "--workload", "random:foo=1"], "unknown option"),
     (["--spec", "deploy/local.yaml", "--ttft-ms", "fast"], "an SLO is"),
+    (["--spec", "deploy/local.yaml", "--qoe-pace", "0"], "QoE pace must be > 0"),
+    (["--spec", "deploy/local.yaml", "--qoe-ttft", "-1"], "expected QoE TTFT must be >= 0"),
     (["--spec", "deploy/local.yaml", "--workload", "/no/such/trace.csv"], "no such trace"),
     (["--endpoint", "http://127.0.0.1:9"], "pdserve bench:"),  # nothing listens on the discard port
     (["--endpoint", "http://127.0.0.1:9", "--model", "m", "--extra-body", "[1]"], "JSON object"),

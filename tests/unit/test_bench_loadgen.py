@@ -171,7 +171,7 @@ def test_report_from_fake_runs(fake, tmp_path):
         tr = TargetResult(label, label, None, {})
         for rate in (10.0, 20.0):
             recs = asyncio.run(run_load(wl.at_rate(rate), prompt_of([0, 0, 0]), target))
-            tr.runs.append(RateRun(rate, recs, summarize(recs, 5.0, 1.0)))
+            tr.runs.append(RateRun(rate, recs, summarize(recs, 5.0, 1.0, cfg.qoe)))
         tr.goodput = GoodputResult(20.0, [RatePoint(10.0, 1.0), RatePoint(20.0, 1.0)], "above")
         result.targets.append(tr)
     result.targets.append(TargetResult("c", "b", None, {}, error="c: the server exited before it was ready\nlog"))
@@ -181,10 +181,14 @@ def test_report_from_fake_runs(fake, tmp_path):
     req = doc["targets"][0]["runs"][0]["requests"][0]
     assert req["output_tokens"] == 4 and set(req["timeline_ms"]) == {"queued", "finish"}
     assert req["kv"] == {"kv_bytes": 4096, "kv_pages": 3}  # the timeline's counts, apart from its times
-    for name in ("attainment_vs_rate", "ttft_cdf", "tpot_cdf", "goodput_vs_slo_scale"):
+    # the fake answers within ms, far ahead of a reader expecting 1 s then 4.8 tok/s: QoE 1 everywhere
+    assert req["qoe"] == 1.0 and doc["targets"][0]["runs"][0]["summary"]["qoe"]["mean"] == 1.0
+    assert doc["config"]["qoe"] == {"ttft_s": 1.0, "tds": 4.8}
+    for name in ("attainment_vs_rate", "ttft_cdf", "tpot_cdf", "qoe_cdf", "goodput_vs_slo_scale"):
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = files["markdown"].read_text()
     assert "Goodput ratio a / b" in md and "| c | - | c: the server exited before it was ready |" in md
+    assert "| a | 20 | 1.000 | 1.000 | 1.000 | 1.000 | 1.00 |" in md  # QoE mean, p10, p50, min, share >= 0.9
     assert compare_summary(result, ["a", "missing"]) is None
     probe = json.loads(write_probe(tmp_path, result.targets[0], result.targets[0].runs[1]).read_text())
     assert probe["label"] == "a" and probe["rate"] == 20.0 and len(probe["requests"]) == 3

@@ -1,0 +1,278 @@
+"""Real clients agree: GuideLLM and AIPerf against `pdserve serve`, beside `pdserve bench`'s own load
+generator, at the same rates on the same synthetic workload (issue 22).
+
+    python bench/external_clients.py                       # deploy/local.yaml, 0.5 and 1 req/s, 20 requests
+    python bench/external_clients.py --rates 0.5,1 --num-requests 30 --input 256 --output 64 --out DIR
+    python bench/external_clients.py --parse-only DIR      # the table again from a finished run's files
+    python bench/external_clients.py --install-only        # just build the clients' venvs
+
+Order:
+  1. one throwaway venv per client (default ~/.cache/pdserve/external-clients/<client>, `python -m venv`,
+     never the project's): the pinned client, plus for GuideLLM the project's own torch version (no CUDA
+     build on a CPU machine); reused while its stamp (the requirements) matches.
+  2. `pdserve serve SPEC` (with any `--set KEY=VALUE`) on a free port (cluster/bench/server.py); warm-up.
+  3. per rate, one after the other on the same server, each sending --num-requests requests at a
+     constant rate with --input prompt tokens and exactly --output greedy output tokens (temperature 0,
+     ignore_eos):
+       pdserve   cluster/bench/loadgen.py (token-id prompts of exact length; options under `pdserve`),
+                 before the clients and again after them: the baseline pools both, and their ratio shows
+                 how much a shared machine drifted meanwhile (bench/external_results.py)
+       guidellm  `guidellm run --scenario` (constant profile, synthetic_text, max_requests; it always sends
+                 top-level `ignore_eos: true`, `stop: null`, stream_options.continuous_usage_stats; text prompts)
+       aiperf    `aiperf profile` (constant arrival pattern, synthetic text prompts with stddev 0,
+                 `--extra-inputs ignore_eos:true` at the top level, server token counts)
+  4. each client's JSON (GuideLLM's benchmarks.json, AIPerf's profile_export_aiperf.json) is parsed and a
+     table printed (bench/external_results.py): client x rate x {TTFT p50/p90, ITL p50/p90, completed/sent},
+     each ratio against pdserve bench at the same rate; also in DIR/summary.md and DIR/results.json.
+Acceptance (issue 22): every client completes every request at both rates, and its TTFT and ITL p50 are
+within 10% of pdserve bench's.
+
+Each number is the tool's own. ITL: pdserve bench's TPOT, (last token - first) / (tokens - 1) per request,
+linear-interpolated percentiles; GuideLLM's inter_token_latency_ms, the same per request, its distribution
+weighted by tokens - 1 (equal weights at a fixed output length), nearest-rank percentiles; AIPerf's
+inter_token_latency, (request latency - TTFT) / (tokens - 1). TTFT: first token-carrying chunk minus send,
+for all three. The clients run on the same cores as the server: AIPerf with one worker and one record
+processor to keep its footprint near the others'.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # plain script folder: make `bench`, `cluster` importable without an install
+    sys.path.insert(0, str(ROOT))
+from bench.external_results import (CLIENTS, ClientResult, fmt, pdserve_result, read_result, report,  # noqa: E402
+                                    reparse, verdict)
+
+PINS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}  # the versions whose outputs were read
+NEEDS_TORCH = {"guidellm"}  # its data loader imports torch
+
+
+# ---- the clients' commands ---------------------------------------------------------------------------
+def guidellm_scenario(url: str, model: str, tokenizer: str, rate: float, n: int, n_in: int, n_out: int,
+                      out: Path, timeout_s: float, seed: int = 0) -> dict:
+    return {"spec": {
+        "backend": {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
+                    "http2": False, "timeout": timeout_s, "extras": {"body": {"temperature": 0.0}}},
+        "profile": {"kind": "constant", "rate": [rate]},
+        "constraints": [{"kind": "max_requests", "count": n}],
+        "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
+        "data": [{"kind": "synthetic_text", "prompt_tokens": n_in, "output_tokens": n_out}],
+        "seed": {"kind": "static", "value": seed},
+        "outputs": [{"kind": "json", "path": str(out)}]}}
+
+
+def aiperf_argv(url: str, model: str, tokenizer: str, rate: float, n: int, n_in: int, n_out: int,
+                out_dir: Path, timeout_s: float, seed: int = 0) -> list[str]:
+    return ["profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
+            "--tokenizer", tokenizer, "--synthetic-input-tokens-mean", str(n_in),
+            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(n_out),
+            "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "temperature:0.0",
+            "--use-server-token-count",
+            "--request-rate", f"{rate:g}", "--arrival-pattern", "constant", "--request-count", str(n),
+            "--request-timeout-seconds", f"{timeout_s:g}", "--random-seed", str(seed),
+            "--artifact-dir", str(out_dir), "--ui", "none", "--workers-max", "1", "--record-processors", "1",
+            "--no-server-metrics", "--no-auto-plot"]
+
+
+def client_env(hub_offline: bool = True) -> dict[str, str]:
+    """No hub (the tokenizer is a local directory), one thread and one worker process (the clients share the
+    cores with the server), none of the project's paths."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", GUIDELLM__MAX_WORKER_PROCESSES="1")  # not 10
+    if hub_offline:  # AIPerf's offline mode looks a tokenizer up in the hub cache only, never at a local path
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return env
+
+
+def requirements(client: str) -> list[str]:
+    from importlib.metadata import version
+
+    # GuideLLM needs torch: the project's own version, so a CPU machine gets no CUDA build
+    return [PINS[client]] + ([f"torch=={version('torch')}"] if client in NEEDS_TORCH else [])
+
+
+def ensure_venv(client: str, root: Path) -> Path:
+    """The client's venv (created and installed if its stamp is missing or stale); returns its bin dir."""
+    venv, reqs = root / client, requirements(client)
+    stamp, want = venv / ".external-client", json.dumps(reqs)
+    if stamp.exists() and stamp.read_text() == want:
+        return venv / "bin"
+    print(f"[clients] installing {' '.join(reqs)} into {venv} (a few minutes, once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *reqs], check=True,
+                   env=client_env())
+    stamp.write_text(want)
+    return venv / "bin"
+
+
+def _run(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> str | None:
+    """Run a client to completion; None if it exited 0, else why not (with the log's tail). The client
+    gets its own process group, so a timeout or Ctrl-C stops it and what it started (AIPerf's services)."""
+    with log.open("w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=env or client_env(), start_new_session=True)
+        try:
+            rc = p.wait(timeout_s)
+        except BaseException as e:  # the timeout, or Ctrl-C (its own group does not see the terminal's)
+            for sig, wait_s in ((signal.SIGINT, 30.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(p.pid, sig)  # the group this call started, nothing else
+                    p.wait(wait_s)
+                    break
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    continue
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            rc = f"timeout after {timeout_s:g} s"
+    if rc == 0:
+        return None
+    tail = log.read_text(errors="replace")[-600:].strip().replace("\n", " / ")
+    return f"exit {rc} ({log}): {tail}"
+
+
+def run_guidellm(bin_dir: Path, ctx: dict, rate: float, out: Path) -> ClientResult:
+    path = out / f"guidellm@{rate:g}.json"
+    scenario = out / f"guidellm@{rate:g}.scenario.json"
+    scenario.write_text(json.dumps(guidellm_scenario(ctx["url"], ctx["model"], ctx["tokenizer"], rate, ctx["n"],
+                                                     ctx["input"], ctx["output"], path, ctx["timeout"]), indent=1))
+    err = _run([str(bin_dir / "guidellm"), "run", "--scenario", str(scenario), "--disable-console-interactive"],
+               out / f"guidellm@{rate:g}.log", ctx["n"] / rate + ctx["timeout"] + 120)
+    return read_result("guidellm", rate, ctx["n"], out, err)
+
+
+def run_aiperf(bin_dir: Path, ctx: dict, rate: float, out: Path) -> ClientResult:
+    argv = aiperf_argv(ctx["url"], ctx["model"], ctx["tokenizer"], rate, ctx["n"], ctx["input"], ctx["output"],
+                       out / f"aiperf@{rate:g}", ctx["timeout"])
+    err = _run([str(bin_dir / "aiperf"), *argv], out / f"aiperf@{rate:g}.log", ctx["n"] / rate + ctx["timeout"] + 180,
+               client_env(hub_offline=False))
+    return read_result("aiperf", rate, ctx["n"], out, err)
+
+
+# ---- pdserve bench's own load generator ----------------------------------------------------------------
+def run_pdserve(ctx: dict, rate: float, round_no: int, warm_up: bool = False) -> list:
+    """N requests at `rate` (constant gaps), their records; `warm_up`: 3 requests one at a time. Each call
+    its own round of prompts (a prefix cache never serves one run from another's)."""
+    from cluster.bench.loadgen import Target, run_load, run_sequential
+    from cluster.bench.workload import RequestSpec
+
+    n = 3 if warm_up else ctx["n"]
+    reqs = [RequestSpec(i, i / rate, ctx["input"], ctx["output"], (), round_no) for i in range(n)]
+    target = Target(ctx["url"], ctx["model"], pdserve=True, timeout_s=ctx["timeout"])
+    return asyncio.run((run_sequential if warm_up else run_load)(reqs, ctx["source"].prompt, target))
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+RUNNERS = {"guidellm": run_guidellm, "aiperf": run_aiperf}
+
+
+def measure(args, bins: dict[str, Path], out: Path) -> list[ClientResult]:
+    from cluster.bench.prompts import PromptSource, load_tokenizer
+    from cluster.bench.server import SpecServer, spec_variants
+    from engine.loader import resolve_model
+
+    [[variant]] = spec_variants([args.spec], args.set, out)  # one value per --set: one variant
+    model_name = (yaml.safe_load(Path(variant.path).read_text()) or {}).get("model", "smollm2-135m")
+    tok_dir = str(resolve_model(model_name))  # a local HF directory: the clients' tokenizer, no hub
+    results: list[ClientResult] = []
+    with SpecServer(variant.path, out / "server.log") as srv:
+        print(f"[clients] serving {srv.model} at {srv.base_url}", flush=True)
+        ctx = {"url": srv.base_url, "model": srv.model, "tokenizer": tok_dir, "n": args.num_requests,
+               "input": args.input, "output": args.output, "timeout": args.timeout,
+               "source": PromptSource(load_tokenizer(model_name))}
+        run_pdserve(ctx, 1.0, 99, warm_up=True)
+        for k, rate in enumerate(args.rates):
+            before = run_pdserve(ctx, rate, 2 * k)
+            _say(pdserve_result(before, rate))
+            for client in args.clients:
+                time.sleep(args.gap)  # let the last run's stragglers and aborts clear
+                results.append(RUNNERS[client](bins[client], ctx, rate, out))
+                _say(results[-1])
+            time.sleep(args.gap)
+            after = run_pdserve(ctx, rate, 2 * k + 1)
+            (out / f"pdserve@{rate:g}.json").write_text(json.dumps([asdict(x) for x in before + after]))
+            results.append(pdserve_result(before, rate, after))
+            _say(results[-1])
+    return results
+
+
+def _say(r: ClientResult) -> None:
+    what = "pdserve (before and after, pooled)" if r.drift else r.client
+    print(f"[clients] {what} @ {r.rate:g} req/s: TTFT p50 {fmt(r.ttft_p50_ms, '.0f')} ms, ITL p50 "
+          f"{fmt(r.itl_p50_ms, '.1f')} ms, {r.completed}/{r.sent} ok" + (f" -- {r.error[:300]}" if r.error else ""),
+          flush=True)
+
+
+def _floats(text: str) -> list[float]:
+    if not (vals := [float(x) for x in text.split(",") if x.strip()]) or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return vals
+
+
+def _clients(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if unknown := set(names) - set(CLIENTS):
+        raise argparse.ArgumentTypeError(f"unknown client(s) {sorted(unknown)}; known: {list(CLIENTS)}")
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", default="deploy/local.yaml", help="spec `pdserve serve` runs (default %(default)s)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a spec key for this run, e.g. dtype=float32 (repeatable; one value each)")
+    p.add_argument("--rates", type=_floats, default=[0.5, 1.0], help="req/s, comma-separated (default 0.5,1)")
+    p.add_argument("--num-requests", type=int, default=20, help="requests per client and rate (default %(default)s)")
+    p.add_argument("--input", type=int, default=256, help="prompt tokens (default %(default)s)")
+    p.add_argument("--output", type=int, default=64, help="output tokens, fixed by ignore_eos (default %(default)s)")
+    p.add_argument("--clients", type=_clients, default=list(CLIENTS), help="guidellm,aiperf (default both)")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s (default %(default)s)")
+    p.add_argument("--gap", type=float, default=3.0, help="seconds between runs (default %(default)s)")
+    p.add_argument("--venv-root", type=Path, default=Path.home() / ".cache" / "pdserve" / "external-clients",
+                   help="where the clients' throwaway venvs live (default %(default)s)")
+    p.add_argument("--out", type=Path, help="output folder (default bench/out/external-clients-<time>)")
+    p.add_argument("--parse-only", type=Path, metavar="DIR", help="re-read a finished run's files, print the table")
+    p.add_argument("--install-only", action="store_true", help="build the clients' venvs and stop")
+    args = p.parse_args(argv)
+    if args.num_requests < 1 or args.input < 1 or args.output < 2:
+        p.error("--num-requests and --input must be >= 1, --output >= 2 (ITL needs two tokens)")
+    if any("," in s for s in args.set):
+        p.error("--set takes one value per key here (no sweeps)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.parse_only:
+        rows, run_args = reparse(args.parse_only)
+        print(report(rows, args.parse_only, run_args))
+        return 0
+    bins = {c: ensure_venv(c, args.venv_root) for c in args.clients}
+    if args.install_only:
+        print("\n".join(f"{c}: {b}" for c, b in bins.items()))
+        return 0
+    out = args.out or Path(f"bench/out/external-clients-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    results = measure(args, bins, out)
+    doc = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    print(report(results, out, doc))
+    print(f"wrote {out / 'summary.md'}, {out / 'results.json'}")
+    ok = all(verdict(r, next((b for b in results if b.client == "pdserve" and b.rate == r.rate), None)) == "ok"
+             for r in results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
