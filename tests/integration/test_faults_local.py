@@ -41,7 +41,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.faults]
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 LENGTHS = [40, 60, 80, 100, 120, 140]
 MODEL = "smollm2-135m"
-PUSH_TIMEOUT_S, DELAY_S = 4.0, 5.0  # a delayed chunk stalls its push past the push deadline
+# A delayed chunk stalls its push past the push deadline. 4 s was too tight on a loaded AVX2-only machine:
+# the six concurrent float32 prefills' clean pushes outlasted it too (6 transfer failures, not 3).
+PUSH_TIMEOUT_S, DELAY_S = 12.0, 14.0
 AIMED = {"drop": "drop", "corrupt": "corrupt", "duplicate": "duplicate", "delay": "delay"}  # request id: fault
 SPEC = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "local-2d.yaml"
 
