@@ -74,11 +74,10 @@ class Linear:
             return from_bits(cpu_kernels.gemv_bf16(self.gemv[0], bits(x), self.gemv[1], bits(residual)))
         if self.packed is not None and self.bias is None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, None, "add")
-        if self.bias is None and x.dim() == 2 and residual.shape == (x.shape[0], self.out_features):
-            if self.widened is not None:  # one rounding, as the fused paths
-                return torch.addmm(residual.float(), x.float(), self.widened[0].t()).to(residual.dtype)
-            return torch.addmm(residual, x, self.weight.t())
-        return residual + self(x)
+        if self.widened is not None and self.bias is None and x.dim() == 2 \
+                and residual.shape == (x.shape[0], self.out_features):  # one rounding, as the fused paths
+            return torch.addmm(residual.float(), x.float(), self.widened[0].t()).to(residual.dtype)
+        return residual + self(x)  # float32: HF's own two steps, so logits match it bit for bit
 
     def _takes_gemv(self, x: torch.Tensor) -> bool:
         """bf16 on CPU, a few rows: the numba GEMV (read at call time: tests move `MAX_ROWS`)."""
