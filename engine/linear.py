@@ -5,7 +5,9 @@ Why: torch's default CPU GEMV for bfloat16 runs well below memory bandwidth (mea
 prepacked on this machine, where bandwidth is the limit at batch 1), and decode at small batch is a chain
 of GEMVs. float32 keeps plain `F.linear`, so float32 logits match Hugging Face bit for bit. Later, on
 the same machine, oneDNN's GEMV measured ~3.6-4 GB/s in a run where the numba kernel read ~6 GB/s
-(`cpu_kernels`): rows up to `cpu_kernels.MAX_ROWS` go there.
+(`cpu_kernels`): rows up to `cpu_kernels.MAX_ROWS` go there. Where oneDNN cannot pack half-precision
+weights (its bf16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only AMD EPYC raised), larger
+rows run on a float32 copy of the weight: torch's own bf16 GEMM there was ~10x slower than float32.
 """
 from __future__ import annotations
 
