@@ -142,18 +142,22 @@ def fit_small(tables: Tables, hw: Hardware) -> tuple[tuple[tuple[str, OpConst], 
         rows = [(n, small_bytes(kind, rank_shape(t.shape, tp), n) / hw.hbm_bw, ops[col])
                 for t in tables.compute for (tp, n), ops in t.rows.items() for col in SMALL_COLUMNS[kind]]
         n, seconds, y = (np.array(col, float) for col in zip(*rows))
-
-        def predict(x):
-            floor, eff, p = np.exp(x)
-            p = _sharp(p)
-            return (floor ** p + (seconds / eff) ** p) ** (1 / p)
-
-        x = fit_log(predict, [4e-6, 0.5, 2.0], y, octave_weights(n))
-        report[kind] = _errors(predict(x), y)
-        floor, eff, p = np.exp(x)
-        p = _sharp(p)
-        out.append((kind, OpConst(float(floor), float(eff), float(p))))
+        floor, eff, p, report[kind] = _fit_knee(seconds, y, n, [4e-6, 0.5, 2.0])
+        out.append((kind, OpConst(floor, eff, p)))
     return tuple(out), report
+
+
+def _fit_knee(work: np.ndarray, y: np.ndarray, scale: np.ndarray, start: list[float]):
+    """(a, b, p, errors) of y ~ (a^p + (work / b)^p)^(1/p): a fixed floor and a rate, joined by a soft knee
+    of sharpness p; points weighted per octave of `scale`."""
+    def predict(x):
+        a, b, p = np.exp(x)
+        p = _sharp(p)
+        return (a ** p + (work / b) ** p) ** (1 / p)
+
+    x = fit_log(predict, start, y, octave_weights(scale))
+    a, b, p = np.exp(x)
+    return float(a), float(b), float(_sharp(p)), _errors(predict(x), y)
 
 
 def fit_attention(tables: Tables, hw: Hardware) -> tuple[AttentionConst, dict]:
@@ -192,17 +196,8 @@ def fit_allreduce(tables: Tables) -> tuple[tuple[tuple[int, LinkConst], ...], di
     for n, pts in sorted(curves.items()):
         size, y = (np.array(col, float) for col in zip(*pts))
         ring = size * 2 * (n - 1) / n
-
-        def predict(x):
-            latency, bus_bw, p = np.exp(x)
-            p = _sharp(p)
-            return (latency ** p + (ring / bus_bw) ** p) ** (1 / p)
-
-        x = fit_log(predict, [30e-6, 100e9, 1.5], y, octave_weights(size))
-        report[n] = _errors(predict(x), y)
-        latency, bus_bw, p = np.exp(x)
-        p = _sharp(p)
-        out.append((n, LinkConst(float(latency), float(bus_bw), float(p))))
+        latency, bus_bw, p, report[n] = _fit_knee(ring, y, size, [30e-6, 100e9, 1.5])
+        out.append((n, LinkConst(latency, bus_bw, p)))
     return tuple(out), report
 
 
