@@ -86,3 +86,18 @@ class Load:
     async def stop(self):
         self.stopped = True
         await asyncio.gather(*self.tasks)  # (a failed request raises here)
+
+
+def write_tiny_llama(tmp_path_factory):
+    """The tiny random Llama the cluster tests serve (weights large enough that greedy tokens vary)."""
+    from tests.tiny_models import write_tiny
+
+    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+
+
+def greedy_reference(model_dir, prompts, params, page_size: int) -> list[list[int]]:
+    """Each prompt's tokens from one float32 engine.LLM alone: what every cluster path must reproduce."""
+    from engine import LLM
+
+    alone = LLM(model=str(model_dir), dtype="float32", num_pages=128, page_size=page_size)
+    return [o.token_ids for o in alone.generate(prompts, params)]

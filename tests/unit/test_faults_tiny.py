@@ -19,15 +19,13 @@ from cluster.serving_api import BackendUnavailableError, GenerateRequest
 from cluster.serving.worker_loop import start_local
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
-from engine.llm import LLM
 from engine.tokenizer import Tokenizer
 from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.fake_transport import FakeTransport
 from prefill_worker.worker import PrefillWorker
-from tests.cluster_helpers import assert_cluster_empty
+from tests.cluster_helpers import assert_cluster_empty, greedy_reference, write_tiny_llama
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
 
 PAGE = 4
 LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -36,13 +34,12 @@ PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10,
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+    return write_tiny_llama(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
-    alone = LLM(model=str(tiny_dir), dtype="float32", num_pages=128, page_size=PAGE)
-    return [o.token_ids for o in alone.generate(PROMPTS, LONG)]
+    return greedy_reference(tiny_dir, PROMPTS, LONG, PAGE)
 
 
 class SlowDecode(DecodeWorker):
