@@ -40,8 +40,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
 from cluster.spec_model import name_problems, resolve_model_config  # noqa: F401 (re-exported)
-from cluster.spec_sections import (EvictionSpec, KVPages, ReliabilitySpec, RoutingSpec,  # noqa: F401
-                                   SpeculativeSpec, _fail_if, _Section, prefix_problems)
+from cluster.spec_sections import (RAY_RESERVED, EvictionSpec, KVPages, ReliabilitySpec, Resources,  # noqa: F401
+                                   RoutingSpec, SpeculativeSpec, _fail_if, _Section, prefix_problems)
 from engine.config import ModelConfig
 from kv_transfer.config import LOOPBACK_HOSTS, TOKEN_ENV
 
@@ -50,8 +50,6 @@ __all__ = ["ClusterSpec", "Pool", "SpecError", "Problem", "load_spec", "parse_sp
 Dtype = Literal["float32", "bfloat16", "float16"]
 POOL_ORDER = ("prefill", "decode", "colocated")
 API_KEY_ENV = "PDSERVE_API_KEY"
-RAY_RESERVED = {"CPU": "use num_cpus", "GPU": "use num_gpus", "memory": "Ray's own resource",
-                "object_store_memory": "Ray's own resource"}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOST = re.compile(r"^[A-Za-z0-9_.:%\-\[\]]+$")
 _RAY_ADDRESS = re.compile(r"^(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.\-]*):(\d{1,5})$")
@@ -92,28 +90,6 @@ class SecretSource(_Section):
 
     def describe(self) -> str:
         return f"${self.env}" if self.env else f"file {self.file}"
-
-
-class Resources(_Section):
-    """Ray resources of one rank of a replica (a replica reserves tensor_parallel x pipeline_parallel times
-    these; one process each: the replica's actor, or a rank process it starts), never the pool's."""
-    num_cpus: float = Field(1.0, ge=0)  # one torch thread per worker process
-    num_gpus: float = Field(0.0, ge=0)
-    custom: dict[str, float] = Field(default_factory=dict)  # e.g. {prefill: 1}: `ray start --resources`
-    _blank_is_default = ("custom",)
-
-    @model_validator(mode="after")
-    def _check(self) -> "Resources":
-        problems = [Problem(f"custom.{k}", f"reserved by Ray ({RAY_RESERVED[k]})") for k in self.custom
-                    if k in RAY_RESERVED]
-        problems += [Problem(f"custom.{k}", f"must be > 0 (got {v!r}); remove the key to not ask for it")
-                     for k, v in self.custom.items() if v <= 0]
-        _fail_if(problems)
-        return self
-
-    def actor_options(self) -> dict[str, Any]:
-        """Keyword arguments for `ActorClass.options(...)`."""
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.custom)}
 
 
 def _capacity_problem(pool: "Pool", max_len: int) -> Problem | None:

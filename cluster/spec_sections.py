@@ -1,5 +1,6 @@
 """Parts of the cluster spec (`cluster/spec.py`) that configure the engine of a pool replica: KV pages (size,
-count, storage format, eviction, prefix caching) and draft-verify decoding; the `routing` section (prefix-aware
+count, storage format, eviction, prefix caching) and draft-verify decoding; a rank's Ray `resources`; the
+`routing` section (prefix-aware
 placement); the `reliability` section (dead-peer detection,
 request recovery, Ray actor restarts), read by `cluster/serving/actors.py` into `RouterConfig` and actor options;
 plus the strict base section every spec model derives from and `_fail_if`, which turns cross-field
@@ -31,6 +32,32 @@ class _Section(BaseModel):
 def _fail_if(problems: list[Problem]) -> None:
     if problems:
         raise SpecError(problems)  # pydantic wraps it; spec_errors re-roots its keys at this model
+
+
+RAY_RESERVED = {"CPU": "use num_cpus", "GPU": "use num_gpus", "memory": "Ray's own resource",
+                "object_store_memory": "Ray's own resource"}
+
+
+class Resources(_Section):
+    """Ray resources of one rank of a replica (a replica reserves tensor_parallel x pipeline_parallel times
+    these; one process each: the replica's actor, or a rank process it starts), never the pool's."""
+    num_cpus: float = Field(1.0, ge=0)  # one torch thread per worker process
+    num_gpus: float = Field(0.0, ge=0)
+    custom: dict[str, float] = Field(default_factory=dict)  # e.g. {prefill: 1}: `ray start --resources`
+    _blank_is_default = ("custom",)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Resources":
+        problems = [Problem(f"custom.{k}", f"reserved by Ray ({RAY_RESERVED[k]})") for k in self.custom
+                    if k in RAY_RESERVED]
+        problems += [Problem(f"custom.{k}", f"must be > 0 (got {v!r}); remove the key to not ask for it")
+                     for k, v in self.custom.items() if v <= 0]
+        _fail_if(problems)
+        return self
+
+    def actor_options(self) -> dict[str, Any]:
+        """Keyword arguments for `ActorClass.options(...)`."""
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.custom)}
 
 
 class KVPages(_Section):
