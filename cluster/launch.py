@@ -77,16 +77,28 @@ def _self_test(url: str, api_key: str | None, model: str, prompt: str) -> None:
     print(f"pdserve self-test: {out.text!r} ({time.perf_counter() - t0:.2f} s)", flush=True)
 
 
-def serve(path: str, address: str | None = None, port: int | None = None, self_test: str | None = None) -> int:
+def _start(spec, path: str):
+    """`start_cluster(spec)`, or None when Ray cannot place a pool (the error, naming the key, printed)."""
+    from cluster.serving.placement import PlacementError
     from cluster.serving.ray_pools import start_cluster
 
+    try:
+        return start_cluster(spec)
+    except PlacementError as e:
+        print(f"{path}: cannot place the pools on this Ray cluster:\n  {e}", file=sys.stderr)
+        return None
+
+
+def serve(path: str, address: str | None = None, port: int | None = None, self_test: str | None = None) -> int:
     try:
         spec = _effective_spec(path, address, port)
         api_key = read_secret(spec.server.api_key, "server.api_key")
     except SpecError as e:
         print(f"{path}: invalid spec:\n{e}", file=sys.stderr)
         return 2
-    router = start_cluster(spec)
+    router = _start(spec, path)
+    if router is None:
+        return 1
     try:
         asyncio.run(_serve(router, spec, api_key, self_test))
     except KeyboardInterrupt:
@@ -96,7 +108,6 @@ def serve(path: str, address: str | None = None, port: int | None = None, self_t
 
 def generate_on_spec(path: str, prompt: str, params, chat: bool = False, address: str | None = None) -> int:
     """`pdserve generate --spec`: one request through the spec's cluster, printing text, TTFT and tok/s."""
-    from cluster.serving.ray_pools import start_cluster
     from cluster.serving_api import GenerateRequest
 
     try:
@@ -104,7 +115,9 @@ def generate_on_spec(path: str, prompt: str, params, chat: bool = False, address
     except SpecError as e:
         print(f"{path}: invalid spec:\n{e}", file=sys.stderr)
         return 2
-    router = start_cluster(spec)
+    router = _start(spec, path)
+    if router is None:
+        return 1
 
     async def run() -> None:
         try:
