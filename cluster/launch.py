@@ -8,6 +8,8 @@ Order: load + validate the spec -> read secrets (env/file) -> `cluster.serving.r
 Ray and the workers -> uvicorn serves on the spec's host/port on this process's event loop -> on exit
 (Ctrl-C, SIGTERM, end of the self-test) the router shuts down its actors and the Ray it started. Under
 `ray job submit` (RAY_ADDRESS set) a spec saying `ray.address: local` joins the job's cluster instead.
+`placement_problems(spec, address)` is what `pdserve validate --ray-address` asks of a running Ray: can
+its nodes hold each pool (cluster/serving/placement.py)?
 """
 from __future__ import annotations
 
@@ -75,6 +77,23 @@ def _self_test(url: str, api_key: str | None, model: str, prompt: str) -> None:
     with Client(url.removesuffix("/v1"), api_key=api_key) as client:
         out = client.complete(prompt, model=model, max_tokens=24, temperature=0.0)
     print(f"pdserve self-test: {out.text!r} ({time.perf_counter() - t0:.2f} s)", flush=True)
+
+
+def placement_problems(spec, address: str) -> list[Problem]:
+    """`pdserve validate --ray-address`: join the running Ray at `address` and name each pool none of its
+    alive nodes can hold (its accelerator type, a custom resource, GPUs or room missing) -- a look at the
+    nodes now, without placing anything or waiting for an autoscaler."""
+    from cluster.ray_session import init_ray, shutdown_ray
+    from cluster.serving.placement import alive_nodes, shortfall
+
+    joined = init_ray(address)
+    try:
+        nodes = alive_nodes()
+    finally:
+        if joined:
+            shutdown_ray()
+    short = (shortfall(name, pool, nodes) for name, pool in spec.pools_in_use().items())
+    return [Problem(*s) for s in short if s is not None]
 
 
 def _start(spec, path: str):

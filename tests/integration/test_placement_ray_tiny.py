@@ -9,6 +9,7 @@ random Llama (marker `faults`: a real Ray cluster). Checked:
 - a spec naming a type no node offers fails with `PlacementError` naming the key, the type and the types
   the nodes offer, once `reliability.placement_timeout_s` has passed -- not a hang (the test's own limit is
   a generous multiple of the bound, a hang detector, not a timing assertion) -- leaving nothing behind;
+- `pdserve validate --ray-address` names the same key against the running cluster's nodes;
 - leak checks: the workers hold nothing at the end; after each router is gone, every CPU and accelerator
   share is free again in Ray and no placement group is left.
 """
@@ -20,6 +21,7 @@ import time
 
 import pytest
 
+from cluster import cli
 from cluster.ray_session import init_ray, shutdown_ray
 from cluster.serving.placement import PlacementError
 from cluster.serving.ray_pools import start_cluster
@@ -173,3 +175,21 @@ def test_a_type_no_node_offers_fails_within_the_bound_and_leaves_nothing(cluster
     assert "'L40S'" in str(err) and "offer: A100, H100" in str(err) and "placement_timeout_s" in str(err), err
     assert not ray.is_initialized(), "a failed start disconnects the Ray it joined"
     _nothing_left(c.address)
+
+
+def test_validate_with_a_ray_address_checks_the_types_against_the_nodes(cluster, tiny_dir, tmp_path, capsys):
+    import ray
+    import yaml
+
+    c, _ = cluster
+    codes = {}
+    for types in (TYPES, {"prefill": "H100", "decode": "h100"}):
+        spec = hetero_spec(tiny_dir, c.address, types).model_dump(mode="json", exclude_defaults=True)
+        path = tmp_path / f"{types['decode']}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        codes[types["decode"]] = cli.main(["validate", str(path), "--skip-model", "--ray-address", c.address])
+    out = capsys.readouterr()
+    assert codes == {"A100": 0, "h100": 2}, (codes, out)
+    assert "pools.decode.resources.accelerator_type: no node of the Ray cluster offers accelerator type 'h100'" \
+        in out.err and "did you mean 'H100'" in out.err, out.err
+    assert not ray.is_initialized()
