@@ -117,3 +117,17 @@ def test_a_placement_error_is_a_503_naming_the_key():
     err = placement.PlacementError("pools.decode.resources.accelerator_type", "no node offers 'H100'")
     assert isinstance(err, BackendUnavailableError) and err.key == "pools.decode.resources.accelerator_type"
     assert str(err).startswith("pools.decode.resources.accelerator_type: no node")
+
+
+def test_serve_prints_a_placement_error_and_exits_1(tmp_path, monkeypatch, capsys):
+    from cluster import launch
+    from cluster.serving import ray_pools
+
+    def unplaceable(spec):
+        raise placement.PlacementError("pools.decode.resources.accelerator_type", "no node offers 'H100'")
+    monkeypatch.setattr(ray_pools, "start_cluster", unplaceable)
+    path = tmp_path / "spec.yaml"
+    path.write_text("model: smollm2-135m\npools: {prefill: {}, decode: {resources: {accelerator_type: H100}}}\n")
+    assert launch.serve(str(path)) == 1
+    err = capsys.readouterr().err
+    assert "cannot place the pools" in err and "pools.decode.resources.accelerator_type: no node" in err, err
