@@ -93,13 +93,14 @@ def _own(node: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in node.items() if not k.startswith("node:") and "memory" not in k}
 
 
-def _wait_for_a_node(name: str, pool, deadline: float) -> None:
+def _wait_for_a_node(name: str, pool, deadline: float, timeout_s: float) -> None:
     """Step 1 of `place_pool` (module map)."""
     warned = False
     while (short := shortfall(name, pool, alive_nodes())) is not None:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise PlacementError(short[0], short[1] + " (waited reliability.placement_timeout_s for one)")
+            raise PlacementError(short[0], f"{short[1]} (waited reliability.placement_timeout_s, {timeout_s:g} s, "
+                                           f"for one to join)")
         if not warned:
             log.warning("%s: %s; waiting up to %.0f s for such a node (reliability.placement_timeout_s)",
                         *short, left)
@@ -114,7 +115,7 @@ def place_pool(name: str, pool, timeout_s: float) -> tuple[list, list]:
 
     deadline = time.monotonic() + timeout_s
     if _replica_bundle(pool):  # (none: nothing to ask a Ray cluster)
-        _wait_for_a_node(name, pool, deadline)
+        _wait_for_a_node(name, pool, deadline, timeout_s)
     if pool.placement == "strict_pack" and pool.degree > 1:
         one = bundle(pool)
         groups = [placement_group([one] * pool.degree, strategy="STRICT_PACK")

@@ -131,3 +131,21 @@ def test_serve_prints_a_placement_error_and_exits_1(tmp_path, monkeypatch, capsy
     assert launch.serve(str(path)) == 1
     err = capsys.readouterr().err
     assert "cannot place the pools" in err and "pools.decode.resources.accelerator_type: no node" in err, err
+
+
+def test_the_wait_ends_when_a_node_of_the_type_joins_or_fails_at_the_bound(monkeypatch, caplog):
+    """`place_pool`'s first step with the cluster's nodes faked: an autoscaler's node joining on the third
+    look ends the wait (one warning, at the first); a node that never joins ends it in `PlacementError`."""
+    s = spec(decode={"num_cpus": 0.5, "accelerator_type": "H100"})
+    looks = iter([[HEAD, A100], [HEAD, A100], [HEAD, A100, H100]])
+    monkeypatch.setattr(placement, "POLL_S", 0.001)
+    monkeypatch.setattr(placement, "alive_nodes", lambda: next(looks))
+    placement._wait_for_a_node("decode", s.pools.decode, float("inf"), 60.0)
+    assert next(looks, None) is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "pdserve.placement"]
+    assert "waiting up to" in warning and "'H100'" in warning, warning
+    monkeypatch.setattr(placement, "alive_nodes", lambda: [HEAD, A100])
+    with pytest.raises(placement.PlacementError) as info:
+        placement._wait_for_a_node("decode", s.pools.decode, 0.0, 2.0)
+    assert info.value.key == "pools.decode.resources.accelerator_type"
+    assert "placement_timeout_s, 2 s" in str(info.value) and "offer: A100" in str(info.value), info.value
