@@ -4,8 +4,9 @@ Subcommands: `serve SPEC` (start the spec's pools on Ray behind the OpenAI-compa
 `cluster/launch.py`); `scale URL --pool P --replicas N` (resize a serving cluster's pool: the admin
 endpoint, with the API key from `--api-key-env`, default PDSERVE_API_KEY, when set); `generate PROMPT` (one engine in this process, or with `--spec` through a cluster;
 prints text, TTFT, tok/s); `validate SPEC` (reads a cluster spec, resolves its model and checks the spec
-against it -- a Hub id only from the cache, never downloading, `cluster/spec_model.py`; prints "ok: <summary>"
-or each problem as `SPEC: <dotted.key>: <reason>` on stderr, exit 2).
+against it -- a Hub id only from the cache, never downloading, `cluster/spec_model.py`; with `--ray-address`
+also that the running Ray's nodes can hold each pool; prints "ok: <summary>" or each problem as
+`SPEC: <dotted.key>: <reason>` on stderr, exit 2).
 The bench and the planner own their subcommands (`bench`, `plan`, `profile`): each subpackage's `cli`
 module has `register(subparsers)`, which must stay cheap (heavy imports happen inside the handlers).
 """
@@ -66,6 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from cluster.serving_api import BackendUnavailableError
     from cluster.spec import SpecError, load_spec
     from cluster.spec_model import config_for_validate
 
@@ -76,9 +78,18 @@ def _validate(args: argparse.Namespace) -> int:
             config, note = config_for_validate(spec)  # never downloads: a Hub id reads the cache only
             if config is not None:
                 spec.check_against_model(config)
+        if args.ray_address:  # (joins that Ray: the launcher's job, like serving)
+            from cluster.launch import placement_problems
+
+            unplaceable = placement_problems(spec, args.ray_address)
+            if unplaceable:
+                raise SpecError(unplaceable)
     except SpecError as e:
         for problem in e.problems:
             print(f"{args.spec}: {problem}", file=sys.stderr)
+        return 2
+    except (BackendUnavailableError, ConnectionError) as e:  # --ray-address: that Ray refused us, or is not there
+        print(f"{args.spec}: --ray-address {args.ray_address}: {e}", file=sys.stderr)
         return 2
     print(f"ok: {spec.summary()}" + (" (model not checked)" if args.skip_model else ""))
     if note:
@@ -145,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("spec", help="path to the YAML cluster spec, e.g. deploy/local.yaml")
     v.add_argument("--skip-model", action="store_true",
                    help="check the file alone: do not resolve the model (no heads/layers checks)")
+    v.add_argument("--ray-address", metavar="ADDRESS",
+                   help="also check that the nodes of the running Ray at ADDRESS (auto, HOST:PORT, ray://...) "
+                        "can hold each pool (accelerator_type, custom resources, GPUs); default: offline")
     v.set_defaults(func=_validate)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -8,6 +8,8 @@ Order: load + validate the spec -> read secrets (env/file) -> `cluster.serving.r
 Ray and the workers -> uvicorn serves on the spec's host/port on this process's event loop -> on exit
 (Ctrl-C, SIGTERM, end of the self-test) the router shuts down its actors and the Ray it started. Under
 `ray job submit` (RAY_ADDRESS set) a spec saying `ray.address: local` joins the job's cluster instead.
+`placement_problems(spec, address)` is what `pdserve validate --ray-address` asks of a running Ray: can
+its nodes hold each pool (cluster/serving/placement.py)?
 """
 from __future__ import annotations
 
@@ -77,16 +79,45 @@ def _self_test(url: str, api_key: str | None, model: str, prompt: str) -> None:
     print(f"pdserve self-test: {out.text!r} ({time.perf_counter() - t0:.2f} s)", flush=True)
 
 
-def serve(path: str, address: str | None = None, port: int | None = None, self_test: str | None = None) -> int:
+def placement_problems(spec, address: str) -> list[Problem]:
+    """`pdserve validate --ray-address`: join the running Ray at `address` and name each pool none of its
+    alive nodes can hold (its accelerator type, a custom resource, GPUs or room missing) -- a look at the
+    nodes now, without placing anything or waiting for an autoscaler."""
+    from cluster.ray_session import init_ray, shutdown_ray
+    from cluster.serving.placement import alive_nodes, shortfall
+
+    joined = init_ray(address)
+    try:
+        nodes = alive_nodes()
+    finally:
+        if joined:
+            shutdown_ray()
+    short = (shortfall(name, pool, nodes) for name, pool in spec.pools_in_use().items())
+    return [Problem(*s) for s in short if s is not None]
+
+
+def _start(spec, path: str):
+    """`start_cluster(spec)`, or None when Ray cannot place a pool (the error, naming the key, printed)."""
+    from cluster.serving.placement import PlacementError
     from cluster.serving.ray_pools import start_cluster
 
+    try:
+        return start_cluster(spec)
+    except PlacementError as e:
+        print(f"{path}: cannot place the pools on this Ray cluster:\n  {e}", file=sys.stderr)
+        return None
+
+
+def serve(path: str, address: str | None = None, port: int | None = None, self_test: str | None = None) -> int:
     try:
         spec = _effective_spec(path, address, port)
         api_key = read_secret(spec.server.api_key, "server.api_key")
     except SpecError as e:
         print(f"{path}: invalid spec:\n{e}", file=sys.stderr)
         return 2
-    router = start_cluster(spec)
+    router = _start(spec, path)
+    if router is None:
+        return 1
     try:
         asyncio.run(_serve(router, spec, api_key, self_test))
     except KeyboardInterrupt:
@@ -96,7 +127,6 @@ def serve(path: str, address: str | None = None, port: int | None = None, self_t
 
 def generate_on_spec(path: str, prompt: str, params, chat: bool = False, address: str | None = None) -> int:
     """`pdserve generate --spec`: one request through the spec's cluster, printing text, TTFT and tok/s."""
-    from cluster.serving.ray_pools import start_cluster
     from cluster.serving_api import GenerateRequest
 
     try:
@@ -104,7 +134,9 @@ def generate_on_spec(path: str, prompt: str, params, chat: bool = False, address
     except SpecError as e:
         print(f"{path}: invalid spec:\n{e}", file=sys.stderr)
         return 2
-    router = start_cluster(spec)
+    router = _start(spec, path)
+    if router is None:
+        return 1
 
     async def run() -> None:
         try:

@@ -5,8 +5,9 @@ Shape (only `model` is required; the pools the mode needs must be named; default
     model, revision, dtype, mode: disaggregated | colocated   (model: a bundled name, a Hugging Face Hub id
                   org/name -- revision: its branch, tag or commit --, a model directory or a .gguf file)
     pools:        prefill + decode (disaggregated) or colocated; each: replicas, max_replicas, tensor_parallel,
-                  pipeline_parallel, placement (pack | strict_pack), resources {num_cpus, num_gpus,
-                  custom} (per rank: a replica reserves tensor_parallel x pipeline_parallel of them), max_num_seqs,
+                  pipeline_parallel, placement (pack | strict_pack), resources {num_cpus, num_gpus, custom,
+                  accelerator_type} (per rank: a replica reserves tensor_parallel x pipeline_parallel of them;
+                  accelerator_type: Ray's name of the machine type its nodes must offer), max_num_seqs,
                   max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage, eviction,
                   prefix_caching},
                   speculative {proposer, max_draft, adaptive, gate, draft_model} (decode/colocated only)
@@ -14,7 +15,8 @@ Shape (only `model` is required; the pools the mode needs must be named; default
                   push_timeout_s
     server:       host, port, api_key {env | file}, request_timeout_s, max_queued_requests
     reliability:  heartbeat_timeout_s, call_timeout_s, max_recoveries, actor_max_restarts,
-                  replace_lost_workers, replace_backoff_s, replace_backoff_max_s, step_timeout_s
+                  replace_lost_workers, replace_backoff_s, replace_backoff_max_s, step_timeout_s,
+                  placement_timeout_s
     routing:      prefix_aware (default: on where kv.prefix_caching is), cache_weight, decode_load_tokens,
                   refresh_s
     slo:          ttft_ms, tpot_ms
@@ -145,7 +147,7 @@ class Pool(_Section):
         parts = [f"tp {self.tensor_parallel}", f"pp {self.pipeline_parallel}", f"{r.num_cpus:g} CPU"]
         parts += [f"{self.placement} x{self.degree}"] if self.degree > 1 else []
         parts += [f"{r.num_gpus:g} GPU"] if r.num_gpus else []
-        parts += [f"{k} {v:g}" for k, v in r.custom.items()]
+        parts += [f"{k} {v:g}" for k, v in r.custom.items()] + [f"on {r.accelerator_type}"] * bool(r.accelerator_type)
         parts.append(f"{self.kv.num_pages} KV pages of {self.kv.page_size}")
         if self.speculative is not None:
             parts.append(f"speculative {self.speculative.proposer} <= {self.speculative.max_draft}")

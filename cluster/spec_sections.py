@@ -8,6 +8,7 @@ problems into a `SpecError`.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -36,6 +37,12 @@ def _fail_if(problems: list[Problem]) -> None:
 
 RAY_RESERVED = {"CPU": "use num_cpus", "GPU": "use num_gpus", "memory": "Ray's own resource",
                 "object_store_memory": "Ray's own resource"}
+# Ray labels a node with accelerator type T by the node resource `accelerator_type:T` (1 on a node with such
+# devices: detected by `ray start`, or given with --resources); a task or actor asks for a token share of it
+# (what Ray's own `.options(accelerator_type=T)` asks), so it never limits how many land on one node.
+ACCELERATOR_PREFIX = "accelerator_type:"
+ACCELERATOR_SHARE = 0.001
+_ACCELERATOR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")  # Ray's names: A100, H100, L40S, A100-80G
 
 
 class Resources(_Section):
@@ -44,6 +51,9 @@ class Resources(_Section):
     num_cpus: float = Field(1.0, ge=0)  # one torch thread per worker process
     num_gpus: float = Field(0.0, ge=0)
     custom: dict[str, float] = Field(default_factory=dict)  # e.g. {prefill: 1}: `ray start --resources`
+    # the machine type the pool runs on, by Ray's name (A100, H100, L40S, ...): only nodes offering the
+    # resource `accelerator_type:<name>` take its replicas (placement: cluster/serving/placement.py)
+    accelerator_type: str | None = None
     _blank_is_default = ("custom",)
 
     @model_validator(mode="after")
@@ -52,12 +62,24 @@ class Resources(_Section):
                     if k in RAY_RESERVED]
         problems += [Problem(f"custom.{k}", f"must be > 0 (got {v!r}); remove the key to not ask for it")
                      for k, v in self.custom.items() if v <= 0]
+        t = self.accelerator_type
+        if t is not None and not _ACCELERATOR_NAME.match(t):
+            problems.append(Problem("accelerator_type", f"{t!r} is not an accelerator type name: use Ray's name "
+                                                        f"(letters, digits, '-', '_', '.'; e.g. A100, H100, L40S)"))
+        elif t is not None and any(k.startswith(ACCELERATOR_PREFIX) for k in self.custom):
+            problems.append(Problem("accelerator_type", f"set together with a custom {ACCELERATOR_PREFIX}* "
+                                                        f"resource; name the type once, here"))
         _fail_if(problems)
         return self
 
+    def ray_custom(self) -> dict[str, float]:
+        """Ray resources other than CPU and GPU of one rank: `custom` and the accelerator type's share."""
+        t = {ACCELERATOR_PREFIX + self.accelerator_type: ACCELERATOR_SHARE} if self.accelerator_type else {}
+        return {**self.custom, **t}
+
     def actor_options(self) -> dict[str, Any]:
         """Keyword arguments for `ActorClass.options(...)`."""
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.custom)}
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": self.ray_custom()}
 
 
 class KVPages(_Section):
@@ -176,6 +198,11 @@ class ReliabilitySpec(_Section):
     # Step watchdog: a step running longer is a hung worker (fenced, replaced). None: derived from the
     # latency profile of the spec's model and the pool's limits (cluster/serving/ray_pools.py, step_bound).
     step_timeout_s: float | None = Field(None, ge=0.1, le=3600.0)
+    # Placement bound: how long Ray may take to place a pool's replicas (at start, a scale-up, a replacement
+    # whose node is gone) -- nodes of the type it names joining, room freeing -- before that start fails
+    # with a typed error naming the pool and what the cluster's nodes offer. Raise it where an autoscaler
+    # boots the nodes (minutes).
+    placement_timeout_s: float = Field(60.0, gt=0.0, le=3600.0)
 
     def router_options(self) -> dict[str, Any]:
         """Keyword arguments of `cluster.serving.router.RouterConfig` this section sets."""

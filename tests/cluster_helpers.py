@@ -1,11 +1,17 @@
 """Helpers for router tests (in-process workers and Ray): collect a stream, the cluster leak check, serving a
-backend over HTTP on the test's own event loop, and a steady load of callers (`Load`)."""
+backend over HTTP on the test's own event loop, a steady load of callers (`Load`), the tiny Llama and its
+greedy reference, and a multi-node Ray on this machine (`ray_test_cluster`)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import secrets
+import shutil
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 from cluster.serving_api import GenerateRequest
 
@@ -101,3 +107,52 @@ def greedy_reference(model_dir, prompts, params, page_size: int) -> list[list[in
 
     alone = LLM(model=str(model_dir), dtype="float32", num_pages=128, page_size=page_size)
     return [o.token_ids for o in alone.generate(prompts, params)]
+
+
+# Every node's processes inherit these (set before the nodes start): loopback-only Ray and Ray token auth (the
+# token file: RAY_AUTH_TOKEN_PATH, set by `ray_test_cluster`).
+RAY_TEST_ENV = {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # Cluster() overwrites it
+
+
+@contextlib.contextmanager
+def ray_test_cluster(nodes: dict[str, dict], head_cpus: float = 1, env: dict[str, str] | None = None):
+    """A multi-node Ray on this machine (`ray.cluster_utils.Cluster`): a head with `head_cpus` CPUs and no other
+    resource, and a node per entry of `nodes` ({label: `Cluster.add_node` keyword arguments}), each its own
+    raylet, all on 127.0.0.1 with Ray token auth on and one token file every node reads; `env` is set for
+    every node too. Yields (cluster, {label: node id}). Shuts down only what it started (the driver first,
+    then the cluster), then restores the environment and Ray's current-cluster file."""
+    env = {**RAY_TEST_ENV, **(env or {})}
+    saved_env = {k: os.environ.get(k) for k in (*env, "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
+    saved_address = ADDRESS_FILE.read_text() if ADDRESS_FILE.is_file() else None
+    temp = tempfile.mkdtemp(prefix="pdmn-")  # short: Ray's unix sockets live under it (108-byte cap)
+    token = Path(temp) / "ray_token"  # mkdtemp: 0700
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    os.environ.update(env, RAY_AUTH_TOKEN_PATH=str(token))
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        from cluster.ray_session import reload_ray_auth
+
+        assert not ray.is_initialized(), "another test left Ray connected"
+        reload_ray_auth()  # this process may have cached another cluster's token
+        where = {"node_ip_address": "127.0.0.1", "temp_dir": temp}
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False,
+                                                          **where})
+        try:
+            yield c, {label: c.add_node(**kw, **where).node_id for label, kw in nodes.items()}
+        finally:
+            ray.shutdown()  # (a router normally did); the driver must be gone before its node is removed
+            c.shutdown()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if saved_address is not None:
+            ADDRESS_FILE.write_text(saved_address)

@@ -44,9 +44,11 @@ Who owns what:
                  cluster/ray_session.py)
     ray_pools    RayPools (placement, start, replace, close: the Ray spawner), start_cluster, router_config,
                  step_bound (the watchdog's bound from the spec or the model's latency profile)
+    placement    a pool's bundles and placement groups on nodes of its accelerator type, the bounded wait
+                 for them (`reliability.placement_timeout_s`), PlacementError
 
-Import arrows (one direction; tests/unit/test_imports.py checks them): ray_pools -> router, actors;
+Import arrows (one direction; tests/unit/test_imports.py checks them): ray_pools -> router, actors, placement;
 router -> admission, scaling -> recovery -> holdings -> flight, membership, tasks; actors -> worker_loop. Only
-actors and ray_pools import ray, the router imports neither, and outside this room only the launcher
-(`cluster/launch.py`) imports ray_pools. This package's `__init__` imports nothing.
+actors, placement and ray_pools import ray, the router imports none of them, and outside this room only
+the launcher (`cluster/launch.py`) imports them. This package's `__init__` imports nothing.
 """

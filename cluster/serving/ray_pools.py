@@ -2,19 +2,21 @@
 on Ray -- placement, start, replacing a lost one, stopping them all (the router's `Spawner`).
 
 Order: `ray_session.init_ray(address)` (a private local Ray on loopback with a per-cluster token, or join
-an existing one) -> per pool its placement groups (`_placement`: `pool.placement` pack = one group of
-`replicas` bundles, each every rank's `resources`; strict_pack = a STRICT_PACK group per replica, a bundle
-per rank; Ray refuses a pool that cannot be placed) -> one `actors.WorkerActor` per replica slot (each
-building its worker on its own `WorkerLoop` thread with the step watchdog's bound, `step_bound`) -> wait
+an existing one) -> per pool its placement groups (`placement.place_pool`: `pool.placement` pack = one
+group of `replicas` bundles, each every rank's `resources`; strict_pack = a STRICT_PACK group per replica, a
+bundle per rank; on nodes offering the pool's `accelerator_type`; a pool Ray cannot place within
+`reliability.placement_timeout_s` fails with a `PlacementError`) -> one `actors.WorkerActor` per replica
+slot (each building its worker on its own `WorkerLoop` thread with the step watchdog's bound, `step_bound`) -> wait
 until every worker is ready -> `actors.RayHandle`s -> `ClusterRouter` (`router_config`: the spec's
 deadlines and `reliability`), which holds the `RayPools` as its spawner.
 Healing (recovery.py): a lost worker's slot gets a fresh actor (`RayPools.replace`): the old actor is
 killed for good (it may be hung: its resources go back to the slot's placement bundle), a new one starts
-on the same bundle with the same options, and the router takes it once its `ready()` answers.
+on the same bundle (placed again first if its node died: `placement.wait_placed`) with the same options,
+and the router takes it once its `ready()` answers.
 Resizing (scaling.py): `add` starts a replica in a new slot -- a bundle freed by an earlier removal, else
-a placement group of its own (one replica's bundles; Ray must place it within `place_timeout_s`) -- and
-`remove` kills a drained replica's actor and frees its slot (its own group removed, a start group's bundle
-kept for the next `add`).
+a placement group of its own (one replica's bundles; Ray must place it within `place_timeout_s`,
+`reliability.placement_timeout_s`) -- and `remove` kills a drained replica's actor and frees its slot (its
+own group removed, a start group's bundle kept for the next `add`).
 `close()` (the router's shutdown, last) kills every actor, removes the placement groups and, if this
 process started Ray, shuts Ray down: nothing is left in Ray.
 The step watchdog's bound (`step_bound`): `reliability.step_timeout_s` when the spec sets it, else
@@ -31,6 +33,7 @@ from typing import Any
 
 from cluster.ray_session import init_ray, shutdown_ray
 from cluster.serving.actors import RayHandle, _actor, actor_options, kv_configs
+from cluster.serving.placement import place_pool, wait_placed
 from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError
 
@@ -89,42 +92,6 @@ def _coeffs(spec, profiles):
     return None
 
 
-def _bundle(pool, ranks: int = 1) -> dict[str, float]:
-    """Ray resources of `ranks` ranks of one replica (`resources` are per rank)."""
-    r = pool.resources
-    b = {"CPU": r.num_cpus, "GPU": r.num_gpus, **r.custom}
-    return {k: float(v) * ranks for k, v in b.items() if v > 0}
-
-
-def _placement(name: str, pool, ready_timeout_s: float) -> tuple[list, list]:
-    """(placement groups, per replica the (group, bundle index) its actor goes to, or None: unplaced).
-    pack: one SPREAD group, one bundle of every rank's resources per replica (a bundle is on one node, so
-    are the rank processes, children of the actor); strict_pack: a STRICT_PACK group per replica, one
-    bundle per rank, the actor in bundle 0 and its rank processes using the others' reservation."""
-    import ray
-    from ray.util.placement_group import placement_group
-
-    if pool.placement == "strict_pack" and pool.degree > 1:
-        bundle = _bundle(pool)
-        groups = [placement_group([bundle] * pool.degree, strategy="STRICT_PACK")
-                  for _ in range(pool.replicas)] if bundle else []
-        slots = [(g, 0) for g in groups]
-    else:
-        bundle = _bundle(pool, pool.degree)
-        groups = [placement_group([bundle] * pool.replicas, strategy="SPREAD")] if bundle else []
-        slots = [(groups[0], i) for i in range(pool.replicas)] if groups else []
-    try:
-        if groups:  # (none: nothing to ask a Ray cluster)
-            ray.get([g.ready() for g in groups], timeout=ready_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        for g in groups:
-            ray.util.remove_placement_group(g)
-        raise BackendUnavailableError(f"pools.{name}: Ray cannot place {pool.replicas} replicas of {pool.degree} "
-                                      f"rank(s) x {_bundle(pool)} ({pool.placement}; cluster resources: "
-                                      f"{ray.cluster_resources()})") from None
-    return groups, slots or [None] * pool.replicas
-
-
 @dataclass
 class _Slot:
     name: str  # the worker's name, kept by every actor the slot gets
@@ -143,11 +110,11 @@ class RayPools:
         self.slots: dict[str, list[_Slot]] = {}
         self.groups: list = []  # the pools' placement groups from the start
         self.free: dict[str, list[tuple]] = {}  # pool -> bundles of those groups whose replica was removed
-        self.place_timeout_s = min(ready_timeout_s, 30.0)  # a resize that Ray cannot place fails this soon
+        self.place_timeout_s = spec.reliability.placement_timeout_s  # a pool Ray cannot place fails this soon
 
     def start_pool(self, name: str, pool) -> list[Any]:
         """Place `pool` and start an actor per replica (not yet ready); the actors."""
-        groups, bundles = _placement(name, pool, self.ready_timeout_s)
+        groups, bundles = place_pool(name, pool, self.place_timeout_s)
         self.groups += groups
         slots = self.slots.setdefault(name, [])
         for i, bundle in enumerate(bundles):
@@ -184,6 +151,9 @@ class RayPools:
         if slot is None:
             raise BackendUnavailableError(f"pools.{pool}: no slot named {old.name!r}")
         ray.kill(slot.actor, no_restart=True)  # (it may be hung; its bundle's resources come back)
+        if slot.bundle is not None:  # (its node may be gone: Ray re-places the bundle, on the same type)
+            await asyncio.to_thread(wait_placed, pool, self.spec.pools_in_use()[pool], slot.bundle[0],
+                                    self.place_timeout_s)
         slot.actor = self._actor(pool, slot.name, slot.bundle)
         try:
             info = await asyncio.wait_for(slot.actor.ready.remote(self.ready_timeout_s), self.ready_timeout_s + 5)
@@ -203,7 +173,7 @@ class RayPools:
             slot.bundle = self.free[pool].pop()
         else:
             one = self.spec.pools_in_use()[pool].model_copy(update={"replicas": 1})
-            groups, bundles = await asyncio.to_thread(_placement, pool, one, self.place_timeout_s)
+            groups, bundles = await asyncio.to_thread(place_pool, pool, one, self.place_timeout_s)
             slot.group, slot.bundle = (groups[0] if groups else None), bundles[0]
         slot.actor = self._actor(pool, slot.name, slot.bundle)
         self.slots.setdefault(pool, []).append(slot)

@@ -15,21 +15,16 @@ cluster's token from the environment. Checked:
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
-from cluster.ray_session import init_ray, reload_ray_auth
+from cluster.ray_session import init_ray
 from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import BackendUnavailableError
 from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
-from tests.cluster_helpers import assert_cluster_empty, collect
+from tests.cluster_helpers import assert_cluster_empty, collect, ray_test_cluster
 from tests.exactness import assert_greedy_equal
 from tests.prompts import token_prompts
 
@@ -37,50 +32,15 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LENGTHS = [24, 57, 90, 123]
-TOKEN_ENV = "PDSERVE_KV_TOKEN"
-# Every node's processes inherit these (set before the nodes start): loopback-only Ray, Ray token auth (the
-# token file: RAY_AUTH_TOKEN_PATH, set by the fixture), and the KV plane's shared token, as
-# deploy/multinode.yaml reads it on each node.
-ENV = {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-       TOKEN_ENV: "multinode-test-token"}
-ADDRESS_FILE = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # Cluster() overwrites it
+TOKEN_ENV = "PDSERVE_KV_TOKEN"  # the KV plane's shared token, as deploy/multinode.yaml reads it on each node
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """(Cluster, {pool: id of the node carrying its resource}); the head carries neither."""
-    saved_env = {k: os.environ.get(k) for k in (*ENV, "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
-    saved_address = ADDRESS_FILE.read_text() if ADDRESS_FILE.is_file() else None
-    temp = tempfile.mkdtemp(prefix="pdmn-")  # short: Ray's unix sockets live under it (108-byte cap)
-    token = Path(temp) / "ray_token"  # mkdtemp: 0700
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    os.environ.update(ENV, RAY_AUTH_TOKEN_PATH=str(token))
-    os.environ.pop("RAY_AUTH_TOKEN", None)
-    try:
-        import ray
-        from ray.cluster_utils import Cluster
-
-        assert not ray.is_initialized(), "another test left Ray connected"
-        reload_ray_auth()  # this process may have cached another cluster's token
-        node = {"node_ip_address": "127.0.0.1", "temp_dir": temp}
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False, **node})
-        try:
-            nodes = {pool: c.add_node(num_cpus=1, resources={pool: 1}, **node).node_id
-                     for pool in ("prefill", "decode")}
-            yield c, nodes
-        finally:
-            ray.shutdown()  # the router normally did; the driver must be gone before its node is removed
-            c.shutdown()
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        if saved_address is not None:
-            ADDRESS_FILE.write_text(saved_address)
+    with ray_test_cluster({pool: {"num_cpus": 1, "resources": {pool: 1}} for pool in ("prefill", "decode")},
+                          env={TOKEN_ENV: "multinode-test-token"}) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

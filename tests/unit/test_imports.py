@@ -210,11 +210,11 @@ def test_unit_tests_import_no_ray():
 
 # ---- the serving path's room (cluster/serving/: its map is in its __init__) ----------------------
 # Its modules in layers: each may import only modules of earlier layers (so the imports run one way, with
-# no cycle); only `actors` and `ray_pools` import ray, and the router imports neither; outside the room
-# only the launcher imports `ray_pools` (the Ray assembly).
-SERVING_LAYERS = (("tasks", "flight", "membership", "intake", "prefix_routing", "worker_loop"),
+# no cycle); only `actors`, `placement` and `ray_pools` import ray, and the router imports none of them;
+# outside the room only the launcher imports them (`ray_pools`: the Ray assembly).
+SERVING_LAYERS = (("tasks", "flight", "membership", "intake", "prefix_routing", "worker_loop", "placement"),
                   ("holdings", "actors"), ("recovery",), ("admission", "scaling"), ("router",), ("ray_pools",))
-RAY_MODULES = ("cluster.serving.actors", "cluster.serving.ray_pools")
+RAY_MODULES = ("cluster.serving.actors", "cluster.serving.placement", "cluster.serving.ray_pools")
 
 
 def test_the_serving_room_imports_one_way_and_only_its_ray_modules_import_ray():

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from cluster.serving import actors, ray_pools
+from cluster.serving import actors, placement
 from cluster.spec import SpecError, parse_spec
 from engine.config import ModelConfig
 from engine.parallel.errors import ParallelConfigError, UnsupportedWithParallelError
@@ -39,7 +39,7 @@ def test_resources_are_per_rank_and_placement_picks_the_bundles():
     assert (pre.placement, pre.degree, dec.placement) == ("pack", 3, "strict_pack")
     opts = actors.actor_options(pre, s)  # pack: the actor holds its ranks' bundle
     assert (opts["num_cpus"], opts["num_gpus"], opts["resources"]) == (1.5, 0.0, {"pre": 3.0})
-    assert ray_pools._bundle(pre, pre.degree) == {"CPU": 1.5, "pre": 3.0}
+    assert placement.bundle(pre, pre.degree) == {"CPU": 1.5, "pre": 3.0}
     assert actors.actor_options(dec, s)["num_cpus"] == 0.5  # strict_pack: bundle 0 of its group
     assert "strict_pack x3" in dec.describe() and "pack x3" in pre.describe()
 
