@@ -98,7 +98,9 @@ def init_ray(address: str = "local", num_cpus: float | None = None) -> bool:
         import ray
 
         reload_ray_auth()
-        ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        # address="local": always a new private Ray. Without it ray.init joins whatever `ray start` (or a
+        # ray.cluster_utils.Cluster) last recorded on this machine, someone else's cluster and token.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  configure_logging=False, log_to_driver=True)
         node_ip = ray.util.get_node_ip_address()
         if not _is_loopback(node_ip):

@@ -163,3 +163,21 @@ def test_local_ray_listens_on_loopback_only_and_refuses_callers_without_the_toke
     assert not path.exists() and not path.parent.exists(), "the token file outlived its cluster"
     assert {k: os.environ.get(k) for k in saved_env} == saved_env
     assert ray_constants.ENABLE_RAY_CLUSTER is True  # put back as it was found
+
+
+def test_a_local_ray_is_always_new_even_while_another_cluster_is_recorded_as_current():
+    """`ray.address: local` never joins a cluster that `ray start` (here `ray.cluster_utils.Cluster`) recorded
+    as this machine's current one: that is someone else's Ray, its token and its workers."""
+    import ray
+
+    from tests.cluster_helpers import ADDRESS_FILE, ray_test_cluster
+
+    with ray_test_cluster({}) as (other, _):
+        assert ADDRESS_FILE.is_file()  # what a plain ray.init() would join
+        assert ray_session.init_ray("local", num_cpus=1)
+        try:
+            mine = ray.get_runtime_context().gcs_address
+            assert mine != other.address, f"joined the other cluster at {other.address}"
+            assert ray.cluster_resources().get("CPU") == 1
+        finally:
+            ray_session.shutdown_ray()
