@@ -105,9 +105,10 @@ def design_table(designs, on_front: set[str]) -> list[str]:
     return rows
 
 
-def plot_designs(path: Path, designs, on_front: set[str], title: str) -> None:
+def plot_designs(path: Path, designs, on_front: set[str], title: str) -> list[str]:
     """Goodput against cost/hour and against power; short labels at the points, homogeneous baselines as
-    squares, the Pareto front ringed; a short key (label: family) beside the panels."""
+    squares, the Pareto front ringed; a short key (label: family) beside the panels. Returns the labels
+    drawn at the points."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -137,7 +138,9 @@ def plot_designs(path: Path, designs, on_front: set[str], title: str) -> None:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    drawn = [t.get_text() for ax in axes[:-1] for t in ax.texts]
     plt.close(fig)
+    return drawn
 
 
 def whole_plan_goodputs(req, res: DesignResult) -> DesignResult:

@@ -198,11 +198,13 @@ def _verify_rate(req: PlanRequest, plans: list[Plan], objective: str) -> list[De
     return designs
 
 
-def plan_designs(req: PlanRequest, hws: list[Hardware], objective: str = "gpus",
-                 budget: Budget | None = None) -> DesignResult:
+def plan_designs(req: PlanRequest, hws: list[Hardware], objective: str = "gpus", budget: Budget | None = None,
+                 measured: tuple[dict, list[str]] | None = None) -> DesignResult:
+    """`measured`: step 1's result (`measure_types`) when the caller has it (prices and power do not
+    change per-instance goodputs: tests and benches re-rank without re-measuring)."""
     start = time.perf_counter()
     req = replace(req, types=tuple(hws), hw=hws[0])
-    phases, rejected = measure_types(req, hws)
+    phases, rejected = measured or measure_types(req, hws)
     all_phases = tuple(c for kinds in phases.values() for cs in kinds.values() for c in cs)
     if budget is None:
         designs = _verify_rate(req, rate_candidates(req, phases), objective)

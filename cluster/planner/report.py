@@ -103,7 +103,8 @@ def why(best_d: Plan | None, best_c: Plan | None, whole: dict[str, float]) -> st
     return f"{verdict}; {facts}"
 
 
-def _plot(path: Path, req: PlanRequest, curves: dict[str, list[tuple[float, float]]]) -> None:
+def _plot(path: Path, req: PlanRequest, curves: dict[str, list[tuple[float, float]]]) -> list[str]:
+    """Attainment vs rate per plan; returns the legend's labels (short: the report's table names the plans)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -118,10 +119,12 @@ def _plot(path: Path, req: PlanRequest, curves: dict[str, list[tuple[float, floa
     ax.set_title(f"{req.model.name} on {req.hw.name}: TTFT {req.slo.ttft_s * 1000:g} ms, "
                  f"TPOT {req.slo.tpot_s * 1000:g} ms", fontsize=9)
     # below the axes, never over the curves; labels are short (the report's table names the plans)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
+    legend = ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    labels = [t.get_text() for t in legend.get_texts()]
     plt.close(fig)
+    return labels
 
 
 def _percentile_rows(plan: Plan, req: PlanRequest) -> list[str]:
