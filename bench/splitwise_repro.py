@@ -74,9 +74,10 @@ def slo_for(model, pairs) -> SLO:
     return SLO(3 * lm.prefill(p90_in, p90_in ** 2), 1.5 * lm.decode(1, p90_ctx), 0.9)
 
 
-def per_instance(model, pairs, slo: SLO) -> dict[tuple[str, str], float]:
-    """{(machine, kind): goodput of one TP-8 instance at the SLO} (kind: prefill, decode, colocated)."""
-    out = {}
+def per_instance(model, pairs, slo: SLO) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], int]]:
+    """{(machine, kind): goodput of one TP-8 instance at the SLO} (kind: prefill, decode, colocated), and the
+    token budget that gave it."""
+    out, budget_of = {}, {}
     for machine, name in MACHINES.items():
         hw = load_hardware(name)
         req = PlanRequest(model, hw, 1, GPUS, tuple(pairs), 1.0, slo, max_len=MAX_LEN)
@@ -86,8 +87,9 @@ def per_instance(model, pairs, slo: SLO) -> dict[tuple[str, str], float]:
         for kind, budgets in kinds.items():
             if kind == "prefill" and machine == "H100cap":
                 continue  # H100cap serves token machines only (the paper's HHcap)
-            out[(machine, kind)] = max(_measure(req, kind, mem, b, FINE)[0].goodput for b in budgets)
-    return out
+            out[(machine, kind)], budget_of[(machine, kind)] = max(
+                (_measure(req, kind, mem, b, FINE)[0].goodput, b) for b in budgets)
+    return out, budget_of
 
 
 def machine_numbers(machine: str) -> tuple[float, float]:
@@ -124,11 +126,10 @@ def least_for(design: str, g: dict, target: float, by: int) -> tuple[float, int,
     return a * machine_numbers(prompt)[by] + b * machine_numbers(token)[by], a, b
 
 
-def verify(model, pairs, slo, design: str, a: int, b: int, rate: float) -> float:
+def verify(model, pairs, slo, design: str, a: int, b: int, rate: float, budget_of: dict) -> float:
     """The whole plan simulated at `rate`; the highest rate (5% steps down) meeting the SLO."""
     from cluster.planner.placement import simulate_plan
     from cluster.planner.plans import PhaseChoice, Plan
-    from cluster.planner.sim_disagg import Link  # noqa: F401  (the plan's link comes from kv_link)
 
     prompt, token = DESIGNS[design]
     hws = tuple(load_hardware(MACHINES[m]) for m in MACHINES)
@@ -140,9 +141,10 @@ def verify(model, pairs, slo, design: str, a: int, b: int, rate: float) -> float
         return PhaseChoice(kind, Parallel(GPUS, 1), budget, kv, 256, 1.0, "", hw.name)
 
     if prompt is None:
-        plan = Plan("colocated", "colocated", ((choice(token, "colocated", 2048), a),), a * GPUS)
+        plan = Plan("colocated", "colocated", ((choice(token, "colocated", budget_of[(token, "colocated")]), a),),
+                    a * GPUS)
     else:
-        p, d = choice(prompt, "prefill", 8192), choice(token, "decode", 0)
+        p, d = choice(prompt, "prefill", budget_of[(prompt, "prefill")]), choice(token, "decode", 0)
         bw = min(load_hardware(MACHINES[prompt]).inter_node_bw, load_hardware(MACHINES[token]).inter_node_bw) * GPUS
         plan = Plan("disaggregated", "cross-type", ((p, a), (d, b)), (a + b) * GPUS, bw)
     while rate > 0.05:
@@ -157,7 +159,7 @@ def run_case(model_name: str, trace: str, scale: int, do_verify: bool) -> dict:
     model = load_model(model_name)
     pairs = clamp(subsample(trace_lengths(WORKLOADS / f"azure_llm_2023_{trace}.csv"), n=2000, seed=0), MAX_LEN)
     slo = slo_for(model, pairs)
-    g = per_instance(model, pairs, slo)
+    g, budget_of = per_instance(model, pairs, slo)
     h_cost, h_power = machine_numbers("H100")
     rows = {}
     for design in DESIGNS:
@@ -170,7 +172,7 @@ def run_case(model_name: str, trace: str, scale: int, do_verify: bool) -> dict:
         rows[design]["power_opt"] = least_for(design, g, target, 1)
         if do_verify:
             thr, a, b = rows[design]["iso_power"]
-            rows[design]["iso_power_verified"] = verify(model, pairs, slo, design, a, b, thr)
+            rows[design]["iso_power_verified"] = verify(model, pairs, slo, design, a, b, thr, budget_of)
     return {"model": model_name, "trace": trace, "slo": slo, "g": g, "rows": rows, "target": target,
             "seconds": time.perf_counter() - start}
 

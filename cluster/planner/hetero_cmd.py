@@ -31,7 +31,7 @@ def _inputs(args: argparse.Namespace):
                            "planned with its own GPU step model (drop --profile, or plan one type)")
     budget = (Budget("cost", args.budget_cost) if args.budget_cost is not None else
               Budget("power", args.budget_power) if args.budget_power is not None else None)
-    objective = args.objective or "gpus"
+    objective = args.objective or (budget.kind if budget else "gpus")
     require(hws, objective, args.budget_cost, args.budget_power)
     return hws, budget, objective
 
