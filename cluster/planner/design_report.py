@@ -66,6 +66,9 @@ def why_winner(res: DesignResult, hw_of: Callable[[str], Hardware]) -> str:
         head = f"{best.label} ({best.family}) serves the most within {res.budget.describe(res.budget.limit)}: " \
                f"{best.goodput:.2f} req/s"
         head += f" vs {base.goodput:.2f} for the best homogeneous design {base.label} ({base.family})" if base else ""
+        if base and best.goodput <= base.goodput * 1.02:  # a tie on goodput: the spend decided
+            spent = (lambda d: d.cost) if res.budget.kind == "cost" else (lambda d: d.power)
+            head += f", spending {res.budget.describe(spent(best))} vs {res.budget.describe(spent(base))}"
         rate = best.goodput
     else:
         head = f"{best.label} ({best.family}) needs {_value(best, res.objective)} for the target rate"
