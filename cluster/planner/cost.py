@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from cluster.planner.errors import PlannerError
+from cluster.planner.errors import PlannerError, UnknownHardwareError
 from cluster.planner.hardware import Hardware, load_hardware
 from cluster.planner.plans import Plan
 
@@ -36,8 +36,17 @@ def parse_overrides(flag: str, items: list[str] | None, unit: str) -> dict[str, 
             raise PlannerError(f"{flag} {item!r}: {value!r} is not a number ({unit})") from None
         if not number >= 0:
             raise PlannerError(f"{flag} {item!r}: must be >= 0 {unit} (got {value})")
-        out[load_hardware(name).name] = number
+        out[_named(flag, name)] = number
     return out
+
+
+def _named(flag: str, name: str) -> str:
+    """The canonical name of `name`; unknown: the table's error (known names listed) led by the flag."""
+    try:
+        return load_hardware(name).name
+    except UnknownHardwareError as e:
+        e.args = (f"{flag}: {e}",)
+        raise
 
 
 def with_overrides(hw: Hardware, prices: dict[str, float], powers: dict[str, float]) -> Hardware:
@@ -57,7 +66,7 @@ def parse_hardware_list(text: str) -> list[str]:
         raise PlannerError("--hardware: give one or more names from deploy/hardware.yaml, e.g. --hardware h100,a100")
     out: list[str] = []
     for n in names:
-        canon = load_hardware(n).name  # unknown: UnknownHardwareError listing the known names
+        canon = _named("--hardware", n)
         if canon not in out:
             out.append(canon)
     return out
