@@ -40,7 +40,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="pick parallelism and pool sizes that meet TTFT/TPOT SLOs; write a spec")
     p.add_argument("--model", required=True,
                    help="a short name (deploy/models/*.yaml) or its Hugging Face Hub id, or an HF config.json")
-    p.add_argument("--hardware", required=True, help="a name from deploy/hardware.yaml (h100, a100, ...)")
+    p.add_argument("--hardware", required=True,
+                   help="a name from deploy/hardware.yaml (h100, a100, ...), or several joined by commas: every "
+                        "prefill-type x decode-type pairing and colocated per type is planned (--nodes per type)")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (cores for cpu-local)")
     w = p.add_mutually_exclusive_group(required=True)
@@ -52,7 +54,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-scale", type=float, default=1.0, help="--workload: output length factor (bench: 0.5)")
     p.add_argument("--max-input", type=int, help="--workload: prompt length cap after scaling (bench: 1024)")
     p.add_argument("--max-output", type=int, help="--workload: output length cap after scaling (bench: 256)")
-    p.add_argument("--rate", type=float, required=True, help="requests per second the plan must sustain")
+    p.add_argument("--rate", type=float, help="requests per second the plan must sustain (required unless a budget "
+                                               "asks for the most goodput)")
     p.add_argument("--ttft-ms", type=float, required=True)
     p.add_argument("--tpot-ms", type=float, required=True)
     p.add_argument("--attainment", type=float, default=0.9, help="fraction of requests meeting both targets")
@@ -75,7 +78,21 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spec-model", help="what the spec's `model:` says (a Hub id org/name, a model directory, "
                                         "smollm2-135m); default: the model's Hub id (hf_id of its model file)")
     p.add_argument("--seed", type=int, default=0)
+    _add_cost_flags(p)
     p.set_defaults(func=_plan)
+
+
+def _add_cost_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--objective", choices=["gpus", "cost", "power", "goodput-per-dollar"],
+                   help="rank designs by fewest GPUs, lowest cost/hour, lowest power, or most goodput per dollar "
+                        "(default with one --hardware: today's GPU-count search)")
+    b = p.add_mutually_exclusive_group()
+    b.add_argument("--budget-cost", type=float, metavar="USD_PER_HOUR", help="the most goodput within this cost")
+    b.add_argument("--budget-power", type=float, metavar="WATTS", help="the most goodput within this power")
+    p.add_argument("--price", action="append", metavar="NAME=USD",
+                   help="override a hardware entry's price per device-hour (repeatable)")
+    p.add_argument("--power", action="append", metavar="NAME=W",
+                   help="override a hardware entry's draw per device, both phases (repeatable)")
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:

@@ -4,6 +4,9 @@
 (all in base units here: FLOP/s, bytes/s, bytes), and for GPUs the `step:` block of the GPU step model
 (`gpu_constants`, each constant with its source in the YAML). Used by `gpu_latency` / `roofline`, by
 `parallel` (memory per device, all-reduce and KV-transfer link speeds) and by `search` (placement).
+Cost and power (`price_per_hour`, `power`, each with its source and date in the YAML) and Ray's
+`accelerator_type` ride along for `cost` (objectives, budgets) and `spec_writer`; `cost.with_overrides`
+applies `--price` / `--power`.
 """
 from __future__ import annotations
 
@@ -30,6 +33,11 @@ class Hardware:
     pcie_bw: float
     inter_node_bw: float  # bytes/s per device across nodes
     step: StepConstants | None = None  # the GPU step model's constants (`gpu_constants`); None: roofline only
+    accelerator_type: str | None = None  # Ray's name ("A100", "H100"); None: CPUs
+    price_per_hour: float | None = None  # USD per device-hour; None: not in the table
+    tdp_w: float | None = None  # rated watts per device
+    prefill_w: float | None = None  # typical draw while prefilling
+    decode_w: float | None = None  # typical draw while decoding
 
     @property
     def intra_node_bw(self) -> float:
@@ -39,6 +47,22 @@ class Hardware:
     @property
     def is_cpu(self) -> bool:
         return self.name.startswith("cpu")
+
+
+class _Price(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    usd: float = Field(ge=0)
+    source: str
+    date: str
+
+
+class _Power(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    tdp_w: float = Field(gt=0)
+    prefill_w: float | None = Field(None, gt=0)  # None: the TDP
+    decode_w: float | None = Field(None, gt=0)
+    source: str
+    date: str
 
 
 class _HardwareEntry(BaseModel):
@@ -51,6 +75,9 @@ class _HardwareEntry(BaseModel):
     pcie_gbs: float = Field(gt=0)
     inter_node_gbs: float = Field(gt=0)
     step: StepEntry | None = None
+    accelerator_type: str | None = Field(None, min_length=1)
+    price_per_hour: _Price | None = None
+    power: _Power | None = None
 
 
 def _table() -> dict[str, _HardwareEntry]:
@@ -77,6 +104,10 @@ def load_hardware(name: str, inter_node_gbs: float | None = None) -> Hardware:
         raise UnknownHardwareError(name, sorted(table), difflib.get_close_matches(key, list(by_alias), n=3))
     canon = by_alias[key]
     e = table[canon]
+    pw = e.power
     hw = Hardware(canon, e.peak_tflops * 1e12, e.hbm_gbs * GB, e.memory_gib * GIB, e.nvlink_gbs * GB,
-                  e.pcie_gbs * GB, e.inter_node_gbs * GB, e.step.constants() if e.step else None)
+                  e.pcie_gbs * GB, e.inter_node_gbs * GB, e.step.constants() if e.step else None,
+                  e.accelerator_type, e.price_per_hour.usd if e.price_per_hour else None,
+                  pw.tdp_w if pw else None, (pw.prefill_w or pw.tdp_w) if pw else None,
+                  (pw.decode_w or pw.tdp_w) if pw else None)
     return replace(hw, inter_node_bw=inter_node_gbs * GB) if inter_node_gbs else hw

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING
 
 from cluster.planner.bus import Sharing, pack_nodes
 from cluster.planner.goodput import VERIFY, Precision, lifetime
+from cluster.planner.kv_link import plan_link
 from cluster.planner.plans import PhaseChoice, Plan
 from cluster.planner.profiles import corun_of, latency_model
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
-from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
+from cluster.planner.sim_disagg import DecodeSetup, PrefillSetup, simulate_disaggregated
 from cluster.planner.workload import poisson_requests
 
 if TYPE_CHECKING:
@@ -107,8 +108,8 @@ def candidate_plans(req: "PlanRequest", phases: dict[str, list[PhaseChoice]]) ->
 def simulate_plan(req: "PlanRequest", plan: Plan, rate: float, prec: Precision = VERIFY):
     """Simulate the whole plan at `rate` (req/s); returns the `SimResult`."""
     def lm(c: PhaseChoice):
-        return latency_model(req.model, req.hw, c.parallel, req.dtype, req.profile, req.gpus_per_node,
-                             "colocated" if c.phase == "colocated" else "disaggregated")
+        return latency_model(req.model, req.hw_of(c.hardware), c.parallel, req.dtype, req.profile,
+                             req.gpus_per_node, "colocated" if c.phase == "colocated" else "disaggregated")
 
     first = plan.pools[0][0]
     n = prec.size(rate, lifetime(lm(first), list(req.pairs)))
@@ -118,7 +119,7 @@ def simulate_plan(req: "PlanRequest", plan: Plan, rate: float, prec: Precision =
         c, k = plan.pools[0]
         return simulate_colocated(reqs, [ColocSetup(lm(c), c.kv_tokens, c.token_budget, c.max_seqs)] * k, sharing)
     (p, n_p), (d, n_d) = plan.pools
-    link = Link(req.model.kv_bytes_per_token(req.dtype), plan.link_bw, req.model.layers)
+    link = plan_link(req, plan)
     return simulate_disaggregated(reqs, [PrefillSetup(lm(p), p.token_budget, p.max_seqs)] * n_p,
                                   [DecodeSetup(lm(d), d.kv_tokens, d.max_seqs)] * n_d, link, sharing)
 
@@ -150,12 +151,16 @@ def _bump(req: "PlanRequest", plan: Plan, result) -> Plan | None:
 
 
 def _resized(req: "PlanRequest", plan: Plan, pools: list) -> Plan | None:
+    """The plan with other replica counts, if they fit: each machine type packs into its own nodes."""
     if any(n < 1 for _, n in pools):
         return None
+    for kind in {c.hardware for c, _ in pools}:
+        mine = [(c, n) for c, n in pools if c.hardware == kind]
+        stages = [s for c, n in mine for s in _stages(c, n)]
+        if sum(c.parallel.gpus * n for c, n in mine) > req.total_gpus or \
+                not _packs(stages, req.nodes, req.gpus_per_node):
+            return None
     gpus = sum(c.parallel.gpus * n for c, n in pools)
-    stages = [s for c, n in pools for s in _stages(c, n)]
-    if gpus > req.total_gpus or not _packs(stages, req.nodes, req.gpus_per_node):
-        return None
     return Plan(plan.mode, plan.placement, tuple(pools), gpus, plan.link_bw)
 
 

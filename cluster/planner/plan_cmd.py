@@ -26,6 +26,9 @@ def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
     for name, v in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
         if v < 1:
             raise PlannerError(f"{name} must be >= 1 (got {v})")
+    if args.rate is None:
+        raise PlannerError("--rate: give the request rate (req/s) the plan must sustain, or --budget-cost / "
+                           "--budget-power for the most goodput within a budget")
     if args.rate <= 0 or args.ttft_ms <= 0 or args.tpot_ms <= 0 or not 0 < args.attainment <= 1:
         raise PlannerError("--rate, --ttft-ms and --tpot-ms must be > 0 and --attainment in (0, 1]")
     if args.workload:
@@ -63,9 +66,18 @@ def _print(res: SearchResult, out: str, report: str | None) -> None:
     print(f"  search {res.seconds:.1f} s; spec -> {out}" + (f"; report -> {report}" if report else ""))
 
 
+def wants_designs(args: argparse.Namespace) -> bool:
+    """Several hardware types, an objective or a budget: the design search (`hetero_cmd`)."""
+    return "," in args.hardware or any(getattr(args, k, None) is not None for k in
+                                       ("objective", "budget_cost", "budget_power", "price", "power"))
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from cluster.planner.spec_writer import model_notes, plan_spec, spec_model, write_spec
 
+    if wants_designs(args):
+        from cluster.planner.hetero_cmd import run_designs
+        return run_designs(args)
     start = time.perf_counter()
     try:
         req, inputs = build_request(args)
@@ -74,8 +86,8 @@ def run_plan(args: argparse.Namespace) -> int:
     except PlannerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    spec = plan_spec(res.best, model_name, req.dtype, req.nodes, req.hw.is_cpu,
-                     req.model_len, args.ttft_ms, args.tpot_ms)
+    spec = plan_spec(res.best, model_name, req.dtype, req.nodes, req.hw.is_cpu, req.model_len, args.ttft_ms,
+                     args.tpot_ms, {c.phase: req.hw.accelerator_type for c, _ in res.best.pools})
     header = [f"written by `{inputs['command']}`",
               f"plan: {res.best.describe()}; predicted goodput {res.best.goodput:.2f} req/s",
               f"latency model: {inputs['latency']}"] + model_notes(req.model)

@@ -23,6 +23,7 @@ class PhaseChoice:
     max_seqs: int
     goodput: float  # req/s of one instance
     binding: str = ""  # ttft | tpot: the target that fails first just above the goodput; throughput: capped
+    hardware: str = ""  # the device it runs on (a `Hardware.name`); "": the request's one hardware type
 
     @property
     def per_gpu(self) -> float:
@@ -62,5 +63,5 @@ class Plan:
 
     def describe(self) -> str:
         pools = " + ".join(f"{n}x {c.phase} {c.parallel}" + (f"/b{c.token_budget}" if c.phase != "decode" else "")
-                           for c, n in self.pools)
+                           + (f" on {c.hardware}" if c.hardware else "") for c, n in self.pools)
         return f"{self.mode} [{self.placement}] {pools} = {self.gpus} GPUs"

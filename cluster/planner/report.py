@@ -103,12 +103,13 @@ def why(best_d: Plan | None, best_c: Plan | None, whole: dict[str, float]) -> st
     return f"{verdict}; {facts}"
 
 
-def _plot(path: Path, req: PlanRequest, curves: dict[str, list[tuple[float, float]]]) -> None:
+def _plot(path: Path, req: PlanRequest, curves: dict[str, list[tuple[float, float]]]) -> list[str]:
+    """Attainment vs rate per plan; returns the legend's labels (short: the report's table names the plans)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6, 4.6))
     for label, pts in curves.items():
         ax.plot([r for r, _ in pts], [a * 100 for _, a in pts], marker="o", label=label)
     ax.axhline(req.slo.attainment * 100, color="grey", linestyle="--", label="target attainment")
@@ -117,10 +118,13 @@ def _plot(path: Path, req: PlanRequest, curves: dict[str, list[tuple[float, floa
     ax.set_ylabel("SLO attainment (%)")
     ax.set_title(f"{req.model.name} on {req.hw.name}: TTFT {req.slo.ttft_s * 1000:g} ms, "
                  f"TPOT {req.slo.tpot_s * 1000:g} ms", fontsize=9)
-    ax.legend(fontsize=7)
+    # below the axes, never over the curves; labels are short (the report's table names the plans)
+    legend = ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    labels = [t.get_text() for t in legend.get_texts()]
     plt.close(fig)
+    return labels
 
 
 def _percentile_rows(plan: Plan, req: PlanRequest) -> list[str]:
@@ -141,12 +145,14 @@ def write_report(out_dir: str | Path, req: PlanRequest, res: SearchResult, input
     other = best_c if best.mode == "disaggregated" else best_d
     probes = {"chosen": PlanProbe(req, best)} | ({"other": PlanProbe(req, other)} if other else {})
     whole = {k: p.goodput() for k, p in probes.items()}
-    curves = {f"{'chosen' if k == 'chosen' else 'best ' + p.plan.mode}: {p.plan.describe()}": p.curve()
-              for k, p in probes.items()}
+    # short labels in the plot (P1, P2), the full plans in the report's table beside it
+    names = {f"P{k + 1} ({'chosen' if key == 'chosen' else 'best ' + p.plan.mode})": p.plan.describe()
+             for k, (key, p) in enumerate(probes.items())}
+    curves = {label: p.curve() for label, p in zip(names, probes.values())}
     _plot(out / "attainment.png", req, curves)
     whole_by_mode = {probes[k].plan.mode: g for k, g in whole.items()}
     equal = equal_gpus(req, best_d, best_c, whole_by_mode)
-    md = _markdown(req, res, inputs, spec_path, best_d, best_c, curves, whole_by_mode)
+    md = _markdown(req, res, inputs, spec_path, best_d, best_c, curves, whole_by_mode, names)
     if equal:
         md += (f"\nOn equal GPUs ({equal['gpus']}): colocated x{equal['replicas']} {equal['colocated']:.2f} req/s vs "
                f"disaggregated {equal['disaggregated']:.2f} req/s (whole plans simulated, co-run slowdown included).\n")
@@ -170,7 +176,8 @@ def _workload_line(req: PlanRequest) -> str:
             f"{sum(outs) / len(outs):.0f}); Poisson arrivals")
 
 
-def _markdown(req, res: SearchResult, inputs: dict, spec_path: str, best_d, best_c, curves, whole) -> str:
+def _markdown(req, res: SearchResult, inputs: dict, spec_path: str, best_d, best_c, curves, whole,
+              names: dict[str, str]) -> str:
     best = res.best
     lines = [f"# pdserve plan: {req.model.name} on {req.nodes} x {req.gpus_per_node} {req.hw.name}", "",
              f"- command: `{inputs['command']}`",
@@ -204,7 +211,8 @@ def _markdown(req, res: SearchResult, inputs: dict, spec_path: str, best_d, best
               "|---|---|---|---|---|---|"]
     lines += [f"| {c.phase} | {c.parallel} | {c.token_budget or '-'} | {c.goodput:.2f} | {c.per_gpu:.2f} | "
               f"{c.binding} |" for c in res.phases]
-    lines += ["", "## Attainment vs rate", "", "![attainment vs rate](attainment.png)", ""]
+    lines += ["", "## Attainment vs rate", "", "![attainment vs rate](attainment.png)", "",
+              "| label | plan |", "|---|---|", *[f"| {label} | {full} |" for label, full in names.items()], ""]
     for label, pts in curves.items():
         lines.append(f"- {label}: " + ", ".join(f"{r:.2f} req/s -> {a:.1%}" for r, a in pts))
     if res.rejected:

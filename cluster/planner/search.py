@@ -50,6 +50,11 @@ class PlanRequest:
     top_k: int = 2
     verify_per_mode: int = 2
     seed: int = 0
+    types: tuple[Hardware, ...] = ()  # every machine type of a heterogeneous search (`hetero`); () : hw only
+
+    def hw_of(self, name: str) -> Hardware:
+        """The hardware a phase choice names ("" : this request's `hw`)."""
+        return next((h for h in self.types if h.name == name), self.hw) if name else self.hw
 
     @property
     def total_gpus(self) -> int:

@@ -49,6 +49,7 @@ class Link:
     kv_bytes_per_token: float  # whole model (all TP ranks ship their shards in parallel)
     bandwidth: float  # bytes/s between a prefill and a decode instance (aggregate over TP ranks)
     layers: int
+    reshard_s_per_token: float = 0.0  # re-layout on the decode side when TP differs (`kv_link.reshard_cost`)
 
 
 class _State:
@@ -212,7 +213,8 @@ class _Disagg:
             if self.st.reqs[i].output_len <= 1:
                 self.st.done[i] = now
             else:
-                self.ev.at(now + tail, self.to_decode, i)
+                reshard = self.st.reqs[i].input_len * self.link.reshard_s_per_token
+                self.ev.at(now + tail + reshard, self.to_decode, i)
 
     def to_decode(self, i: int) -> None:
         max(self.decode, key=lambda d: d.free()).arrive(i)

@@ -14,6 +14,8 @@ holds the weights; a config.json with none of these asks for `--spec-model`. The
 architectures the engine cannot run (OPT, for DistServe's comparisons): `model_notes` says so in the
 spec's header and on the terminal; `validate` refuses such a spec only once the model's config is in
 the Hugging Face cache (it never downloads), `serve` before any weight is fetched.
+A pool of a GPU type with an `accelerator_type` in deploy/hardware.yaml asks for it in `resources`
+(`accelerator_type: H100`): heterogeneous plans put each pool on its own machine type that way.
 """
 from __future__ import annotations
 
@@ -31,10 +33,13 @@ PAGE_SIZE = 16
 TOKEN_ENV = "PDSERVE_KV_TOKEN"
 
 
-def _pool(c: PhaseChoice, replicas: int, cpu: bool, max_len: int, kv_tokens: int) -> dict[str, Any]:
+def _pool(c: PhaseChoice, replicas: int, cpu: bool, max_len: int, kv_tokens: int,
+          accelerator: str | None = None) -> dict[str, Any]:
     need = math.ceil(max_len / PAGE_SIZE)
     pages = max(need, kv_tokens // PAGE_SIZE)
-    resources = {"num_cpus": 1} if cpu else {"num_cpus": 1, "num_gpus": c.parallel.gpus}
+    resources: dict[str, Any] = {"num_cpus": 1} if cpu else {"num_cpus": 1, "num_gpus": c.parallel.gpus}
+    if accelerator and not cpu:  # Ray's node resource `accelerator_type:<NAME>` places the pool on its type
+        resources["accelerator_type"] = accelerator
     return {"replicas": replicas, "tensor_parallel": c.parallel.tp, "pipeline_parallel": c.parallel.pp,
             "resources": resources, "max_num_seqs": c.max_seqs,
             "max_num_batched_tokens": max(c.token_budget, 1) if c.phase != "decode" else 512,
@@ -42,12 +47,14 @@ def _pool(c: PhaseChoice, replicas: int, cpu: bool, max_len: int, kv_tokens: int
 
 
 def plan_spec(plan: Plan, model_name: str, dtype: str, nodes: int, cpu: bool, max_len: int,
-              ttft_ms: float, tpot_ms: float) -> dict[str, Any]:
+              ttft_ms: float, tpot_ms: float, accelerators: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """`accelerators`: phase -> Ray accelerator type of its hardware (the hardware entry's
+    `accelerator_type`); a pool asks for one only where it is given (CPU entries have none)."""
     pools = {}
     for c, n in plan.pools:
         # a prefill replica only holds prompts in flight: one budget's worth plus one longest prompt
         kv = min(c.kv_tokens, 2 * (c.token_budget + max_len)) if c.phase == "prefill" else c.kv_tokens
-        pools[c.phase] = _pool(c, n, cpu, max_len, kv)
+        pools[c.phase] = _pool(c, n, cpu, max_len, kv, (accelerators or {}).get(c.phase))
     spec: dict[str, Any] = {"model": model_name, "dtype": dtype, "mode": plan.mode, "pools": pools}
     if plan.mode == "disaggregated":
         spec["kv_transfer"] = ({"host": "127.0.0.1", "failure_policy": "fail"} if nodes == 1 else
@@ -81,7 +88,19 @@ def write_spec(spec: dict[str, Any], path: str | Path, header: list[str]) -> Non
     """Validate with the cluster's own schema, then write YAML with a comment header."""
     from cluster.spec import parse_spec  # lazy: pulls in engine (and its imports)
 
-    parse_spec(spec, str(path))
+    parse_spec(_for_schema(spec), str(path))
     text = "".join(f"# {line}\n" for line in header) + "\n" + yaml.safe_dump(spec, sort_keys=False)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
+
+
+def _for_schema(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec as this checkout's schema can check it: a schema without `resources.accelerator_type`
+    (the serving side adds it) checks the rest; the written spec keeps the key."""
+    from cluster.spec_sections import Resources
+
+    if "accelerator_type" in Resources.model_fields:
+        return spec
+    pools = {name: {**pool, "resources": {k: v for k, v in pool["resources"].items() if k != "accelerator_type"}}
+             for name, pool in spec["pools"].items()}
+    return {**spec, "pools": pools}
