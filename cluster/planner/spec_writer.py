@@ -37,7 +37,8 @@ def _pool(c: PhaseChoice, replicas: int, cpu: bool, max_len: int, kv_tokens: int
           accelerator: str | None = None) -> dict[str, Any]:
     need = math.ceil(max_len / PAGE_SIZE)
     pages = max(need, kv_tokens // PAGE_SIZE)
-    resources: dict[str, Any] = {"num_cpus": 1} if cpu else {"num_cpus": 1, "num_gpus": c.parallel.gpus}
+    # per rank (a replica reserves tensor_parallel x pipeline_parallel of these): one GPU each
+    resources: dict[str, Any] = {"num_cpus": 1} if cpu else {"num_cpus": 1, "num_gpus": 1}
     if accelerator and not cpu:  # Ray's node resource `accelerator_type:<NAME>` places the pool on its type
         resources["accelerator_type"] = accelerator
     return {"replicas": replicas, "tensor_parallel": c.parallel.tp, "pipeline_parallel": c.parallel.pp,
@@ -88,19 +89,7 @@ def write_spec(spec: dict[str, Any], path: str | Path, header: list[str]) -> Non
     """Validate with the cluster's own schema, then write YAML with a comment header."""
     from cluster.spec import parse_spec  # lazy: pulls in engine (and its imports)
 
-    parse_spec(_for_schema(spec), str(path))
+    parse_spec(spec, str(path))
     text = "".join(f"# {line}\n" for line in header) + "\n" + yaml.safe_dump(spec, sort_keys=False)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
-
-
-def _for_schema(spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec as this checkout's schema can check it: a schema without `resources.accelerator_type`
-    (the serving side adds it) checks the rest; the written spec keeps the key."""
-    from cluster.spec_sections import Resources
-
-    if "accelerator_type" in Resources.model_fields:
-        return spec
-    pools = {name: {**pool, "resources": {k: v for k, v in pool["resources"].items() if k != "accelerator_type"}}
-             for name, pool in spec["pools"].items()}
-    return {**spec, "pools": pools}

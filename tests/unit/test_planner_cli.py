@@ -117,5 +117,6 @@ def test_multi_node_gpu_spec_binds_kv_beyond_loopback_with_a_token(tmp_path):
     assert spec.kv_transfer.host == "0.0.0.0" and spec.kv_transfer.auth_token.env == "PDSERVE_KV_TOKEN"
     assert spec.ray.address == "auto"
     dec = spec.pools_in_use()["decode"]
-    assert (dec.replicas, dec.tensor_parallel, dec.pipeline_parallel, dec.resources.num_gpus) == (2, 4, 2, 8)
+    # resources are per rank (the replica reserves tp x pp = 8 bundles of them): one GPU each, not 8
+    assert (dec.replicas, dec.tensor_parallel, dec.pipeline_parallel, dec.resources.num_gpus) == (2, 4, 2, 1)
     assert dec.kv.num_pages * dec.kv.page_size <= 2_000_000
