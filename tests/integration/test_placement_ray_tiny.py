@@ -1,7 +1,8 @@
 """Acceptance (issue 26, placement): pools on machine types. A multi-node Ray on this machine
 (`tests.cluster_helpers.ray_test_cluster`: a head with no CPU, one node labelled as an H100 machine and one as
 an A100 machine, by the node resource Ray gives a node of that accelerator type, `accelerator_type:<T>`) serves
-a heterogeneous disaggregated spec in Splitwise's HA shape -- prompts on H100, tokens on A100 -- with a tiny
+a heterogeneous disaggregated spec as `pdserve plan` writes it (spec_writer), in Splitwise's HA shape -- prompts on
+H100, tokens on A100 -- with a tiny
 random Llama (marker `faults`: a real Ray cluster). Checked:
 - each pool's actors run on the node of its type, and stay there: a scale-up's new decode replica and the
   replacement of a killed decode actor land on the A100 node too;
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from cluster import cli
+from cluster.planner.hardware import load_hardware
 from cluster.ray_session import init_ray, shutdown_ray
 from cluster.serving.placement import PlacementError
 from cluster.serving.ray_pools import start_cluster
@@ -34,7 +36,8 @@ from tests.exactness import assert_greedy_equal
 pytestmark = pytest.mark.faults
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 40))]
-TYPES = {"prefill": "H100", "decode": "A100"}
+TYPES = {"prefill": load_hardware("h100-80g-sxm").accelerator_type,  # Splitwise-HA: "H100" and "A100"
+         "decode": load_hardware("a100-80g").accelerator_type}
 BOUND_S = 2.0  # reliability.placement_timeout_s of the specs here
 
 
@@ -58,16 +61,25 @@ def reference(tiny_dir):
 
 
 def hetero_spec(model_dir, address: str, types: dict[str, str]):
-    """A disaggregated spec shaped like what `pdserve plan` writes for a heterogeneous design: each pool
-    names its accelerator type."""
-    def pool(name: str) -> dict:
-        return {"replicas": 1, "max_replicas": 2, "max_model_len": 128, "kv": {"page_size": 8, "num_pages": 64},
-                "resources": {"num_cpus": 0.5, "accelerator_type": types[name]}}
+    """What `pdserve plan` writes for a heterogeneous design (`spec_writer.plan_spec`: each pool's
+    `accelerator_type` is its phase's hardware type), made servable on this CPU machine: the tiny model,
+    half a CPU and no GPU per rank, small KV pages; this cluster's address and a short placement bound."""
+    from cluster.planner.latency import Parallel
+    from cluster.planner.plans import PhaseChoice, Plan
+    from cluster.planner.spec_writer import plan_spec
 
-    return parse_spec({"model": str(model_dir), "dtype": "float32", "mode": "disaggregated",
-                       "pools": {name: pool(name) for name in ("prefill", "decode")},
-                       "kv_transfer": {"failure_policy": "fail"},  # a decode token only from KV that arrived
-                       "reliability": {"placement_timeout_s": BOUND_S}, "ray": {"address": address}})
+    choices = (PhaseChoice("prefill", Parallel(1, 1), 512, 4096, 8, 40.0),
+               PhaseChoice("decode", Parallel(1, 1), 0, 4096, 8, 90.0))
+    plan = Plan("disaggregated", "independent", tuple((c, 1) for c in choices), 2, 1e9)
+    data = plan_spec(plan, str(model_dir), "float32", nodes=1, cpu=False, max_len=128, ttft_ms=250, tpot_ms=100,
+                     accelerators=types)
+    for name, pool in data["pools"].items():
+        assert pool["resources"]["accelerator_type"] == types[name]  # the planner wrote each pool's type
+        pool.update(max_replicas=2, kv={"page_size": 8, "num_pages": 64},
+                    resources={**pool["resources"], "num_cpus": 0.5, "num_gpus": 0})
+    data.update(kv_transfer={"failure_policy": "fail"},  # a decode token only from KV that arrived
+                reliability={"placement_timeout_s": BOUND_S}, ray={"address": address})
+    return parse_spec(data)
 
 
 def _nothing_left(address: str) -> None:
