@@ -3,9 +3,9 @@
     fit_constants(tables, hw, base) -> (StepConstants, report)
 
 Each group is fitted where the tables have it, else kept from `base` (the hardware entry's block):
-  gemm        attn_pre_proj, attn_post_proj, mlp_up_proj, mlp_down_proj of every compute table: the four
-              constants of `gpu_latency.gemm_time` by Nelder-Mead on the squared log ratio (each row counts
-              alike, short and long)
+  gemm        attn_pre_proj, attn_post_proj, mlp_up_proj, mlp_down_proj of every compute table: floor, eff,
+              mem_eff and n_half of `gpu_latency.gemm_time` (its smooth max held at GEMM_SHARPNESS, a hard
+              max) by Nelder-Mead on the squared log ratio
   small ops   per kind (norm: both layernorms; rope, act, add, emb): smooth max of a floor and bytes /
               bandwidth, Nelder-Mead as the GEMMs
   attention   prefill rows: floor, 1/eff and occupancy/eff (linear in 1, FLOPs, FLOPs/query blocks);
