@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     text = ("" if args.summary_only else case_table(cases) + "\n\n") + summary_table(cases)
     print(text)
     if args.h100 == "links":
-        print(f"\nH100: compute constants carried from the A100 fit by datasheet; collectives: {H100_LINKS}")
+        print(f"\nH100: compute constants carried from the A100 fit by datasheet (held out); collectives: {H100_LINKS}, "
+              "the table its TP cases' measured all-reduces come from (that one term in-sample; --h100 carried: none)")
     accept = [summary(cs) for name, cs in groups(cases) if name.endswith("TP 1/2/4") and "only" not in name]
     ok = all(s["pass"] for s in accept)
     print(f"\nacceptance (median {MEDIAN_BAND[0]}-{MEDIAN_BAND[1]}, every case {CASE_BAND[0]}-{CASE_BAND[1]}, "

@@ -109,8 +109,8 @@ def run_plan(tree: Path, s: Scenario, out_dir: Path, timeout: int) -> dict:
 
 
 def step_times(tree: Path, model: str, hw: str) -> dict:
-    p = subprocess.run([sys.executable, "-c", STEP_SNIPPET, model, hw], cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree)),
-                       capture_output=True, text=True, timeout=120, check=True)
+    p = subprocess.run([sys.executable, "-c", STEP_SNIPPET, model, hw], cwd=tree, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(tree)), timeout=120, check=True)
     return {int(k): v for k, v in json.loads(p.stdout).items()}
 
 
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["git", "worktree", "add", "--detach", str(base), args.before], cwd=ROOT, check=True,
                        capture_output=True)
         try:
-            jobs = [(tree, s, Path(tmp) / side / s.name) for s in picked for side, tree in (("before", base),
-                                                                                             ("after", ROOT))]
+            sides = (("before", base), ("after", ROOT))
+            jobs = [(tree, s, Path(tmp) / f"plans-{side}" / s.name) for s in picked for side, tree in sides]
             with ThreadPoolExecutor(args.jobs) as pool:
                 plans = list(pool.map(lambda j: run_plan(*j, args.timeout), jobs))
             steps = {(s.model, s.hardware): (step_times(base, s.model, s.hardware),
