@@ -18,7 +18,9 @@ Scenarios (SCENARIOS): Llama-3-8B and Llama-3-70B on 8 and 32 H100 and A100 GPUs
 OPT-13B/66B/175B, code completion and summarization on OPT-66B, with its SLOs) on 4 nodes of 8 A100s with
 25 Gb/s between nodes (`--inter-node-gbs 3`, the README's figure for it). DistServe's datasets (ShareGPT,
 HumanEval, LongBench) are not in ../shared: their lengths are uniform ranges of about their means, within
-OPT's 2,048 positions. Rates are set so that a plan needs a good part of its GPUs. Each plan takes 10-60 s
+OPT's 2,048 positions. Rates are set so that a plan needs a good part of its GPUs (one, Llama-3-8B at 40
+req/s on 8 A100s, beyond what the step model lets them sustain); Llama-3-70B gets TTFT 1 s (at 500 ms no
+A100 configuration meets it under the step model: TP 8 prefills the trace's p90 prompt in ~600 ms). Each plan takes 10-60 s
 on a quiet core (the planner has no quick mode): the whole run is minutes; `--jobs 2` runs two at once.
 """
 from __future__ import annotations
@@ -63,8 +65,8 @@ def _distserve(name: str, model: str, inp: str, out: str, rate: float, ttft: int
 SCENARIOS = (
     _llama("llama-3-8b", "h100", 8, 80, 250, 100), _llama("llama-3-8b", "h100", 32, 300, 250, 100),
     _llama("llama-3-8b", "a100", 8, 40, 250, 100), _llama("llama-3-8b", "a100", 32, 150, 250, 100),
-    _llama("llama-3-70b", "h100", 8, 8, 500, 100), _llama("llama-3-70b", "h100", 32, 30, 500, 100),
-    _llama("llama-3-70b", "a100", 8, 4, 500, 100), _llama("llama-3-70b", "a100", 32, 15, 500, 100),
+    _llama("llama-3-70b", "h100", 8, 8, 1000, 100), _llama("llama-3-70b", "h100", 32, 30, 1000, 100),
+    _llama("llama-3-70b", "a100", 8, 2, 1000, 100), _llama("llama-3-70b", "a100", 32, 8, 1000, 100),
     _distserve("chatbot-opt-13b", "opt-13b", "uniform:100:1500", "uniform:50:450", 20, 250, 100),
     _distserve("chatbot-opt-66b", "opt-66b", "uniform:100:1500", "uniform:50:450", 6, 2500, 150),
     _distserve("chatbot-opt-175b", "opt-175b", "uniform:100:1500", "uniform:50:450", 2, 4000, 200),
@@ -142,6 +144,34 @@ def _goodput(plan: dict) -> str:
     return f"{c['goodput']:.2f} ({c['per_gpu_goodput']:.2f}/GPU)"
 
 
+def _tps(plan: dict) -> list[int]:
+    return sorted({p["tp"] for p in plan["chosen"]["pools"]}) if "error" not in plan else []
+
+
+def in_short(s: Scenario, b: dict, a: dict, steps: tuple[dict, dict]) -> str:
+    """One generated sentence: what the step model priced differently for the instances the plans chose."""
+    sb, sa = steps
+    tps = sorted(set(_tps(b)) | set(_tps(a))) or [min(sa)]
+    priced = "; ".join(f"TP {t}: prefill {1e3 * sb[t][0]:.0f} -> {1e3 * sa[t][0]:.0f} ms, decode step "
+                       f"{1e3 * sb[t][1]:.1f} -> {1e3 * sa[t][1]:.1f} ms" for t in tps if t in sa)
+    speed = "; ".join(f"TP {t} vs 1: prefill x{sb[1][0] / sb[t][0]:.2f} -> x{sa[1][0] / sa[t][0]:.2f}, decode "
+                      f"x{sb[1][1] / sb[t][1]:.2f} -> x{sa[1][1] / sa[t][1]:.2f}" for t in tps if t > 1 and t in sa)
+    if "error" in a or "error" in b:
+        what = "the plan's feasibility changed" if ("error" in a) != ("error" in b) else "neither side plans it"
+    elif _tps(a) != _tps(b):
+        what = f"TP {'/'.join(map(str, _tps(b)))} -> {'/'.join(map(str, _tps(a)))}"
+    elif a["chosen"]["mode"] != b["chosen"]["mode"]:
+        what = f"{b['chosen']['mode']} -> {a['chosen']['mode']}"
+    else:
+        budgets = [(p.get("token_budget"), q.get("token_budget")) for p, q in zip(b["chosen"]["pools"],
+                                                                                  a["chosen"]["pools"])]
+        what = (f"same TP, {b['chosen']['gpus']} -> {a['chosen']['gpus']} GPUs (per GPU "
+                f"{b['chosen']['per_gpu_goodput']:.2f} -> {a['chosen']['per_gpu_goodput']:.2f} req/s)" +
+                "".join(f", token budget {x} -> {y}" for x, y in budgets if x != y))
+    return f"In short: {what}. Step times, 1,024-token prefill and 32 x 1,024 decode (before -> after): {priced}" + \
+        (f"; speedups {speed}." if speed else ".")
+
+
 def report(results: list[tuple[Scenario, dict, dict]], steps: dict, before: str, after: str) -> str:
     changed = [r for r in results if shape(r[1]) != shape(r[2])]
     lines = [f"# Plans that change with the GPU step model (issue 24)", "",
@@ -164,6 +194,7 @@ def report(results: list[tuple[Scenario, dict, dict]], steps: dict, before: str,
                   f"- before, the planner's why: {b.get('why', b.get('error', ''))}",
                   f"- after, the planner's why: {a.get('why', a.get('error', ''))}"]
         sb, sa = steps[(s.model, s.hardware)]
+        lines += ["", in_short(s, b, a, (sb, sa))]
         lines += ["", f"One {s.model} instance on {s.hardware}, TP x1 (before -> after): prefill of 1,024 tokens, "
                       f"decode step of 32 x 1,024; `speedup` = TP 1's time / TP n's:", "",
                   "| TP | prefill ms | prefill speedup | decode step ms | decode speedup |", "|---|---|---|---|---|"]
