@@ -4,8 +4,9 @@ Per layer and TP rank (`layer_terms`; the rank's shape: query/KV heads and FFN s
 keeps at least one whole KV head):
   GEMMs     qkv, o, up (gate+up when gated), down on every new token: shape-dependent (`gemm_time`: the
             smooth max of FLOPs and bytes, plus a kernel floor), so small batches read weights and large
-            ones compute; the compute side ramps up in tokens (n_half: padded tensor-core tiles), the same
-            count of tokens on every GPU, so a GPU whose ridge lies at more tokens (H100) has a sharper knee
+            ones compute; the compute side ramps up in tokens (n_half: padded tensor-core tiles), a count of
+            tokens of the order of a tile's rows and not a fraction of the ridge, so a GPU whose ridge lies at
+            more tokens (H100) has a sharper knee
   small ops two norms, rope (none with learned positions), the activation and a residual add: the smooth
             max of a floor and their bytes
   attention prefill by FLOPs (2 x SQ x q_dim, causal), less efficient with few query blocks; decode by the
