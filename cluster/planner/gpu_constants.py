@@ -5,7 +5,10 @@ fits from measured operator tables (`gpu_fit`). `gpu_latency.OperatorLatency` re
 fractions of the entry's datasheet peaks (FLOP/s, HBM bytes/s), floors are seconds per kernel launch,
 so a fit on one GPU carries to another by its datasheet (how the H100 entry is made from the A100 fit).
 
-    gemm          t = floor + (tc^p + tm^p)^(1/p); tc = FLOPs / (peak x eff), tm = bytes / (HBM x mem_eff)
+    gemm          t = floor + (tc^p + tm^p)^(1/p); tc = FLOPs x (1 + n_half / tokens) / (peak x eff),
+                  tm = bytes / (HBM x mem_eff): compute reaches half its large-batch rate at n_half tokens
+                  (tile quantization: a tensor-core tile spans 64-256 token rows, so a few tokens pay for
+                  padded rows), a count of tokens and not a fraction of the GPU's ridge point
     small ops     t = smooth max(floor, bytes / (HBM x mem_eff)), one entry per kind (norm, rope, act,
                   add, emb)
     attention     prefill: floor + FLOPs / (peak x eff) x (1 + occupancy / query blocks);
@@ -31,6 +34,7 @@ class GemmConst:
     mem_eff: float  # achieved / peak HBM bandwidth streaming a weight matrix
     floor_s: float  # per GEMM kernel
     sharpness: float  # p of the smooth max of the compute and memory times (large p: a hard max)
+    n_half: float = 0.0  # tokens at which the compute side runs at half its large-batch efficiency
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class _Gemm(_Strict):
     mem_eff: float = Field(gt=0, le=1.2)
     floor_us: float = Field(ge=0)
     sharpness: float = Field(gt=0)
+    n_half: float = Field(0.0, ge=0)
 
 
 class _Op(_Strict):
@@ -145,7 +150,7 @@ class StepEntry(_Strict):
     def constants(self) -> StepConstants:
         g, a = self.gemm, self.attention
         return StepConstants(
-            GemmConst(g.eff, g.mem_eff, g.floor_us * US, g.sharpness),
+            GemmConst(g.eff, g.mem_eff, g.floor_us * US, g.sharpness, g.n_half),
             tuple((k, OpConst(self.small_ops[k].floor_us * US, self.small_ops[k].mem_eff, self.small_ops[k].sharpness))
                   for k in SMALL_OPS),
             AttentionConst(a.prefill_floor_us * US, a.prefill_eff, a.prefill_occupancy, a.decode_floor_us * US,
@@ -160,7 +165,8 @@ def entry_dict(c: StepConstants, digits: int = 4) -> dict:
     r = lambda x: float(f"{x:.{digits}g}")  # noqa: E731
     g, a = c.gemm, c.attention
     return {
-        "gemm": {"eff": r(g.eff), "mem_eff": r(g.mem_eff), "floor_us": r(g.floor_s / US), "sharpness": r(g.sharpness)},
+        "gemm": {"eff": r(g.eff), "mem_eff": r(g.mem_eff), "floor_us": r(g.floor_s / US), "sharpness": r(g.sharpness),
+                 "n_half": r(g.n_half)},
         "small_ops": {k: {"floor_us": r(o.floor_s / US), "mem_eff": r(o.mem_eff), "sharpness": r(o.sharpness)}
                       for k, o in c.small},
         "attention": {"prefill_floor_us": r(a.prefill_floor_s / US), "prefill_eff": r(a.prefill_eff),

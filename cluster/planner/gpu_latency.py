@@ -4,7 +4,9 @@ Per layer and TP rank (`layer_terms`; the rank's shape: query/KV heads and FFN s
 keeps at least one whole KV head):
   GEMMs     qkv, o, up (gate+up when gated), down on every new token: shape-dependent (`gemm_time`: the
             smooth max of FLOPs and bytes, plus a kernel floor), so small batches read weights and large
-            ones compute, with a soft knee where cuBLAS really has one
+            ones compute; the compute side ramps up in tokens (n_half: padded tensor-core tiles), a count of
+            tokens of the order of a tile's rows and not a fraction of the ridge, so a GPU whose ridge lies at
+            more tokens (H100) has a sharper knee
   small ops two norms, rope (none with learned positions), the activation and a residual add: the smooth
             max of a floor and their bytes
   attention prefill by FLOPs (2 x SQ x q_dim, causal), less efficient with few query blocks; decode by the
@@ -52,11 +54,12 @@ class RankShape:
 
 
 def gemm_time(c: StepConstants, hw: Hardware, n: float, k: float, m: float, nbytes: int = 2) -> float:
-    """[n, k] x [k, m]: floor + (tc^p + tm^p)^(1/p); bytes = weights + input + output."""
+    """[n, k] x [k, m]: floor + (tc^p + tm^p)^(1/p); tc = FLOPs x (1 + n_half / n); bytes = weights +
+    input + output."""
     if n <= 0:
         return 0.0
     g = c.gemm
-    tc = 2 * n * k * m / (hw.peak_flops * g.eff)
+    tc = 2 * (n + g.n_half) * k * m / (hw.peak_flops * g.eff)
     tm = nbytes * (k * m + n * k + n * m) / (hw.hbm_bw * g.mem_eff)
     return g.floor_s + smooth_max(tc, tm, g.sharpness)
 
@@ -146,7 +149,7 @@ class OperatorLatency(LatencyModel):
         c, nb, tp = constants, self.nbytes, parallel.tp
         h = s.hidden
         shapes = ((h, s.q_dim + 2 * s.kv_dim), (s.q_dim, h), (h, (2 if s.gated else 1) * s.ffn), (s.ffn, h))
-        self._gemms = tuple(self._gemm(k, m) for k, m in shapes)  # (floor, flops/token, bytes, bytes/token, p)
+        self._gemms = tuple(self._gemm(k, m) for k, m in shapes)  # (floor, s/token, bytes, bytes/token, p, n_half)
         # small ops: (count per layer, floor, seconds per token at their bandwidth, p)
         self._small = tuple((2 if kind == "norm" else 1, c.op(kind).floor_s,
                              small_bytes(kind, s, 1.0, nb) / (hw.hbm_bw * c.op(kind).mem_eff), c.op(kind).sharpness)
@@ -162,15 +165,16 @@ class OperatorLatency(LatencyModel):
         self._lm = self._gemm(h, s.vocab)
         self._gather = (link.latency_s, s.vocab * (tp - 1) * nb / link.bus_bw) if tp > 1 else None
 
-    def _gemm(self, k: float, m: float) -> tuple[float, float, float, float, float]:
+    def _gemm(self, k: float, m: float) -> tuple[float, ...]:
         g, nb = self.c.gemm, self.nbytes
         mem = self.hw.hbm_bw * g.mem_eff
-        return g.floor_s, 2 * k * m / (self.hw.peak_flops * g.eff), nb * k * m / mem, nb * (k + m) / mem, g.sharpness
+        return (g.floor_s, 2 * k * m / (self.hw.peak_flops * g.eff), nb * k * m / mem, nb * (k + m) / mem,
+                g.sharpness, g.n_half)
 
     @staticmethod
     def _gemm_at(g: tuple, n: float) -> float:
-        floor, flops, weights, per_token, p = g
-        return floor + ((flops * n) ** p + (weights + per_token * n) ** p) ** (1 / p)
+        floor, flops, weights, per_token, p, n_half = g
+        return floor + ((flops * (n + n_half)) ** p + (weights + per_token * n) ** p) ** (1 / p)
 
     def _layer(self, prefill_tokens: float, sq: float, batch: float, context: float) -> float:
         """`sum(layer_terms(...).values())`, from the precomputed coefficients."""

@@ -3,6 +3,8 @@ before it got wrong (TP priced as nearly free, the LM head on every prompt token
 every step) checked gone."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.planner.gpu_constants import (SMALL_OPS, AttentionConst, GemmConst, LinkConst, OpConst,
@@ -92,6 +94,28 @@ def test_gemm_knee_and_smooth_max():
     big, small = gemm_time(c, hw, 8192, k, mm), gemm_time(c, hw, 1, k, mm)
     assert big == pytest.approx(2 * 8192 * k * mm / (312e12 * 0.75), rel=0.02)  # compute-bound
     assert small == pytest.approx(2 * (k * mm + k + mm) / (2039e9 * 0.8), rel=0.02)  # weight read
+
+
+def test_gemm_compute_ramps_up_over_n_half_tokens_by_hand():
+    """n_half: a GEMM of n tokens computes as if it had n + n_half (padded tensor-core tiles); with a plain
+    sum (p = 1) the term is one line; the fast path prices it as `gemm_time` does."""
+    m, hw = load_model("llama-3-8b"), load_hardware("a100")
+    P, BW = 312e12, 2039e9
+    c = StepConstants(GemmConst(0.75, 0.8, 5e-6, 1.0, n_half=64.0), HAND.small, HAND.attention, HAND.allreduce,
+                      0.0, 0.0)
+    # Llama-3-8B TP 4 qkv for 8 tokens: [8, 4096] x [4096, 1536]; compute of 8 + 64 = 72 token rows
+    want = 5e-6 + 2 * 72 * 4096 * 1536 / (P * 0.75) + 2 * (4096 * 1536 + 8 * 4096 + 8 * 1536) / (BW * 0.8)
+    assert gemm_time(c, hw, 8, 4096, 1536) == pytest.approx(want, rel=1e-12)
+    # large batches: the ramp fades (4,096 tokens compute as 4,160)
+    hard = replace(c, gemm=GemmConst(0.75, 0.8, 0.0, 8.0, n_half=64.0))
+    assert gemm_time(hard, hw, 4096, 4096, 14336) == pytest.approx(
+        2 * 4160 * 4096 * 14336 / (P * 0.75), rel=0.01)
+    lat = OperatorLatency(Parallel(4, 1), m, hw, c)
+    s = RankShape.of(m, 4)
+    terms = layer_terms(c, hw, s, 4, 0, 0, 8, 8 * 1024)
+    assert terms["qkv"] == pytest.approx(want, rel=1e-12)
+    once = step_terms(c, hw, s, 4, 8, 8)
+    assert lat.decode(8, 8 * 1024) == pytest.approx(32 * sum(terms.values()) + sum(once.values()), rel=1e-12)
 
 
 def test_pipeline_stage_terms():

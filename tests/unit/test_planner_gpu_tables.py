@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 from bench import planner_gpu_check as check  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "data" / "gpu_tables"  # made from these constants by the model itself
-KNOWN = {"gemm": {"eff": 0.7, "mem_eff": 0.85, "floor_us": 6.0, "sharpness": 1.5},
+KNOWN = {"gemm": {"eff": 0.7, "mem_eff": 0.85, "floor_us": 6.0, "sharpness": 8.0, "n_half": 64.0},
          "small_ops": {"norm": {"floor_us": 4.0, "mem_eff": 0.35, "sharpness": 2.0},
                        "rope": {"floor_us": 3.0, "mem_eff": 0.4, "sharpness": 2.0},
                        "act": {"floor_us": 3.5, "mem_eff": 0.5, "sharpness": 2.0},
@@ -162,17 +162,26 @@ def test_the_hardware_entries_are_the_fits_of_their_tables():
     assert h100.step.attention == a100.step.attention
 
 
-def test_the_gpu_check_meets_the_bands_on_the_fitted_set_and_reports_the_held_out_one():
+def test_the_gpu_check_meets_the_bands_on_the_fitted_and_the_held_out_sets():
     cases, report = check.run(check.DEFAULT_TABLES)
     assert "allreduce" in report["fitted"] and len(cases) == 312
     groups = dict(check.groups(cases))
     for phase in ("prefill", "decode"):
-        fitted = check.summary(groups[f"fitted {phase}, TP 1/2/4"])
-        assert fitted["pass"], fitted
-        held = check.summary(groups[f"held-out {phase}, TP 1/2/4"])
-        assert check.MEDIAN_BAND[0] <= held["median"] <= check.MEDIAN_BAND[1], held
-        # the documented misses (H100 held out: a 2-GPU all-reduce fast path and a sharper GEMM knee)
-        assert held["outside"] <= 2, held
+        for name in (f"fitted {phase}, TP 1/2/4", f"held-out {phase}, TP 1/2/4"):
+            assert check.summary(groups[name])["pass"], (name, check.summary(groups[name]))
         old = [c.old_ratio for c in groups[f"fitted {phase}, TP 1/2/4"]]
         assert min(old) < check.CASE_BAND[0]  # the roofline before it missed these cases
     assert all(c.predicted > 0 and c.full > c.predicted for c in cases)
+    # the 70B TP 1 prefill of 512 tokens on the H100 (1.35 with a soft compute/memory knee carried from the
+    # A100): the token ramp (n_half) leaves the H100, whose ridge lies at twice the tokens, a sharper knee
+    h = next(c for c in cases if (c.gpu, c.model, c.tp, c.what) == ("h100", "llama-2-70b-hf", 1, "N=512"))
+    assert h.ratio < 1.3
+
+
+def test_carrying_the_a100_link_to_the_h100_misses_only_the_small_two_gpu_all_reduces():
+    """The documented reason for taking the H100 NVSwitch's own curve: with the A100's carried, only the
+    decode steps of 8 KB all-reduces on 2 GPUs (7 us measured, 31 us carried) leave the band at TP 1/2/4."""
+    cases, _ = check.run(check.DEFAULT_TABLES, h100="carried")
+    out = {(c.gpu, c.model, c.tp, c.what) for c in cases if c.tp <= 4 and not
+           check.CASE_BAND[0] <= c.ratio <= check.CASE_BAND[1]}
+    assert out == {("h100", "llama-2-7b-hf", 2, "B=1,C=512"), ("h100", "llama-2-7b-hf", 2, "B=1,C=2048")}
