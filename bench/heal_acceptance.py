@@ -111,12 +111,16 @@ async def _kill_cycles(router, role, prompts, params, reference, cycles, rows) -
 
         async def kill():
             os.kill(pid, signal.SIGKILL)
+        lost, seen = router.ledger.workers_lost, None
         out, t_kill = await _round(router, prompts, params, f"{role}{c}", kill)
         while not (router.health()["status"] == "ok" and router.ledger.workers_replaced > replaced):
+            if seen is None and router.ledger.workers_lost > lost:
+                seen = time.monotonic() - t_kill
             if time.monotonic() - t_kill > 120:
                 break
             await asyncio.sleep(0.05)
         healed = time.monotonic() - t_kill
+        seen = healed if seen is None else seen  # (the loss was counted before the streams ended)
         left = await _leftovers(router)
         ok = [rid for rid, (end, _) in out.items() if end == "ok"]
         equal = sum(out[f"{role}{c}-{i}"][1] == ref for i, ref in enumerate(reference)
@@ -125,11 +129,11 @@ async def _kill_cycles(router, role, prompts, params, reference, cycles, rows) -
         survivors = [w for ws in router.workers.values() for w in ws if w is not router.workers[role][-1]]
         rss = _own_rss() + sum([await w.handle.actor.rss_bytes.remote() for w in survivors])
         first_rss = first_rss or rss
-        row = {"role": role, "cycle": c + 1, "healed_s": healed, "ok": len(ok), "n": len(prompts),
+        row = {"role": role, "cycle": c + 1, "healed_s": healed, "seen_s": seen, "ok": len(ok), "n": len(prompts),
                "equal": equal, "errors": errors, "left": left, "ray": _ray_leftovers(router),
                "rss_mb": rss / 2**20, "rss_vs_1": rss / first_rss - 1}
         rows.append(row)
-        print(f"  {role} kill {c + 1}: healthy {healed:.1f} s after, {len(ok)}/{len(prompts)} done "
+        print(f"  {role} kill {c + 1}: healthy {healed:.1f} s after (loss seen by {seen:.1f} s), {len(ok)}/{len(prompts)} done "
               f"({', '.join(errors) or 'no errors'}), {equal}/{len(ok)} equal to the fault-free run, "
               f"leftovers {left or 'none'}{'; ' + row['ray'] if row['ray'] else ''}, survivors' RSS "
               f"{rss / 2**20:.0f} MiB ({100 * row['rss_vs_1']:+.1f}% vs cycle 1)", flush=True)
