@@ -107,20 +107,25 @@ async def _kill_cycles(router, role, prompts, params, reference, cycles, rows) -
     for c in range(cycles):
         victim = router.workers[role][-1]
         pid = await victim.handle.actor.__ray_call__.remote(lambda self: os.getpid())
-        replaced = router.ledger.workers_replaced
+        replaced, lost = router.ledger.workers_replaced, router.ledger.workers_lost
+        marks: dict[str, float] = {}
+
+        async def watch(t_kill):  # from the kill on: when the loss is seen, when the slot is healthy again
+            while time.monotonic() - t_kill < 120:
+                if "seen" not in marks and router.ledger.workers_lost > lost:
+                    marks["seen"] = time.monotonic() - t_kill
+                if router.health()["status"] == "ok" and router.ledger.workers_replaced > replaced:
+                    marks["healed"] = time.monotonic() - t_kill
+                    return
+                await asyncio.sleep(0.05)
+        watcher: list[asyncio.Task] = []
 
         async def kill():
             os.kill(pid, signal.SIGKILL)
-        lost, seen = router.ledger.workers_lost, None
-        out, t_kill = await _round(router, prompts, params, f"{role}{c}", kill)
-        while not (router.health()["status"] == "ok" and router.ledger.workers_replaced > replaced):
-            if seen is None and router.ledger.workers_lost > lost:
-                seen = time.monotonic() - t_kill
-            if time.monotonic() - t_kill > 120:
-                break
-            await asyncio.sleep(0.05)
-        healed = time.monotonic() - t_kill
-        seen = healed if seen is None else seen  # (the loss was counted before the streams ended)
+            watcher.append(asyncio.create_task(watch(time.monotonic())))
+        out, _ = await _round(router, prompts, params, f"{role}{c}", kill)
+        await watcher[0]
+        healed, seen = marks.get("healed", float("inf")), marks.get("seen", float("inf"))
         left = await _leftovers(router)
         ok = [rid for rid, (end, _) in out.items() if end == "ok"]
         equal = sum(out[f"{role}{c}-{i}"][1] == ref for i, ref in enumerate(reference)
@@ -129,11 +134,12 @@ async def _kill_cycles(router, role, prompts, params, reference, cycles, rows) -
         survivors = [w for ws in router.workers.values() for w in ws if w is not router.workers[role][-1]]
         rss = _own_rss() + sum([await w.handle.actor.rss_bytes.remote() for w in survivors])
         first_rss = first_rss or rss
-        row = {"role": role, "cycle": c + 1, "healed_s": healed, "seen_s": seen, "ok": len(ok), "n": len(prompts),
-               "equal": equal, "errors": errors, "left": left, "ray": _ray_leftovers(router),
+        row = {"role": role, "cycle": c + 1, "healed_s": healed, "seen_s": seen, "ok": len(ok),
+               "n": len(prompts), "equal": equal, "errors": errors, "left": left, "ray": _ray_leftovers(router),
                "rss_mb": rss / 2**20, "rss_vs_1": rss / first_rss - 1}
         rows.append(row)
-        print(f"  {role} kill {c + 1}: healthy {healed:.1f} s after (loss seen by {seen:.1f} s), {len(ok)}/{len(prompts)} done "
+        print(f"  {role} kill {c + 1}: healthy {healed:.1f} s after (loss seen at {seen:.1f} s), "
+              f"{len(ok)}/{len(prompts)} done "
               f"({', '.join(errors) or 'no errors'}), {equal}/{len(ok)} equal to the fault-free run, "
               f"leftovers {left or 'none'}{'; ' + row['ray'] if row['ray'] else ''}, survivors' RSS "
               f"{rss / 2**20:.0f} MiB ({100 * row['rss_vs_1']:+.1f}% vs cycle 1)", flush=True)
