@@ -27,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.spec_decode.config import PER_REQUEST_PROPOSERS, SpeculativeConfig
 from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, VerifyScale, choose_lengths
-from engine.spec_decode.proposers import DraftState, Proposer, ProposerContext, make_proposer
+from engine.spec_decode.proposers import DraftState, Proposer, ProposerContext, TargetParts, make_proposer
 from engine.spec_decode.verify import accepted_length
 
 
@@ -38,7 +38,8 @@ class SpecDecoder:
         if timer is None:
             timer = time.thread_time if llm.model.device.type == "cpu" else time.perf_counter
         self.llm, self.cfg, self.timer = llm, cfg, timer
-        self.ctx = ProposerContext(llm.config.vocab_size, llm.model_dir, llm.dtype)
+        self.ctx = ProposerContext(llm.config.vocab_size, llm.model_dir, llm.dtype,
+                                   TargetParts(llm.runner, llm.backend, llm.tables, llm.allocator))
         self.proposers: dict[str, Proposer] = {cfg.proposer: make_proposer(cfg.proposer, self.ctx,
                                                                            **cfg.proposer_options)}
         self.trackers: dict[str, AcceptanceTracker] = {}
