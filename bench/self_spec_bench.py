@@ -7,7 +7,7 @@ engine and its KV exported (`page_io.export_kv`); each cell (context x batch) th
 and a self_sparse engine (SmolLM2-135M bf16, one thread, same process) and joins `batch` copies of that
 request into both through `reserve` + `import_kv` + `add_prefilled_request` (as a decode worker receives KV:
 the self_sparse engine builds page summaries on import). Rows are identical, so a batch's rows make the
-same tokens; what is timed is decode only: a warm-up of 2 tokens per side, then plain, spec, spec, plain
+same tokens; what is timed is decode only: a warm-up of 6 tokens per side, then plain, spec, spec, plain
 (--repeats pairs, order alternating), `--new` tokens per row, greedy, EOS ignored. Printed per cell: output
 tokens/s of each side and their ratio (median over pairs), whether both made the same tokens, the spec
 side's acceptance rate, tokens per verify, share of steps speculated, and the draft cost: ms per sparse
@@ -107,8 +107,8 @@ def cell(ctx: int, batch: int, new: int, repeats: int, data, a) -> dict:
     plain = LLM(**kw)
     spec = LLM(**kw, speculative={"proposer": "self_sparse", "max_draft": a.max_draft, "gate": not a.no_gate,
                                   "proposer_options": {"budget": a.budget, "select_per": a.select_per}})
-    run(plain, prompt, first, kv, batch, 2)  # warm-up: kernels compiled/loaded, gate's first fit
-    run(spec, prompt, first, kv, batch, 2)
+    run(plain, prompt, first, kv, batch, 6)  # warm-up: kernels compiled/loaded, the gate's first fit
+    run(spec, prompt, first, kv, batch, 6)  # (>= 3 tokens: a request drafts from its second output on)
     timer = DraftTimer(spec)
     spec.spec.stats = type(spec.spec.stats)()
     timer.proposer.num_draft_forwards = 0

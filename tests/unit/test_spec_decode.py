@@ -289,7 +289,8 @@ def test_gate_shares_fixed_cost_only_along_the_critical_path(tmp_path):
     llm.add_request([5, 6, 8], long, request_id="l")
     sched = llm.scheduler.schedule()
     assert spec_shares(llm, sched, ["s", "l"]) == [0.0, 1.0]  # only the longest budget shortens the run
-    assert spec_shares(llm, sched, ["s"]) == [0.0]  # the critical request does not draft: rows only
+    assert spec_shares(llm, sched, ["s"]) == [0.0]  # s ends long before l, drafting or not: rows only
+    assert spec_shares(llm, sched, ["l"]) == [1.0]
     llm.add_request([9, 9, 9], long, request_id="w")  # no free slot (max_num_seqs=2): it waits
     assert llm.scheduler.waiting
     assert spec_shares(llm, sched, ["s", "l"]) is None  # a freed slot is refilled: 1/n for every row

@@ -146,18 +146,18 @@ class MemoryBoundClock:
 @pytest.mark.parametrize("draft_reads", [None, 0])
 def test_gate_turns_drafting_off_at_short_context(tiny_dir, draft_reads):
     """A 24-64 token context fits the sparse selection (80 slots): the draft is the target itself, every draft
-    is accepted, and still it costs what a plain step costs, so after the first few measured drafts the gate
+    is accepted, and still it costs what a plain step costs, so once the first drafts were measured the gate
     decodes plainly. The contrast: a clock on which a draft forward reads no KV (what a long context's
     sparse view approaches) keeps the same drafts on."""
     llm = make(tiny_dir, {"budget": 64, "recent": 8}, spec={"gate": True})
     MemoryBoundClock(llm, draft_reads)
     llm.generate(_prompts(1, 24, 25)[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     st = llm.spec.stats
-    assert st.acceptance_rate == 1.0, st
-    if draft_reads is None:
-        assert st.num_spec_steps <= 4 and st.num_gated >= st.num_steps - 4, st  # (the draft cost averages up from 0)
+    if draft_reads is None:  # the first drafts, measured, are dropped before their verify
+        assert st.num_spec_steps <= 1 and st.num_gated >= st.num_steps - 1, st
     else:
         assert st.num_spec_steps > st.num_steps // 2 and st.num_gated < 3, st
+        assert st.acceptance_rate == 1.0, st
     finish(llm)
 
 
