@@ -161,6 +161,15 @@ def test_gate_turns_drafting_off_at_short_context(tiny_dir, draft_reads):
     finish(llm)
 
 
+def test_a_pool_spec_selects_it(tiny_dir):
+    from cluster.spec_sections import SpeculativeSpec
+
+    cfg = SpeculativeSpec(proposer="self_sparse", max_draft=3).engine_config()
+    llm = LLM(model=str(tiny_dir), dtype="float32", page_size=PS, num_pages=64, speculative=cfg)
+    assert "self_sparse" in llm.spec.proposers and llm.backend.summaries is not None
+    assert_engine_empty(llm)
+
+
 def test_bad_options_and_pools_without_summaries_are_typed_errors(tiny_dir):
     with pytest.raises(InvalidRequestError, match="speculative.proposer_options.budget"):
         make(tiny_dir, {"budget": 0})
