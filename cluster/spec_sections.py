@@ -126,7 +126,7 @@ class EvictionSpec(_Section):
 
 class SpeculativeSpec(_Section):
     """Draft-verify decoding in a decode or colocated pool (engine.spec_decode.SpeculativeConfig)."""
-    proposer: Literal["ngram", "recycling", "draft_model"] = "ngram"
+    proposer: Literal["ngram", "recycling", "draft_model", "self_sparse"] = "ngram"
     max_draft: int = Field(4, ge=1, le=16)  # draft tokens per request per step, at most
     adaptive: bool = True  # per-request draft length from its acceptance
     gate: bool = True  # speculate only when the measured verify cost says it pays for the batch

@@ -26,8 +26,9 @@ from engine.sampler import SampleRequest, sample_batch
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.spec_decode.config import PER_REQUEST_PROPOSERS, SpeculativeConfig
-from engine.spec_decode.policy import AcceptanceTracker, CostModel, SpecStats, VerifyScale, choose_lengths
-from engine.spec_decode.proposers import DraftState, Proposer, ProposerContext, make_proposer
+from engine.spec_decode.policy import (AcceptanceTracker, CostModel, SpecStats, VerifyScale, choose_lengths,
+                                      critical_shares, expected_tokens)
+from engine.spec_decode.proposers import DraftState, Proposer, ProposerContext, TargetParts, make_proposer
 from engine.spec_decode.verify import accepted_length
 
 
@@ -38,13 +39,15 @@ class SpecDecoder:
         if timer is None:
             timer = time.thread_time if llm.model.device.type == "cpu" else time.perf_counter
         self.llm, self.cfg, self.timer = llm, cfg, timer
-        self.ctx = ProposerContext(llm.config.vocab_size, llm.model_dir, llm.dtype)
+        self.ctx = ProposerContext(llm.config.vocab_size, llm.model_dir, llm.dtype,
+                                   TargetParts(llm.runner, llm.backend, llm.tables, llm.allocator))
         self.proposers: dict[str, Proposer] = {cfg.proposer: make_proposer(cfg.proposer, self.ctx,
                                                                            **cfg.proposer_options)}
         self.trackers: dict[str, AcceptanceTracker] = {}
         self.cost = CostModel()  # plain decode steps: seconds = a + b x rows
         self.verify_scale = VerifyScale()  # a verified draft token's cost in units of b, measured
         self.draft_cost = 0.0  # seconds per drafted token spent in proposers (decayed average)
+        self._draft_cost_seen = 0  # proposer calls measured
         self._t_proposers = 0.0  # proposer seconds of the current step
         self.stats = SpecStats()
 
@@ -161,18 +164,16 @@ class SpecDecoder:
 
     def _shares(self, sched: SchedulerOutput, rids: list[str]) -> list[float] | None:
         """Per drafting request, the share of a step's fixed cost one accepted token saves (see
-        policy.drain_lengths); None while requests wait (a freed slot is refilled: 1/n for every row);
-        on a decode worker, requests whose KV is on its way hold page reservations: they wait too.
-        The critical path: requests whose token budget left is within one draft of the largest; a
-        later step goes only if all of them move ahead, so only when every one of them drafts."""
+        policy.drain_lengths, policy.critical_shares); None while requests wait (a freed slot is
+        refilled: 1/n for every row); on a decode worker, requests whose KV is on its way hold page
+        reservations: they wait too."""
         if self.llm.scheduler.waiting or self.llm.allocator.num_reservations:
             return None
         left = {c.request.request_id: c.request.params.max_tokens - c.request.num_output for c in sched.chunks}
-        top = max(left.values())
-        critical = {r for r, n in left.items() if n >= top - self.cfg.max_draft}
-        if not critical <= set(rids):
-            return [0.0] * len(rids)
-        return [1.0 / len(critical) if r in critical else 0.0 for r in rids]
+        top = max(left, key=left.get)
+        tr = self.trackers.get(top)
+        rate = expected_tokens(tr.alpha, tr.draft_len(self.cfg.max_draft, self.cfg.min_accept)) if tr else 1.0
+        return critical_shares(left, rids, rate, self.cfg.max_draft)
 
     def _propose(self, groups: dict[str, list[DraftState]]) -> dict[str, list[int]]:
         t0, drafts = self.timer(), {}
@@ -182,8 +183,11 @@ class SpecDecoder:
                     drafts[s.request_id] = [int(t) for t in d[:s.max_draft]]
         self._t_proposers = self.timer() - t0
         n = sum(map(len, drafts.values()))
-        if n:
-            self.draft_cost = 0.8 * self.draft_cost + 0.2 * self._t_proposers / n
+        if n:  # (the first reading as it is: an average rising from 0 let a costly proposer (self_sparse
+            # at batch 1) draft for a dozen steps before the gate saw its cost)
+            per = self._t_proposers / n
+            self.draft_cost = per if self._draft_cost_seen == 0 else 0.8 * self.draft_cost + 0.2 * per
+            self._draft_cost_seen += 1
         return drafts
 
     def _reserve_slots(self, cands, drafts: dict[str, list[int]], budget: int) -> dict[str, list[int]]:

@@ -69,6 +69,8 @@ def spec_config(name: str, reference, draft_dir, tiny_dir, **kw) -> dict:
         opts = {"model": str(draft_dir), "page_size": 4, "num_pages": 256}
     elif name == "draft_model_target":
         name, opts = "draft_model", {"model": str(tiny_dir)}
+    elif name == "self_sparse":  # a few pages of these 10-60 token prompts: the draft reads a sparse view
+        opts = {"budget": 8, "recent": 4}
     return dict(dict(proposer=name, max_draft=4, gate=False, proposer_options=opts), **kw)
 
 
@@ -80,7 +82,7 @@ def finish(llm) -> None:
     assert not llm.spec.trackers, "per-request speculation state left"
 
 
-PROPOSER_NAMES = ["ngram", "recycling", "oracle", "always_wrong", "draft_model", "draft_model_target"]
+PROPOSER_NAMES = ["ngram", "recycling", "oracle", "always_wrong", "draft_model", "draft_model_target", "self_sparse"]
 
 
 @pytest.mark.parametrize("name", PROPOSER_NAMES)
@@ -100,7 +102,8 @@ def test_greedy_equals_plain_alone_and_16_concurrent(name, tiny_dir, draft_dir, 
     finish(llm)
 
 
-@pytest.mark.parametrize("name", ["ngram", "oracle", "always_wrong", "recycling", "draft_model", "draft_model_target"])
+@pytest.mark.parametrize("name", ["ngram", "oracle", "always_wrong", "recycling", "draft_model", "draft_model_target",
+                                  "self_sparse"])
 def test_sampled_tokens_and_logprobs_equal_plain(name, tiny_dir, draft_dir, reference):
     plain = make(tiny_dir)
     params = [SamplingParams(seed=100 + i, **SAMPLED) for i in range(len(PROMPTS))]
@@ -143,12 +146,14 @@ def _kv(llm, rid, n):
     return [llm.backend.read(layer, slots) for layer in range(llm.config.num_layers)]
 
 
-@pytest.mark.parametrize("name", ["always_wrong", "ngram", "oracle"])
+@pytest.mark.parametrize("name", ["always_wrong", "ngram", "oracle", "self_sparse"])
 def test_kv_after_rollback_equals_plain(name, tiny_dir, draft_dir, reference):
     """Step a drafted request and a plain one side by side; whenever they hold the same tokens, slot
     counts, page counts and cached K/V of the committed slots are equal (page size 2: drafts of 4 span
     pages, so rollbacks free whole pages)."""
     cfg = spec_config(name, reference, draft_dir, tiny_dir, max_draft=4, adaptive=False)
+    if name == "self_sparse":  # its drafts wrote sparse-view KV into these slots: verification rewrote it
+        cfg["proposer_options"] = {"budget": 2, "recent": 2}
     if name == "ngram":
         cfg["proposer_options"] = {"min_ngram": 1}
     spec = make(tiny_dir, cfg, page_size=2)
@@ -284,7 +289,8 @@ def test_gate_shares_fixed_cost_only_along_the_critical_path(tmp_path):
     llm.add_request([5, 6, 8], long, request_id="l")
     sched = llm.scheduler.schedule()
     assert spec_shares(llm, sched, ["s", "l"]) == [0.0, 1.0]  # only the longest budget shortens the run
-    assert spec_shares(llm, sched, ["s"]) == [0.0]  # the critical request does not draft: rows only
+    assert spec_shares(llm, sched, ["s"]) == [0.0]  # s ends long before l, drafting or not: rows only
+    assert spec_shares(llm, sched, ["l"]) == [1.0]
     llm.add_request([9, 9, 9], long, request_id="w")  # no free slot (max_num_seqs=2): it waits
     assert llm.scheduler.waiting
     assert spec_shares(llm, sched, ["s", "l"]) is None  # a freed slot is refilled: 1/n for every row

@@ -7,7 +7,7 @@ from engine import InvalidRequestError, SamplingParams
 from engine.llm import LLM
 from engine.spec_decode import SpeculativeConfig
 from engine.spec_decode.policy import (AcceptanceTracker, CostModel, SpecStats, VerifyScale, choose_lengths,
-                                      expected_tokens)
+                                      critical_shares, expected_tokens)
 from tests.conftest import assert_engine_empty
 from tests.tiny_models import write_tiny
 
@@ -164,3 +164,28 @@ def test_drain_drafts_pay_only_in_rows_off_the_critical_path():
     # The lone critical request saves whole steps: a + b = 32 ms per accepted token.
     lens, _ = choose_lengths(cm, 16, [4, 4], [0.6, 0.6], margin=0.02, rows=16, fixed_share=[1.0, 0.0])
     assert lens[0] == 4 and lens[1] == 0
+
+
+def test_drain_keeps_drafting_a_copy_batch_with_one_request_ahead_and_one_without_a_draft():
+    """Issue 25: copy-heavy at 4 concurrent speculated in 41% of steps at 0.77 acceptance. Four requests of
+    equal budget draining (none waits); `a` speculated 6 tokens ahead, `d` has no n-gram match this step.
+    The old rule (critical = within one draft of the longest budget, and a share only when every critical
+    request drafts) gave every draft the worth of its row alone, and the gate refused them all."""
+    cm = _cost(0.030, 0.001)  # a = 30 ms, a row 1 ms
+    left = {"a": 120, "b": 126, "c": 126, "d": 126}
+    rate = expected_tokens(0.77, 4)  # the longest request's tokens per step while it speculates: 3.2
+    shares = critical_shares(left, ["a", "b", "c"], rate, slack=8)
+    assert shares == [0.25] * 3  # all four finish together at this pace: each token saves 1/4 of a step
+    lens, ratio = choose_lengths(cm, 4, [4, 4, 4], [0.77] * 3, margin=0.05, rows=4, fixed_share=shares)
+    assert lens == [4, 4, 4] and ratio > 1.0
+    old = choose_lengths(cm, 4, [4, 4, 4], [0.77] * 3, margin=0.05, rows=4, fixed_share=[0.0] * 3)
+    assert old[0] == [0, 0, 0]  # what the old shares decided: 0.77 x 1 ms < 1 ms per draft token
+
+
+def test_critical_set_is_who_outlasts_the_longest_at_its_pace():
+    rate = expected_tokens(0.77, 4)
+    # 10 tokens left is done before the longest's ~31 speculative steps: its tokens save rows only
+    assert critical_shares({"short": 10, "long": 100}, ["short", "long"], rate, slack=8) == [0.0, 1.0]
+    assert critical_shares({"short": 40, "long": 100}, ["short", "long"], rate, slack=8) == [0.5, 0.5]
+    # the longest does not speculate (rate 1): only those within one draft of it
+    assert critical_shares({"x": 95, "y": 91, "top": 100}, ["x", "y"], 1.0, slack=8) == [0.5, 0.0]

@@ -9,6 +9,8 @@ per-request state until `release(request_id)`. This registry is torch-free; impl
     recycling    Token Recycling: adjacency matrix of the target's top candidates per token (< 2 MB)
     draft_model  a small causal LM with the target's vocabulary, its own paged KV; greedy drafts, or
                  drafts sampled with the request's own keyed noise (coupled) when it samples
+    self_sparse  the target itself with sparse (Quest) attention over the request's own pages (TriForce /
+                 MagicDec): drafts write KV into the request's slots that verification rewrites or rolls back
     oracle       test fake: the reference continuation (always right)
     always_wrong test fake: the reference continuation shifted by one id (always wrong)
 """
@@ -23,6 +25,7 @@ PROPOSERS = {
     "ngram": "engine.spec_decode.proposers.ngram:NgramProposer",
     "recycling": "engine.spec_decode.proposers.recycling:RecyclingProposer",
     "draft_model": "engine.spec_decode.proposers.draft_model:DraftModelProposer",
+    "self_sparse": "engine.spec_decode.proposers.self_sparse:SelfSparseProposer",
     "oracle": "engine.spec_decode.proposers.fakes:OracleProposer",
     "always_wrong": "engine.spec_decode.proposers.fakes:AlwaysWrongProposer",
 }
@@ -42,11 +45,21 @@ class DraftState:
 
 
 @dataclass(frozen=True)
+class TargetParts:
+    """The target engine's parts a proposer that runs the target itself uses (self_sparse)."""
+    runner: Any  # engine.runner.ModelRunner: execute(StepBatch) -> StepOutput
+    backend: Any  # the KV backend (None with tensor/pipeline parallelism: attention runs in ranks)
+    tables: Any  # engine.kv_cache.block_table.BlockTables
+    allocator: Any  # engine.kv_cache.allocator.PageAllocator
+
+
+@dataclass(frozen=True)
 class ProposerContext:
     """What the target engine tells a proposer when building it."""
     vocab_size: int
     model_dir: Path
     dtype: str
+    target: TargetParts | None = None
 
 
 class Proposer:
