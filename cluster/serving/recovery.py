@@ -68,6 +68,10 @@ from engine.sampling_params import SamplingParams
 
 OUTCOMES = ("completed", "failed", "cancelled")
 log = logging.getLogger("pdserve.router")
+# A replacement that lived this long is not crash looping even if no work reached it: the router may rank a
+# fresh worker last until its stats arrive, and one killed from outside while idle (the OOM killer, an
+# operator) must be replaced at once, not after a backoff doubled by each earlier kill.
+PROVEN_S = 5.0
 
 
 @dataclass
@@ -289,13 +293,15 @@ class Recovery:
         return None if handle.info.get("incarnation") in (None, old) else handle
 
     async def _spawn(self, w: Worker):
-        """A fresh worker for `w`'s slot. Backoff: a replacement that dies before it completed a step (or
-        fails to start) is a crash loop; the n-th in a row waits `replace_backoff_s` x 2^(n-1), at most
+        """A fresh worker for `w`'s slot. Backoff: a replacement that dies before it completed a step and
+        within `PROVEN_S` of joining (or fails to start) is a crash loop; the n-th in a row waits
+        `replace_backoff_s` x 2^(n-1), at most
         `replace_backoff_max_s`, before the next start. The first replacement of a slot, or one after a
         worker that served (killed, or lost under load), starts at once: healing is not slowed by faults
         that are not the worker's own."""
         key, cfg = (w.pool, w.name), self.cfg
-        quick = w.generation > 0 and not getattr(w.stats, "num_steps", 0)
+        served = getattr(w.stats, "num_steps", 0) or self.clock() - w.joined >= PROVEN_S
+        quick = w.generation > 0 and not served
         n = self.crash_loops[key] = self.crash_loops.get(key, 0) + 1 if quick else 0
         while not self.tasks.closed:
             if n:

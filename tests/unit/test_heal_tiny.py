@@ -68,7 +68,8 @@ class Factories:
             step = worker.step
 
             def maybe_hung_step():
-                if pool in self.hang:
+                if pool in self.hang and n == 1:  # the pool's first worker only: a replacement built before
+                    # the test clears `hang` must step normally (else it hangs too, and requests time out)
                     self.unhang.wait()
                 return step()
             worker.step = maybe_hung_step
@@ -223,6 +224,37 @@ def test_replacements_that_fail_to_start_or_die_at_once_back_off(tiny_dir, refer
             assert_greedy_equal(reference[:1], [toks])
             await quiesce(router, completed=1)
             assert router.health()["status"] == "ok"
+        finally:
+            await router.shutdown()
+    asyncio.run(main())
+
+
+def test_a_replacement_that_lived_idle_past_the_proven_time_is_replaced_at_once(tiny_dir, reference, monkeypatch):
+    """A replacement no work reached (the router ranks a fresh worker last until its stats arrive) that is
+    killed from outside after `PROVEN_S` is not a crash loop: its slot gets no backoff, however many such
+    kills came before. Seen on deploy/local-2d.yaml: kills 12-15 of 20 healed in 20-65 s, the backoff doubling
+    each time, because each killed replacement had never stepped."""
+    from cluster.serving import recovery
+
+    monkeypatch.setattr(recovery, "PROVEN_S", 0.3, raising=False)
+
+    async def main():
+        router, f = cluster(tiny_dir, "colocated", replace_backoff_s=60.0, replace_backoff_max_s=120.0)
+        try:
+            await router.stats()  # starts the pollers
+            key = ("colocated", "colocated-0")
+            for n in (1, 2, 3):
+                w = router.workers["colocated"][0]
+                if n > 1:
+                    assert not getattr(w.stats, "num_steps", 0)  # no work reached this replacement
+                    await asyncio.sleep(0.4)  # past PROVEN_S
+                await asyncio.to_thread(w.handle.loop.stop)
+                await until(lambda: router.ledger.workers_replaced == n)  # a 60 s backoff would time this out
+                assert router.recovery.crash_loops[key] == 0
+            toks = [t async for d in router.generate(GenerateRequest("after", PROMPTS[0], LONG, model="tiny"))
+                    for t in d.new_token_ids]
+            assert_greedy_equal(reference[:1], [toks])
+            await quiesce(router, completed=1)
         finally:
             await router.shutdown()
     asyncio.run(main())
