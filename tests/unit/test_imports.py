@@ -212,8 +212,9 @@ def test_unit_tests_import_no_ray():
 # Its modules in layers: each may import only modules of earlier layers (so the imports run one way, with
 # no cycle); only `actors` and `ray_pools` import ray, and the router imports neither; outside the room
 # only the launcher imports `ray_pools` (the Ray assembly).
-SERVING_LAYERS = (("tasks", "flight", "membership", "intake", "prefix_routing", "worker_loop"),
-                  ("holdings", "actors"), ("recovery",), ("admission", "scaling"), ("router",), ("ray_pools",))
+SERVING_LAYERS = (("tasks", "flight", "membership", "intake", "prefix_routing", "worker_loop", "autoscale_policy"),
+                  ("holdings", "actors", "autoscale_capacity", "autoscaler"), ("recovery",), ("admission", "scaling"),
+                  ("router",), ("ray_pools",))
 RAY_MODULES = ("cluster.serving.actors", "cluster.serving.ray_pools")
 
 
