@@ -2,7 +2,8 @@
 and simulators. Pure Python (the planner's core); the bench (`bench/autoscale_sim.py`) uses it as the live
 autoscaler does.
 
-    needed(pool, load, correction, (lo, hi))   bisection over [lo, hi] replicas: Poisson arrivals at
+    needed(pool, load, correction, (lo, hi))   a walk over [lo, hi] replicas from the last answer (attainment
+        grows with replicas: a step down while one fewer still meets, up until one meets): Poisson arrivals at
         load.rate with the load's length mix (common random numbers: the same seed at every count) through
         the pool's simulator -- colocated: `simulate_colocated`; prefill: `simulate_disaggregated` with a
         free decode side (TTFT only); decode: `simulate_decode_only` (TPOT only), DistServe's per-phase
@@ -53,22 +54,28 @@ class ScaledLatency(LatencyModel):
 
 
 class PlannerCapacity:
-    def __init__(self, setups: dict, slo: SLO, requests: int = 400, lifetimes: float = 8.0, seed: int = 0):
+    def __init__(self, setups: dict, slo: SLO, requests: int = 300, lifetimes: float = 8.0, seed: int = 0):
         """`setups`: pool -> ColocSetup | PrefillSetup | DecodeSetup (one replica); `requests`: simulated
         requests per probe, at least (more at high rates: `lifetimes` low-load request lifetimes)."""
         self.setups, self.slo, self.requests, self.lifetimes, self.seed = setups, slo, requests, lifetimes, seed
         self._sim = lru_cache(maxsize=512)(self._simulate)
+        self._hint: dict[str, int] = {}
 
     def needed(self, pool: str, load: Load, correction: float, bounds: tuple[int, int]) -> int:
         lo, hi = bounds
         if load.rate <= 0:
             return lo
-        if not self._meets(pool, load, correction, hi):
-            return hi + 1
-        while lo < hi:  # attainment grows with replicas: the fewest that meet it
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if self._meets(pool, load, correction, mid) else (mid + 1, hi)
-        return lo
+        n = min(hi, max(lo, self._hint.get(pool, lo)))  # the last answer: the next one is seldom far
+        meets = lambda k: self._meets(pool, load, correction, k)  # noqa: E731
+        if meets(n):
+            while n > lo and meets(n - 1):
+                n -= 1
+        else:
+            while n < hi and not meets(n + 1):
+                n += 1
+            n += 1  # (hi + 1: not even hi meets it)
+        self._hint[pool] = min(n, hi)
+        return n
 
     def predict(self, pool: str, load: Load, replicas: int) -> dict[str, float]:
         r = self._run(pool, load, 1.0, replicas).results

@@ -11,15 +11,20 @@ Each `Policy.step(window, replicas)`, per autoscaled pool:
      finished);
   2. the correction factor (Dynamo's SLA planner idea): measured mean latency / the capacity model's
      prediction for the same load on the current replicas -- TTFT for a prefill pool, TPOT for decode,
-     both (geometric mean) for colocated -- from requests that arrived after the pool's last change only,
+     both (geometric mean) for colocated -- from requests that arrived after the pool's last resize had
+     finished only (`Window.unsettled`: a replica still starting or draining),
+     and only where the pool meets the SLO and the model predicts it does (in overload the latencies grow
+     with the backlog, not with the model's error: a ratio there ran the factor to its bound at once);
      smoothed (`correction_smoothing`), bounded to [1/4, 4]; the model then plans with its step times
      scaled by it;
   3. `CapacityModel.needed`: the fewest replicas meeting the SLO at the forecast rate (`up`), and at the
-     larger of max(forecast, observed) x (1 + scale_down_headroom) and the window's busiest interval
-     (`down`: the hysteresis band; like Kubernetes' downscale stabilization, a pool shrinks only when even
-     the recent peak fits fewer replicas);
+     larger of max(forecast, observed) x (1 + scale_down_headroom) and the busiest interval seen in the
+     last `scale_down_cooldown_s` (`down`: the hysteresis band; like Kubernetes' downscale stabilization,
+     a pool shrinks only when even the recent peak fits fewer replicas), with the largest correction
+     factor of that time (the factor a pool learns at ease after a scale-up is smaller than the one
+     that drove it: without this the two alternated, up and down every cooldown);
   4. the decision: up at once to `up` (clamped to max) after `scale_up_cooldown_s`; if the model says
-     enough but the window's own SLO attainment (since the last change) is below target, up by one
+     enough but the window's own SLO attainment (since the last resize finished) is below target, up by one
      ("slo_miss"); down one replica at a time, only after `down` stayed below the count for
      `scale_down_stable_intervals` decisions in a row and `scale_down_cooldown_s` passed; never outside
      [min, max]. Every decision -- holds too -- carries its reason.
@@ -79,6 +84,7 @@ class Window:
     start: float  # the window's start: max(now - window_s, when the autoscaler started)
     arrivals: tuple = ()  # (time, input_len, max_tokens) of requests that arrived in it
     finished: tuple[Finished, ...] = ()
+    unsettled: frozenset = frozenset()  # pools with a resize under way (a replica starting or draining)
 
 
 @dataclass(frozen=True)
@@ -160,8 +166,10 @@ def latency_ratio(measured: dict[str, float], predicted: dict[str, float]) -> fl
 @dataclass
 class _PoolState:
     last_change: float = -math.inf
+    settled: float = -math.inf  # requests arriving from then on met the pool at its current size (inf: not yet)
     low_streak: int = 0
     correction: float = 1.0
+    history: list = field(default_factory=list)  # (time, correction, peak rate) over the last scale_down_cooldown_s
 
 
 @dataclass
@@ -183,12 +191,16 @@ class Policy:
     def correct(self, pool: str, w: Window, load: Load, current: int) -> None:
         """Fold the window's measured / predicted latency ratio (requests since the pool's last change) in."""
         s = self.state(pool)
-        since = [f for f in w.finished if f.arrival >= s.last_change]
-        if len(since) < self.cfg.min_samples or load.observed <= 0:
-            return
-        span = max(w.now - max(w.start, s.last_change), 1e-9)
-        rate = sum(1 for t, _, _ in w.arrivals if t >= s.last_change) / span
-        ratio = latency_ratio(measured_latency(since, self.cfg.metrics(pool)), self.capacity.predict(pool, load.at(max(rate, 1e-6)), current))
+        since = [f for f in w.finished if f.arrival >= s.settled]
+        if len(since) < self.cfg.min_samples or load.observed <= 0 or self._slo_missed(pool, w):
+            return  # (missing the SLO: latencies measure a backlog; the "slo_miss" rule acts instead)
+        span = max(w.now - max(w.start, s.settled), 1e-9)
+        rate = sum(1 for t, _, _ in w.arrivals if t >= s.settled) / span
+        predicted = self.capacity.predict(pool, load.at(max(rate, 1e-6)), current)
+        targets = {"ttft": self.cfg.ttft_s, "tpot": self.cfg.tpot_s}
+        if any(v > targets[k] for k, v in predicted.items()):
+            return  # the model itself says overloaded: latencies there measure the backlog, not the model
+        ratio = latency_ratio(measured_latency(since, self.cfg.metrics(pool)), predicted)
         if ratio is None:
             return
         lo, hi = CORRECTION_BOUNDS
@@ -198,8 +210,11 @@ class Policy:
     def _decide(self, pool: str, w: Window, load: Load, cur: int, bounds: tuple[int, int]) -> Decision:
         lo, hi = bounds
         s = self.state(pool)
+        if s.settled == math.inf and pool not in w.unsettled:
+            s.settled = w.now  # the last resize has finished: from now on the pool is its new size
         self.correct(pool, w, load, cur)
         c = s.correction
+        s.history = [h for h in s.history if h[0] >= w.now - self.cfg.down_cooldown_s] + [(w.now, c, load.peak)]
         up = self.capacity.needed(pool, load, c, bounds) if load.rate > 0 else lo
         out = lambda target, direction, reason: self._emit(pool, cur, target, direction, reason, up, load, w.now)
         if cur < lo:
@@ -216,8 +231,10 @@ class Policy:
             if w.now - s.last_change < self.cfg.up_cooldown_s:
                 return out(cur, "hold", "cooldown")
             return out(min(up, hi), "up", reason)
-        down_rate = max(load.peak, max(load.rate, load.observed) * (1 + self.cfg.down_headroom))
-        down = self.capacity.needed(pool, load.at(down_rate), c, bounds) if down_rate > 0 else lo
+        peak = max(h[2] for h in s.history)
+        down_rate = max(peak, max(load.rate, load.observed) * (1 + self.cfg.down_headroom))
+        c_down = max(h[1] for h in s.history)  # a factor learnt at ease must not undo one learnt under load
+        down = self.capacity.needed(pool, load.at(down_rate), c_down, bounds) if down_rate > 0 else lo
         if down >= cur or cur <= lo:
             s.low_streak = 0
             return out(cur, "hold", "steady")
@@ -230,12 +247,12 @@ class Policy:
         return out(max(cur - 1, down, lo), "down", "low_load")
 
     def _slo_missed(self, pool: str, w: Window) -> bool:
-        since = [f for f in w.finished if f.arrival >= self.state(pool).last_change]
+        since = [f for f in w.finished if f.arrival >= self.state(pool).settled]
         metrics = self.cfg.metrics(pool)
         return len(since) >= self.cfg.min_samples and \
             sum(self.cfg.met(f, metrics) for f in since) / len(since) < self.cfg.attainment
 
     def _emit(self, pool, cur, target, direction, reason, need, load, now) -> Decision:
         if direction != "hold":
-            self.state(pool).last_change = now
+            self.state(pool).last_change, self.state(pool).settled = now, math.inf
         return Decision(pool, cur, target, direction, reason, need, load.rate, self.state(pool).correction)

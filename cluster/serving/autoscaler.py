@@ -48,9 +48,9 @@ class RequestLog:
         arrival = now - (t["finish"] - t["queued"])  # (the timeline is in unix seconds; this clock is not)
         self.finished.append((now, Finished(arrival, len(f.prompt_ids), n, ttft, tpot)))
 
-    def window(self, now: float, start: float) -> Window:
+    def window(self, now: float, start: float, unsettled: frozenset = frozenset()) -> Window:
         return Window(now, start, tuple(a for a in self.arrivals if a[0] >= start),
-                      tuple(f for end, f in self.finished if end >= start))
+                      tuple(f for end, f in self.finished if end >= start), unsettled)
 
     def _prune(self, now: float) -> None:
         while self.arrivals and self.arrivals[0][0] < now - self.keep_s:
@@ -90,10 +90,12 @@ def resource_requester(spec, sdk) -> Callable[[dict[str, int]], None] | None:
 class Autoscaler:
     def __init__(self, cfg: AutoscaleConfig, policy: Policy, requests: RequestLog,
                  scale: Callable[[str, int], Awaitable], replicas: Callable[[], dict[str, int]],
-                 clock: Callable[[], float], request_resources: Callable[[dict[str, int]], None] | None = None):
-        """`scale(pool, n)`: the router's resize; `replicas()`: each pool's current target count."""
+                 clock: Callable[[], float], request_resources: Callable[[dict[str, int]], None] | None = None,
+                 unsettled: Callable[[], frozenset] = frozenset):
+        """`scale(pool, n)`: the router's resize; `replicas()`: each pool's current target count;
+        `unsettled()`: the pools with a replica still starting or draining."""
         self.cfg, self.policy, self.requests, self._scale, self._replicas = cfg, policy, requests, scale, replicas
-        self.clock, self.request_resources = clock, request_resources
+        self.clock, self.request_resources, self._unsettled = clock, request_resources, unsettled
         self.started = clock()
         self.last: dict[str, Decision] = {}
         self.counts: Counter = Counter()  # (pool, direction, reason) -> decisions
@@ -106,7 +108,7 @@ class Autoscaler:
 
     async def tick(self) -> list[Decision]:
         now = self.clock()
-        w = self.requests.window(now, max(now - self.cfg.window_s, self.started))
+        w = self.requests.window(now, max(now - self.cfg.window_s, self.started), self._unsettled())
         decisions = await asyncio.to_thread(self.policy.step, w, self._replicas())
         for d in decisions:
             self.last[d.pool] = d

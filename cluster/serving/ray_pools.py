@@ -295,4 +295,10 @@ def attach_autoscaler(router: ClusterRouter, spec, capacity: Any = None) -> None
     policy = Policy(cfg, capacity if capacity is not None else capacity_for_spec(spec))
     router.autoscaler = Autoscaler(cfg, policy, router.requests, router.scale,
                                    lambda: {p: m.target for p, m in router.pools.items()}, time.monotonic,
-                                   resource_requester(spec, sdk))
+                                   resource_requester(spec, sdk), lambda: unsettled(router))
+
+
+def unsettled(router: ClusterRouter) -> frozenset:
+    """Pools whose members are not yet all live and taking work at their target (a resize under way)."""
+    return frozenset(p for p, m in router.pools.items()
+                     if len(m.placeable_or_empty()) != m.target or len(m.live()) != m.target)
