@@ -4,8 +4,9 @@
                         at a flight's end; it keeps the last window's arrivals (time, prompt tokens,
                         max_tokens) and completed requests' lengths, TTFT and TPOT (router clock)
     Autoscaler.run      every `interval_s`: `tick()` -> a `Window` snapshot -> `Policy.step` (in a thread:
-                        the simulations must not stall the event loop) -> per decision one log line and
-                        its counters; a change asks Ray for the resources of every pool's target first
+                        the simulations must not stall the event loop) -> per decision its counters and
+                        one log line (logger pdserve.autoscaler; a hold for the same reason as the one
+                        before it is only counted); a change asks Ray for the resources of every pool's target first
                         (`request_resources`, multi-node Ray only, so a Ray autoscaler can add nodes) and
                         then goes through the router's own resize path (`ClusterRouter.scale`: joins, or
                         drains that hand off and leave -- nothing fails because of it)
@@ -97,6 +98,11 @@ class Autoscaler:
         self.cfg, self.policy, self.requests, self._scale, self._replicas = cfg, policy, requests, scale, replicas
         self.clock, self.request_resources, self._unsettled = clock, request_resources, unsettled
         self.started = clock()
+        if not log.handlers and not logging.getLogger().handlers:  # `pdserve serve` configures no logging
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
         self.last: dict[str, Decision] = {}
         self.counts: Counter = Counter()  # (pool, direction, reason) -> decisions
         self.failed: Counter = Counter()  # pool -> changes the resize path refused or could not finish
@@ -111,9 +117,11 @@ class Autoscaler:
         w = self.requests.window(now, max(now - self.cfg.window_s, self.started), self._unsettled())
         decisions = await asyncio.to_thread(self.policy.step, w, self._replicas())
         for d in decisions:
+            before = self.last.get(d.pool)
             self.last[d.pool] = d
             self.counts[(d.pool, d.direction, d.reason)] += 1
-            log.info(d.log_line())
+            if d.direction != "hold" or before is None or before.reason != d.reason:
+                log.info(d.log_line())  # (a hold like the one before it only counts)
         changes = [d for d in decisions if d.direction != "hold"]
         if changes and self.request_resources is not None:
             targets = {**self._replicas(), **{d.pool: d.target for d in changes}}
