@@ -49,20 +49,22 @@ from cluster.bench.server import SpecServer, spec_variants  # noqa: E402
 from cluster.bench.workload import RequestSpec, TraceScaling, load_workload  # noqa: E402
 
 
+# ../shared beside the repository; one level higher for a git worktree under a folder
+TRACE = next((p for p in (ROOT.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv",
+                          ROOT.parent.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv") if p.is_file()),
+             ROOT.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv")
+
+
 def stepped_arrivals(unit_arrivals: list[float], rates: list[float], duration_s: float) -> list[float]:
-    """Unit-rate arrivals (mean 1/s) warped so the rate is rates[k] over the k-th equal part of the run."""
-    part = duration_s / len(rates)
-    bounds, acc = [], 0.0
-    for r in rates:
-        bounds.append((acc, acc + r * part, r))
-        acc += r * part
-    out = []
-    for u in unit_arrivals:
-        if u >= acc:
-            break
-        k = next(k for k, (a, b, _) in enumerate(bounds) if u < b)
-        a, _, r = bounds[k]
-        out.append(k * part + (u - a) / r)
+    """The k-th equal part of the run gets the trace's next rates[k] x part arrivals, their gaps scaled by
+    one factor so that they fill the part: each step has its rate, and within it the trace's pattern."""
+    part, out, start = duration_s / len(rates), [], 0
+    for k, r in enumerate(rates):
+        n = max(1, round(r * part))
+        chunk = unit_arrivals[start:start + n + 1]  # (+1: the gap after the last one is part of the span)
+        start += n
+        t0, span = chunk[0], (chunk[-1] - chunk[0]) or 1.0
+        out += [k * part + (t - t0) / span * part for t in chunk[:n]]
     return out
 
 
@@ -171,6 +173,7 @@ def plot(path: Path, runs: list[dict], rates, duration_s: float) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--spec", default=str(ROOT / "deploy" / "colocated.yaml"))
+    ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--minutes", type=float, default=15.0, help="length of each run (low / high / low thirds)")
     ap.add_argument("--rates", default="0.3,1.2,0.3", help="req/s of each step")
     ap.add_argument("--input-scale", type=float, default=0.25)
@@ -191,7 +194,7 @@ def main(argv=None) -> int:
     rates = [float(x) for x in a.rates.split(",")]
     duration = a.minutes * 60
     scaling = TraceScaling(a.input_scale, a.output_scale, max_input=1024, max_output=128)
-    wl = load_workload("azure-conv", 19000, scaling=scaling)
+    wl = load_workload(a.trace, 19000, scaling=scaling)
     times = stepped_arrivals(wl.unit_arrivals_s, rates, duration)
     reqs = [RequestSpec(i, t, wl.input_lens[i], wl.output_lens[i]) for i, t in enumerate(times)]
     print(f"{len(reqs)} requests over {duration:.0f} s at {rates} req/s (Azure conv arrival pattern, lengths x"
