@@ -292,6 +292,7 @@ def attach_autoscaler(router: ClusterRouter, spec, capacity: Any = None) -> None
     from ray.autoscaler import sdk
 
     cfg = autoscale_config(spec)
+    router.requests.keep_s = max(router.requests.keep_s, cfg.window_s)
     policy = Policy(cfg, capacity if capacity is not None else capacity_for_spec(spec))
     router.autoscaler = Autoscaler(cfg, policy, router.requests, router.scale,
                                    lambda: {p: m.target for p, m in router.pools.items()}, time.monotonic,
