@@ -130,7 +130,7 @@ def run_one(name: str, spec_path: str, reqs: list[RequestSpec], prompts: PromptS
         poller.join()
     ms = [request_metrics(r) for r in records]
     ok = [meets(m, a.ttft_ms / 1000, a.tpot_ms / 1000) for m in ms]
-    samples = [(t - t0, n, m) for t, n, m in poller.samples]
+    samples = [(t - t0, n, m) for t, n, m in poller.samples if 0 <= t - t0 <= took]  # the run only
     worker_s = sum((b[0] - x[0]) * x[1] for x, b in zip(samples, samples[1:]))
     if name == "static":
         worker_s = 2 * took
