@@ -16,7 +16,8 @@ Each `Policy.step(window, replicas)`, per autoscaled pool:
      and only where the pool meets the SLO and the model predicts it does (in overload the latencies grow
      with the backlog, not with the model's error: a ratio there ran the factor to its bound at once);
      smoothed (`correction_smoothing`), bounded to [1/4, 4]; the model then plans with its step times
-     scaled by it;
+     scaled by it, but never by less than 1: here a factor of ~0.4 learnt at low load (the profile's fixed
+     costs overstated) did not hold at 6x the rate and kept the pool at one replica through a step up;
   3. `CapacityModel.needed`: the fewest replicas meeting the SLO at the forecast rate (`up`), and at the
      larger of max(forecast, observed) x (1 + scale_down_headroom) and the busiest interval seen in the
      last `scale_down_cooldown_s` (`down`: the hysteresis band; like Kubernetes' downscale stabilization,
@@ -213,7 +214,7 @@ class Policy:
         if s.settled == math.inf and pool not in w.unsettled:
             s.settled = w.now  # the last resize has finished: from now on the pool is its new size
         self.correct(pool, w, load, cur)
-        c = s.correction
+        c = max(1.0, s.correction)  # plans never assume the machine faster than the model (see the map)
         s.history = [h for h in s.history if h[0] >= w.now - self.cfg.down_cooldown_s] + [(w.now, c, load.peak)]
         up = self.capacity.needed(pool, load, c, bounds) if load.rate > 0 else lo
         out = lambda target, direction, reason: self._emit(pool, cur, target, direction, reason, up, load, w.now)
