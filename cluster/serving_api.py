@@ -70,6 +70,9 @@ class BackendStats:
     # cluster backends: {"status": "ok" | "degraded", "pools": {pool: {live, target, pending, degraded,
     # reason, since (unix s)}}} -- what /health and /metrics say about the pools; None: nothing to say
     health: dict | None = None
+    # cluster backends with `autoscaling.enabled`: `autoscaler.Autoscaler.status()` (per pool target, current,
+    # need, forecast_rate, correction, failed; decision counts by (pool, direction, reason)); None: off
+    autoscaling: dict | None = None
 
 
 class ServingBackend(Protocol):

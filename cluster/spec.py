@@ -20,6 +20,7 @@ Shape (only `model` is required; the pools the mode needs must be named; default
     routing:      prefix_aware (default: on where kv.prefix_caching is), cache_weight, decode_load_tokens,
                   refresh_s
     slo:          ttft_ms, tpot_ms
+    autoscaling:  enabled, interval_s, window_s, cooldowns, hysteresis, pools {min_replicas, max_replicas}
     ray:          address: local | auto | ray://HOST:PORT | HOST:PORT
 
 Order: `load_spec(path)` reads the YAML (`spec_errors.read_yaml`), validates these pydantic models
@@ -44,6 +45,7 @@ from cluster.spec_errors import Problem, SpecError, problems_from_validation, re
 from cluster.spec_model import name_problems, resolve_model_config  # noqa: F401 (re-exported)
 from cluster.spec_sections import (RAY_RESERVED, EvictionSpec, KVPages, ReliabilitySpec, Resources,  # noqa: F401
                                    RoutingSpec, SpeculativeSpec, _fail_if, _Section, prefix_problems)
+from cluster.spec_autoscaling import AutoscalingSpec, autoscaling_problems
 from engine.config import ModelConfig
 from kv_transfer.config import LOOPBACK_HOSTS, TOKEN_ENV
 
@@ -245,7 +247,8 @@ class ClusterSpec(_Section):
     ray: RaySpec = Field(default_factory=RaySpec)
     reliability: ReliabilitySpec = Field(default_factory=ReliabilitySpec)
     routing: RoutingSpec = Field(default_factory=RoutingSpec)
-    _blank_is_default = ("pools", "kv_transfer", "server", "slo", "ray", "reliability", "routing")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    _blank_is_default = ("pools", "kv_transfer", "server", "slo", "ray", "reliability", "routing", "autoscaling")
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterSpec":
@@ -267,7 +270,7 @@ class ClusterSpec(_Section):
             problems.append(Problem("pools.decode.kv.page_size", f"{dec.kv.page_size} differs from pools.prefill.kv."
                                     f"page_size {pre.kv.page_size}: kivi4 cells carry a share of their page's key "
                                     f"scales (a page is one key group), so both pools need the same page size"))
-        _fail_if(problems + self._deadline_problems() + prefix_problems(self))
+        _fail_if(problems + self._deadline_problems() + prefix_problems(self) + autoscaling_problems(self))
         return self
 
     def _deadline_problems(self) -> list[Problem]:

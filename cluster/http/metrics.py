@@ -19,6 +19,10 @@ turned into a counter; `extra["kv_transfer_bytes"]` / `extra["kv_transfer_second
 the transfer gauges and every other `extra` key becomes `pdserve_backend_stat{name=...}`. `health` (cluster
 backends) feeds `pdserve_pool_degraded{pool,reason}` (1 while degraded, with why; 0 and reason "" when not)
 and `pdserve_pool_degraded_since_seconds{pool}` (unix time the spell began; 0 when healthy).
+`autoscaling` (with `autoscaling.enabled`) feeds pdserve_autoscaler_target_replicas{pool},
+pdserve_autoscaler_need_replicas{pool}, pdserve_autoscaler_forecast_rate{pool},
+pdserve_autoscaler_correction_factor{pool} and the counter pdserve_autoscaler_decisions{pool,direction,reason}
+(from the autoscaler's running totals; each decision is also one log line of logger pdserve.autoscaler).
 `TimelineStore` keeps the last timelines by response id for `GET /v1/pdserve/timeline/{id}`.
 """
 from __future__ import annotations
@@ -82,7 +86,15 @@ class FrontendMetrics:
                               "or one is being replaced (reason: why it became so)", ["pool", "reason"], registry=r)
         self.degraded_since = Gauge("pdserve_pool_degraded_since_seconds", "Unix time a pool became degraded "
                                     "(0: healthy)", ["pool"], registry=r)
+        self.autoscale = {k: Gauge(f"pdserve_autoscaler_{k}", doc, ["pool"], registry=r) for k, doc in (
+            ("target_replicas", "Replicas the autoscaler last decided for the pool"),
+            ("need_replicas", "Replicas the corrected model needs at the forecast rate (max + 1: beyond max)"),
+            ("forecast_rate", "Arrival rate (req/s) the autoscaler forecast for the coming interval"),
+            ("correction_factor", "Measured / predicted latency the autoscaler scales its model's step times by"))}
+        self.decisions = Counter("pdserve_autoscaler_decisions", "Autoscaler decisions by pool, direction (up, "
+                                 "down, hold) and reason", ["pool", "direction", "reason"], registry=r)
         self._preemptions_seen = 0
+        self._decisions_seen: dict = {}
 
     def observe_finished(self, finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
                          timeline: dict[str, float] | None) -> None:
@@ -128,6 +140,19 @@ class FrontendMetrics:
             for pool, h in stats.health["pools"].items():
                 self.degraded.labels(pool, h["reason"] if h["degraded"] else "").set(float(h["degraded"]))
                 self.degraded_since.labels(pool).set(h["since"] or 0.0)
+        if stats.autoscaling is not None:
+            self._refresh_autoscaling(stats.autoscaling)
+
+    def _refresh_autoscaling(self, a: dict) -> None:
+        for pool, p in a["pools"].items():
+            for key, field in (("target_replicas", "target"), ("need_replicas", "need"),
+                               ("forecast_rate", "forecast_rate"), ("correction_factor", "correction")):
+                self.autoscale[key].labels(pool).set(p[field])
+        for labels, total in a["decisions"].items():  # running totals -> counter increments
+            seen = self._decisions_seen.get(labels, 0)
+            if total > seen:
+                self.decisions.labels(*labels).inc(total - seen)
+                self._decisions_seen[labels] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

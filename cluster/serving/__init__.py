@@ -26,17 +26,25 @@ Life of a request (disaggregated; DESIGN.md "Life of a request"), module by modu
       scaling.Scaler.scale              checks (typed 400s); grows: spawner.add, join, poller; shrinks: the
                                         newest members drain, finish or hand off what they hold, leave,
                                         and the spawner removes them
+    the SLO autoscaler (`autoscaling.enabled`; ray_pools.attach_autoscaler gives the router one):
+      autoscaler.RequestLog             the router notes each request's arrival and end (TTFT, TPOT)
+      autoscaler.Autoscaler.tick        every interval: the window -> autoscale_policy.Policy.step (rate and
+                                        mix, correction factor, autoscale_capacity.PlannerCapacity: the
+                                        planner's model and simulator) -> request_resources (multi-node Ray)
+                                        -> router.ClusterRouter.scale, the resize path above
 Colocated: admission's `add_request` on the replica with the least load; every event is a decode delta.
 
 Who owns what:
     membership   PoolMembership: one per pool, the live set (join, drain, leave, replace, fence) that
-                 admission, recovery and (later) the autoscaler read and change; its health; Worker: one
+                 admission, recovery and the autoscaler read and change; its health; Worker: one
                  member's record; Spawner: the protocol of what starts workers
     router       ClusterRouter, RouterConfig: owns the collaborators below and the request's own life
     admission    Admission: the FIFO and placement            recovery  Recovery, Ledger: the workers' side
     holdings     Holdings: what workers hold for a flight      flight    Flight, FlightTable, Inbox
     tasks        Tasks: what runs beside the callers           intake    request checks
     scaling      Scaler, ScaleError: live resizing of a pool
+    autoscaler   Autoscaler, RequestLog: the SLO autoscaler's loop     autoscale_policy  Policy: its decisions
+    autoscale_capacity  PlannerCapacity: replicas per pool from the planner's latency model and simulator
     prefix_routing  PrefixIndex, PrefixPlacer: KV-aware choices
     worker_loop  WorkerLoop (a worker's step loop on a thread, its step watchdog), LocalHandle and
                  LocalPools (in-process workers and their spawner)
@@ -48,7 +56,8 @@ Who owns what:
                  for them (`reliability.placement_timeout_s`), PlacementError
 
 Import arrows (one direction; tests/unit/test_imports.py checks them): ray_pools -> router, actors, placement;
-router -> admission, scaling -> recovery -> holdings -> flight, membership, tasks; actors -> worker_loop. Only
+router -> admission, scaling -> recovery -> holdings -> flight, membership, tasks; actors -> worker_loop;
+router -> autoscaler -> autoscale_capacity -> autoscale_policy; ray_pools -> autoscaler. Only
 actors, placement and ray_pools import ray, the router imports none of them, and outside this room only
 the launcher (`cluster/launch.py`) imports them. This package's `__init__` imports nothing.
 """

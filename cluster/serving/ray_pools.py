@@ -19,6 +19,9 @@ a placement group of its own (one replica's bundles; Ray must place it within `p
 own group removed, a start group's bundle kept for the next `add`).
 `close()` (the router's shutdown, last) kills every actor, removes the placement groups and, if this
 process started Ray, shuts Ray down: nothing is left in Ray.
+Autoscaling (`attach_autoscaler`, when `autoscaling.enabled`): the router gets an `autoscaler.Autoscaler`
+over the planner's model of the spec; on a multi-node Ray it asks `ray.autoscaler.sdk.request_resources`
+for what its targets need.
 The step watchdog's bound (`step_bound`): `reliability.step_timeout_s` when the spec sets it, else
 `STEP_BOUND_FACTOR` x the slowest step the latency profile of the spec's model and dtype predicts for the
 pool's limits (a prefill chunk of max_num_batched_tokens; a decode step of max_num_seqs sequences at
@@ -28,11 +31,15 @@ profile).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.ray_session import init_ray, shutdown_ray
 from cluster.serving.actors import RayHandle, _actor, actor_options, kv_configs
+from cluster.serving.autoscale_capacity import capacity_for_spec
+from cluster.serving.autoscale_policy import Policy
+from cluster.serving.autoscaler import Autoscaler, autoscale_config, resource_requester
 from cluster.serving.placement import place_pool, wait_placed
 from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError
@@ -218,10 +225,11 @@ class RayPools:
 
 
 def start_cluster(spec, num_cpus: float | None = None, num_threads: int = 1,
-                  ready_timeout_s: float = 600.0, transport: Any = "grpc") -> ClusterRouter:
+                  ready_timeout_s: float = 600.0, transport: Any = "grpc", capacity: Any = None) -> ClusterRouter:
     """Start (or join) Ray, place every pool, wait until each worker is ready, return the router.
     `transport`: a name in `kv_transfer.contract.TRANSPORTS`, or (fault tests) a transport object that
-    pickles to plain data, such as `kv_transfer.fault_transport.FaultyTransport`."""
+    pickles to plain data, such as `kv_transfer.fault_transport.FaultyTransport`. `capacity`: the autoscaler's
+    `CapacityModel` (tests); None: the planner's, when `autoscaling.enabled`."""
     from cluster.spec import resolve_model_config
     from engine.loader import resolve_model
     from engine.tokenizer import Tokenizer
@@ -241,4 +249,27 @@ def start_cluster(spec, num_cpus: float | None = None, num_threads: int = 1,
         raise
     serving = [p for n, p in pools.items() if n != "prefill"]
     tokenizer = Tokenizer(resolve_model(spec.model, spec.revision))
-    return ClusterRouter(router_config(spec, config), handles, tokenizer, serving[0].kv.page_size, spawner=ray_pools)
+    router = ClusterRouter(router_config(spec, config), handles, tokenizer, serving[0].kv.page_size, spawner=ray_pools)
+    attach_autoscaler(router, spec, capacity)
+    return router
+
+
+def attach_autoscaler(router: ClusterRouter, spec, capacity: Any = None) -> None:
+    """With `autoscaling.enabled`, the router gets its `Autoscaler` (autoscaler.py): the planner's capacity
+    model of the spec, the router's resize path, and on a multi-node Ray `ray.autoscaler.sdk`."""
+    if not spec.autoscaling.enabled:
+        return
+    from ray.autoscaler import sdk
+
+    cfg = autoscale_config(spec)
+    router.requests.keep_s = max(router.requests.keep_s, cfg.window_s)
+    policy = Policy(cfg, capacity if capacity is not None else capacity_for_spec(spec))
+    router.autoscaler = Autoscaler(cfg, policy, router.requests, router.scale,
+                                   lambda: {p: m.target for p, m in router.pools.items()}, time.monotonic,
+                                   resource_requester(spec, sdk), lambda: unsettled(router))
+
+
+def unsettled(router: ClusterRouter) -> frozenset:
+    """Pools whose members are not yet all live and taking work at their target (a resize under way)."""
+    return frozenset(p for p, m in router.pools.items()
+                     if len(m.placeable_or_empty()) != m.target or len(m.live()) != m.target)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from cluster.serving.admission import Admission
+from cluster.serving.autoscaler import RequestLog
 from cluster.serving.flight import Flight, FlightTable, Inbox
 from cluster.serving.holdings import PUSH_ENDS, Holdings
 from cluster.serving.intake import validate_request
@@ -127,6 +128,8 @@ class ClusterRouter:
         self.scaler = Scaler(config, self.pools, self.flights, self.holdings, self.recovery, self.prefix,
                              self.tasks, spawner, clock)
         self._finals: dict[str, DecodeDelta] = {}  # wid -> decode's last delta, held for the prefill's report
+        self.requests = RequestLog()  # the autoscaler's window; `autoscaler`: set by ray_pools when enabled
+        self.autoscaler = None
         self._started = False
 
     @property
@@ -180,7 +183,8 @@ class ClusterRouter:
             extra.update({f"pool_{pool}_{k}": float(h[k]) for k in ("live", "target", "pending", "degraded")})
         return BackendStats(queued, len(self.flights) - queued, sum(w.stats.pages_in_use for w in everyone),
                             sum(w.stats.num_pages for w in everyone),
-                            sum(w.stats.num_preemptions for w in everyone if w.pool != "prefill"), extra, health)
+                            sum(w.stats.num_preemptions for w in everyone if w.pool != "prefill"), extra, health,
+                            self.autoscaler.status() if self.autoscaler is not None else None)
 
     def health(self) -> dict[str, Any]:
         """{"status": "ok" | "degraded", "pools": {pool: {live, target, pending, degraded, reason, since}}}:
@@ -240,6 +244,7 @@ class ClusterRouter:
         f.mark("queued")
         self.ledger.admitted += 1
         self.flights.add(f)
+        self.requests.opened(f, self._clock())
         return f
 
     # ---- events -> deltas --------------------------------------------------------------------
@@ -337,6 +342,8 @@ class ClusterRouter:
                 self.tasks.start(self.recovery.poll(w))
         if self.prefix.index and self.cfg.prefix_refresh_s > 0:
             self.tasks.start(self._refresh_prefix())
+        if self.autoscaler is not None:
+            self.tasks.start(self.autoscaler.run())
 
     async def _refresh_prefix(self) -> None:
         while not self.tasks.closed:
@@ -348,6 +355,7 @@ class ClusterRouter:
         if not self.flights.remove(f):
             return
         self.ledger.end(outcome)
+        self.requests.ended(f, outcome, self._clock())
         self._finals.pop(f.wid, None)
         f.done = True
         self.holdings.release(f)
