@@ -16,7 +16,8 @@ stop_token_ids, include_stop_str_in_output, skip_special_tokens, plus max_comple
 null, false, empty, `{"type": "text"}`) and otherwise answered with a 400 naming them: nothing that would
 change the output is ignored. pdserve's own per-request options live under one `pdserve` object (the
 openai SDK's `extra_body={"pdserve": {...}}`), never as loose fields (`kv_eviction` and `sparse_attention`
-take "off" or an object of fields over the pool's settings); its older spellings of five vLLM fields (`pdserve.ignore_eos`, `.top_k`, `.repetition_penalty`, `.stop_token_ids`, `.skip_special_tokens`)
+take "off" or an object of fields over the pool's settings); its older spellings of five vLLM fields
+(`pdserve.ignore_eos`, `.top_k`, `.repetition_penalty`, `.stop_token_ids`, `.skip_special_tokens`)
 are still accepted, and a request giving one both ways with different values gets a 400. Fields that name
 internal state (reservations, transfer parameters, pages, ...) are rejected wherever they appear: the
 server owns that state, clients never set it.
