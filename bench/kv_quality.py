@@ -20,7 +20,7 @@ applied at the end of prefill (snapkv / streaming at a budget) -- on the same mo
 kivi4 (engine/kv_cache/kivi.py) reads the page a query sits in from full precision: its tail is at most
 page_size - 1 tokens (15 here), well inside the 128 the issue allows; every earlier page is read as 4 bits.
 Text: the stdlib's pydoc topics (real English prose; not used to pick any setting).
-Sparse decode attention (`quest:BUDGET[:row][:layers=A.B]`, engine/kv_cache/sparse.py) keeps every token and reads
+Sparse decode attention (`quest:BUDGET[:row][:dense=N][:layers=A.B]`, engine/kv_cache/sparse.py) keeps every token and reads
 only chosen pages per decode step: raw and the quest configs share one engine (a request's `sparse_attention`
 picks the variant; prefix caching lets every variant reuse a passkey prompt's prefill), and perplexity is then
 scored one token per decode step for every config (`--chunk 1`: chunks of several queries read every page).
@@ -183,17 +183,20 @@ def agreement(llm: LLM, ref: list[list[int]] | None, prompts, new: int, sparse=N
 def parse_config(name: str) -> tuple[str, dict | None, dict | None]:
     """"int8" -> ("int8", None, None); "snapkv:0.3+int8" -> ("int8", {"method": "snapkv", "budget": 0.3, ...},
     None); "quest:1024" -> ("raw", None, {"budget": 1024}); "quest:1024:row" adds select_per "row";
-    "quest:1024:layers=0.8" adds selection_layers [0, 8] (sparse decode attention over every page kept)."""
+    "quest:1024:layers=0.8" adds selection_layers [0, 8], "quest:1024:dense=2" dense_layers 2 (sparse decode
+    attention over every page kept)."""
     if name.startswith("quest:"):
         _, budget, *opts = name.split(":")
         sparse = {"budget": int(budget)}
         for o in opts:
             if o in ("row", "kv_head"):
                 sparse["select_per"] = o
+            elif o.startswith("dense="):
+                sparse["dense_layers"] = int(o.removeprefix("dense="))
             elif o.startswith("layers="):
                 sparse["selection_layers"] = [int(x) for x in o.removeprefix("layers=").split(".")]
             else:
-                raise SystemExit(f"unknown quest option {o!r} in {name!r} (row, kv_head, layers=A.B)")
+                raise SystemExit(f"unknown quest option {o!r} in {name!r} (row, kv_head, dense=N, layers=A.B)")
         return "raw", None, sparse
     evict, _, fmt = name.partition("+") if ":" in name else ("", "", name)
     if not evict:
@@ -240,7 +243,12 @@ def main() -> None:
         a.chunk = 1
     # raw and the quest configs share one engine (sparse attention on, prefix caching on): each request's
     # `sparse_attention` picks its variant ("off" = full KV), and a passkey prompt is prefilled once for all
-    groups = [["raw", *quest]] + [[n] for n in configs[1:] if n not in quest]
+    # (quest configs of another dense_layers, an engine-wide setting, share an engine of their own)
+    by_dense: dict[int, list[str]] = {}
+    for n, v in quest.items():
+        by_dense.setdefault(v["dense_layers"], []).append(n)
+    qgroups = list(by_dense.values()) or [[]]
+    groups = [["raw", *qgroups[0]], *qgroups[1:]] + [[n] for n in configs[1:] if n not in quest]
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
     max_len = max(max(lengths), a.prefill + a.score) + 64
@@ -249,11 +257,12 @@ def main() -> None:
     for group in groups:
         t0 = time.perf_counter()
         fmt, eviction, _ = parsed[group[0]]
-        variants = {n: quest.get(n, "off") for n in group} if quest and group[0] == "raw" else {group[0]: None}
+        sparse_engine = next((quest[n] for n in group if n in quest), None)
+        variants = {n: quest.get(n, "off") for n in group} if sparse_engine else {group[0]: None}
         pages = max(-(-max_len * 4 // 16), a.windows * -(-(a.prefill + a.score) // 16) + 64)
         llm = LLM(a.model, dtype=a.dtype, kv_storage=fmt, kv_eviction=eviction, num_pages=pages,
                   max_model_len=max_len, max_num_batched_tokens=max(2048, a.prefill),
-                  sparse_attention=next(iter(quest.values())) if len(variants) > 1 else None,
+                  sparse_attention=sparse_engine,
                   enable_prefix_caching=len(variants) > 1)
         span = a.prefill + a.score
         windows = [corpus_ids(llm.tokenizer, span, offset=w * span) for w in range(a.windows)]

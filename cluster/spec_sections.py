@@ -72,6 +72,7 @@ class SparseAttentionSpec(_Section):
     select_per: Literal["kv_head", "row"] = "kv_head"  # row: one choice for all KV heads (the paged kernel)
     gqa: Literal["max", "sum"] = "max"
     selection_layers: tuple[int, ...] = ()  # only these layers choose, the others reuse (TidalDecode)
+    dense_layers: int = Field(0, ge=0)  # the first layers read every page (Quest: 2); requests cannot change it
 
     @field_validator("selection_layers", mode="before")
     @classmethod

@@ -10,7 +10,7 @@ layer and group:
      slots always, plus the best pages within `budget` tokens; sorted in page order.
      With `selection_layers` (TidalDecode's idea, with Quest's bounds in place of its full-attention
      scores), only those layers choose; every other layer reuses the latest choice of the step (a layer
-     before the first selection layer chooses for itself).
+     before the first selection layer chooses for itself). The first `dense_layers` layers read everything.
   2. `attend_torch(...)`: gather the chosen pages per (row, KV head) and run one SDPA with a slot mask; or,
      with `select_per="row"` on bf16 CPU pages, the numba/C paged kernel reads the chosen pages in place
      through a shorter page table (`attend_kernel`). The kernel takes one page table per row for all its KV
@@ -62,6 +62,8 @@ def choose(cfg: SparseAttentionConfig, rows: Rows | None, lo: torch.Tensor, hi: 
     """One layer's pages for a decode group: `select` where a row's config chooses at this layer, the
     step's latest choice (`plan["chosen"]`) where it reuses it (selection_layers)."""
     cfgs = rows if rows is not None else [cfg]
+    if layer < cfg.dense_layers:  # (every row's: a request cannot change it)
+        return None
     if "chosen" in plan:
         prev = plan["chosen"]
         reuse = [c is not None and not c.chooses_at(layer) for c in cfgs]

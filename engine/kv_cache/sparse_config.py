@@ -36,11 +36,14 @@ class SparseAttentionConfig:
     select_per: str = "kv_head"  # "kv_head" (Quest) or "row" (one choice for all KV heads: the paged kernel)
     gqa: str = "max"  # how query heads of one KV head combine their page bounds: "max" or "sum"
     selection_layers: tuple[int, ...] = ()  # () = every layer chooses; else only these, the others reuse
+    # the first `dense_layers` layers read every page (Quest leaves its first two dense: their attention is
+    # the least sparse). One value per engine: a request cannot change it (a group's rows share the layers)
+    dense_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.method != "quest":
             raise InvalidRequestError(f"{FIELD}.method", f"{self.method!r} is not a method; known: 'quest'")
-        for key in ("budget", "sink_pages", "recent", "min_context"):
+        for key in ("budget", "sink_pages", "recent", "min_context", "dense_layers"):
             val = getattr(self, key)
             if not isinstance(val, int) or isinstance(val, bool) or val < 0:
                 raise InvalidRequestError(f"{FIELD}.{key}", f"must be an integer >= 0, got {val!r}")
@@ -108,7 +111,11 @@ def for_request(engine_cfg: SparseAttentionConfig | None, value) -> SparseAttent
                                          "per-request settings, or send \"off\"")
     if isinstance(value, SparseAttentionConfig):
         return value
-    return dataclasses.replace(engine_cfg, **_fields(value))
+    fields = _fields(value)
+    if fields.get("dense_layers", engine_cfg.dense_layers) != engine_cfg.dense_layers:
+        raise InvalidRequestError(f"{FIELD}.dense_layers", f"is the pool's setting ({engine_cfg.dense_layers}); a "
+                                                           "request cannot change it (rows of a step share the layers)")
+    return dataclasses.replace(engine_cfg, **fields)
 
 
 def check_for_engine(engine_cfg: SparseAttentionConfig | None, value, page_size: int) -> None:

@@ -61,6 +61,7 @@ def test_http_option_reaches_sampling_params():
     ({"gqa": "mean"}, "pdserve.sparse_attention.gqa"), ({"recent": -1}, "pdserve.sparse_attention.recent"),
     ({"selection_layers": [0, -1]}, "pdserve.sparse_attention.selection_layers"),
     ("on", "pdserve.sparse_attention"), (3, "pdserve.sparse_attention"),
+    ({"dense_layers": 2}, "pdserve.sparse_attention.dense_layers"),  # the pool's, not a request's
 ])
 def test_http_bad_values_are_400s_naming_the_field(option, field):
     with pytest.raises(InvalidRequestError) as e:
@@ -102,9 +103,13 @@ def test_engine_budget_must_be_a_multiple_of_the_page_size(tiny_dir):
 
 
 def test_request_fields_replace_the_engines():
-    base = SparseAttentionConfig(budget=64, recent=16, select_per="row")
+    base = SparseAttentionConfig(budget=64, recent=16, select_per="row", dense_layers=1)
     assert for_request(base, None) is base and for_request(base, "off") is None
-    assert for_request(base, {"budget": 8}) == SparseAttentionConfig(budget=8, recent=16, select_per="row")
+    assert for_request(base, {"budget": 8}) == SparseAttentionConfig(budget=8, recent=16, select_per="row",
+                                                                     dense_layers=1)
+    with pytest.raises(InvalidRequestError) as e:  # engine-wide: every row of a step shares the dense layers
+        for_request(base, {"dense_layers": 0})
+    assert e.value.field == "sparse_attention.dense_layers"
 
     class R:
         def __init__(self, rid, value):
@@ -214,7 +219,7 @@ def test_yaml_pool_key_round_trips_into_the_engine():
     s = _spec(sparse_attention={"budget": 512, "select_per": "row", "selection_layers": [0, 3]})
     kw = s.engine_kwargs("decode")["sparse_attention"]
     assert kw == {"method": "quest", "budget": 512, "sink_pages": 1, "recent": 64, "min_context": 0,
-                  "select_per": "row", "gqa": "max", "selection_layers": [0, 3]}
+                  "select_per": "row", "gqa": "max", "selection_layers": [0, 3], "dense_layers": 0}
     assert SparseAttentionConfig.of(kw).selection_layers == (0, 3)
     assert "sparse_attention" not in s.engine_kwargs("prefill")
     assert parse_spec({**BASE, "pools": {"prefill": {}, "decode": {"sparse_attention": None}}}).pools.decode \
@@ -235,8 +240,27 @@ def test_yaml_pool_key_round_trips_into_the_engine():
     ({"prefill": {"kv": {"storage": "kivi4"}}, "decode": {"kv": {"storage": "kivi4"}, "sparse_attention": {}}},
      "pools.decode.sparse_attention"),
     ({"prefill": {}, "decode": {"tensor_parallel": 3, "sparse_attention": {}}}, "pools.decode.sparse_attention"),
+    ({"prefill": {}, "decode": {"sparse_attention": {"dense_layers": -1}}}, "pools.decode.sparse_attention.dense_layers"),
 ])
 def test_yaml_bad_values_are_spec_errors_naming_the_key(pools, key):
     with pytest.raises(SpecError) as e:
         parse_spec({**BASE, "pools": pools})
     assert any(p.key == key for p in e.value.problems), str(e.value)
+
+
+def test_dense_layers_read_every_page(tiny_dir, monkeypatch):
+    """dense_layers=1: layer 0 never selects (full attention there), layer 1 does; nothing leaks."""
+    seen_layers = []
+    real = sp.choose
+
+    def spy(cfg, rows, lo, hi, q, page_index, ctx_lens, ps, plan, layer):
+        sel = real(cfg, rows, lo, hi, q, page_index, ctx_lens, ps, plan, layer)
+        seen_layers.append((layer, sel is not None))
+        return sel
+
+    monkeypatch.setattr(sp, "choose", spy)
+    llm = engine(tiny_dir, dict(SMALL, dense_layers=1))
+    assert all(len(o.token_ids) == 12 for o in llm.generate(PROMPTS, greedy()))
+    assert not any(chosen for layer, chosen in seen_layers if layer == 0)
+    assert any(chosen for layer, chosen in seen_layers if layer == 1)
+    assert_engine_empty(llm)
