@@ -1,7 +1,6 @@
 """Parts of the cluster spec (`cluster/spec.py`) that configure the engine of a pool replica: KV pages (size,
-count, storage format, eviction, prefix caching), sparse decode attention and draft-verify decoding; a rank's Ray `resources`; the
-`routing` section (prefix-aware
-placement); the `reliability` section (dead-peer detection,
+count, storage format, eviction, prefix caching), sparse decode attention and draft-verify decoding; a
+rank's Ray `resources`; the `routing` section (prefix-aware placement); the `reliability` section (dead-peer detection,
 request recovery, Ray actor restarts), read by `cluster/serving/actors.py` into `RouterConfig` and actor options;
 plus the strict base section every spec model derives from and `_fail_if`, which turns cross-field
 problems into a `SpecError`.

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from engine.cpu_kernels import _bf16_to_f32, _jit, bits
 from engine.kv_cache.sparse_config import SparseAttentionConfig, check_page_size  # noqa: F401 (re-exported)
 
+
 def install(backend, allocator, tables, cfg: SparseAttentionConfig) -> None:
     """Turn sparse attention on for an engine's page pool (before any KV is written): the backend keeps
     page summaries, the allocator resets a freed page's, the block tables recompute a rolled-back one's."""

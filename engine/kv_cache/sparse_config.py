@@ -87,8 +87,9 @@ def check_page_size(cfg: SparseAttentionConfig | None, page_size: int) -> None:
     """The budget is spent in whole pages: one that is not a multiple of the page size would be rounded
     down silently (and one below a page would choose no page by score at all)."""
     if cfg is not None and cfg.budget % page_size:
+        fit = max(1, cfg.budget // page_size) * page_size
         raise InvalidRequestError(f"{FIELD}.budget", f"{cfg.budget} is not a multiple of the KV page size "
-                                                     f"({page_size} tokens); use e.g. {max(1, cfg.budget // page_size) * page_size}")
+                                                     f"({page_size} tokens); use e.g. {fit}")
 
 
 def check_value(value) -> None:
