@@ -26,7 +26,7 @@ picks the variant; prefix caching lets every variant reuse a passkey prompt's pr
 scored one token per decode step for every config (`--chunk 1`: chunks of several queries read every page).
 Run:  .venv/bin/python bench/kv_quality.py [--configs raw,int8,snapkv:0.3+int8] [--dtype bfloat16] [--quick]
       .venv/bin/python bench/kv_quality.py --configs raw,quest:1024,quest:1024:row,snapkv:1024,streaming:1024,h2o:1024 \
-          --lengths 2048,4096,8192 --prefill 2048 --score 512
+          --lengths 2048,4096,8180 --prefill 2048 --score 128   (8180: prompt + 6 answer tokens fit SmolLM2's 8,192)
 Writes bench/out/kv_quality_<dtype>.json and prints a table.
 """
 from __future__ import annotations
