@@ -20,12 +20,19 @@ applied at the end of prefill (snapkv / streaming at a budget) -- on the same mo
 kivi4 (engine/kv_cache/kivi.py) reads the page a query sits in from full precision: its tail is at most
 page_size - 1 tokens (15 here), well inside the 128 the issue allows; every earlier page is read as 4 bits.
 Text: the stdlib's pydoc topics (real English prose; not used to pick any setting).
+Sparse decode attention (`quest:BUDGET[:row][:dense=N][:layers=A.B]`, engine/kv_cache/sparse.py) keeps every token and reads
+only chosen pages per decode step: raw and the quest configs share one engine (a request's `sparse_attention`
+picks the variant; prefix caching lets every variant reuse a passkey prompt's prefill), and perplexity is then
+scored one token per decode step for every config (`--chunk 1`: chunks of several queries read every page).
 Run:  .venv/bin/python bench/kv_quality.py [--configs raw,int8,snapkv:0.3+int8] [--dtype bfloat16] [--quick]
+      .venv/bin/python bench/kv_quality.py --configs raw,quest:1024,quest:1024:row,snapkv:1024,streaming:1024,h2o:1024 \
+          --lengths 2048,4096,8180 --prefill 2048 --score 128   (8180: prompt + 6 answer tokens fit SmolLM2's 8,192)
 Writes bench/out/kv_quality_<dtype>.json and prints a table.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -45,6 +52,7 @@ if str(ROOT) not in sys.path:
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.batch import SeqStep, StepBatch  # noqa: E402
 from engine.kv_cache.eviction import compact, keep_slots  # noqa: E402
+from engine.kv_cache.sparse_config import SparseAttentionConfig, for_request  # noqa: E402
 
 GATES = {"int8": 0.2, "fp8": 1.0, "kivi4": 1.0}  # max perplexity change in percent (issue: int8 0.2%, 4-bit 1%)
 
@@ -97,6 +105,37 @@ def scored_logprobs(llm: LLM, ids: list[int], prefill: int, chunk: int) -> torch
         llm.allocator.cancel(res.reservation_id)
 
 
+def perplexities_decode(llm: LLM, windows: list[list[int]], prefill: int, sparse=None) -> list[float]:
+    """`--chunk 1`: perplexity of each window's ids[prefill:], scored one token per step with every window in
+    one decode batch -- a decode step is where sparse attention applies (a chunk of several queries reads
+    every page). Each window is prefilled alone first (its KV thinned by the engine's eviction policy, as
+    in `scored_logprobs`). `sparse`: the rows' sparse attention option (a request's `sparse_attention`)."""
+    policy = llm.eviction if llm.eviction is not None and llm.eviction.applies(prefill) else None
+    res = [llm.reserve(len(ids), lease_s=3600) for ids in windows]
+    rids = [f"ppl{w}" for w in range(len(windows))]
+    rows = None if sparse is None else {r: for_request(llm.sparse_attention, sparse) for r in rids}
+    try:
+        slots = []
+        for rid, ids, r in zip(rids, windows, res):
+            observe = {rid: policy.observe()} if policy is not None and policy.observe() else None
+            out = llm.execute(StepBatch([SeqStep(rid, ids[:prefill], 0, 0, r.pages)], observe=observe))
+            if policy is not None:
+                attn = {layer: rec.get("window", rec.get("slot_mass")) for (_, layer), rec in out.observations.items()}
+                compact(llm.backend, r.pages, keep_slots(policy, prefill, llm.kv_spec.local_layers, attn))
+            slots.append(policy.keep_count(prefill) if policy is not None else prefill)
+        nll = [0.0] * len(windows)
+        for t in range(prefill, len(windows[0]) - 1):  # feed token t, score token t + 1
+            steps = [SeqStep(rid, [ids[t]], t, slots[w] + t - prefill, r.pages, [0])
+                     for w, (rid, ids, r) in enumerate(zip(rids, windows, res))]
+            out = llm.execute(StepBatch(steps, return_logits=True, sparse=rows))
+            for w, (ids, result) in enumerate(zip(windows, out.results)):
+                nll[w] -= torch.log_softmax(result.logits[0].float(), -1)[ids[t + 1]].item()
+        return [math.exp(x / (len(windows[0]) - 1 - prefill)) for x in nll]
+    finally:
+        for r in res:
+            llm.allocator.cancel(r.reservation_id)
+
+
 def passkey_prompt(tok, length: int, depth: float, key: int) -> list[int]:
     """The passkey task of Mohtashami & Jaggi (2023): a key hidden at `depth` in repeated filler."""
     head = tok.encode("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
@@ -110,34 +149,60 @@ def passkey_prompt(tok, length: int, depth: float, key: int) -> list[int]:
     return head + body[:at] + needle + body[at:] + ask
 
 
-def passkey(llm: LLM, lengths, depths, trials: int, seed: int) -> dict:
+def passkey(llm: LLM, lengths, depths, trials: int, seed: int, variants: dict | None = None) -> dict:
+    """Accuracy per `length@depth` cell; with `variants` (name -> a request's `sparse_attention`), one cell
+    dict per variant, each prompt run by every variant in turn (prefix caching on: the later variants
+    reuse the first one's prompt pages, so only their decode differs)."""
     rng = random.Random(seed)
-    cells = {}
-    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    variants = variants or {None: None}
+    cells: dict = {name: {} for name in variants}
     for length in lengths:
         for depth in depths:
             keys = [rng.randrange(10000, 100000) for _ in range(trials)]
-            prompts = [passkey_prompt(llm.tokenizer, length, depth, k) for k in keys]
-            outs = llm.generate(prompts, greedy)
-            cells[f"{length}@{depth}"] = sum(str(k) in o.text for k, o in zip(keys, outs)) / trials
-    return cells
+            hits = dict.fromkeys(variants, 0)
+            for k in keys:
+                prompt = passkey_prompt(llm.tokenizer, length, depth, k)
+                for name, sparse in variants.items():
+                    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                sparse_attention=sparse))[0]
+                    hits[name] += str(k) in out.text
+            for name in variants:
+                cells[name][f"{length}@{depth}"] = hits[name] / trials
+    return cells if len(variants) > 1 or None not in variants else cells[None]
 
 
-def agreement(llm: LLM, ref: list[list[int]] | None, prompts, new: int) -> tuple[list[list[int]], list[int]]:
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+def agreement(llm: LLM, ref: list[list[int]] | None, prompts, new: int, sparse=None) -> tuple[list[list[int]], list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True,
+                                                sparse_attention=sparse))
     toks = [o.token_ids for o in outs]
     if ref is None:
         return toks, [new] * len(toks)
     return toks, [next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), new) for r, t in zip(ref, toks)]
 
 
-def parse_config(name: str) -> tuple[str, dict | None]:
-    """"int8" -> ("int8", None); "snapkv:0.3+int8" -> ("int8", {"method": "snapkv", "budget": 0.3, ...})."""
+def parse_config(name: str) -> tuple[str, dict | None, dict | None]:
+    """"int8" -> ("int8", None, None); "snapkv:0.3+int8" -> ("int8", {"method": "snapkv", "budget": 0.3, ...},
+    None); "quest:1024" -> ("raw", None, {"budget": 1024}); "quest:1024:row" adds select_per "row";
+    "quest:1024:layers=0.8" adds selection_layers [0, 8], "quest:1024:dense=2" dense_layers 2 (sparse decode
+    attention over every page kept)."""
+    if name.startswith("quest:"):
+        _, budget, *opts = name.split(":")
+        sparse = {"budget": int(budget)}
+        for o in opts:
+            if o in ("row", "kv_head"):
+                sparse["select_per"] = o
+            elif o.startswith("dense="):
+                sparse["dense_layers"] = int(o.removeprefix("dense="))
+            elif o.startswith("layers="):
+                sparse["selection_layers"] = [int(x) for x in o.removeprefix("layers=").split(".")]
+            else:
+                raise SystemExit(f"unknown quest option {o!r} in {name!r} (row, kv_head, dense=N, layers=A.B)")
+        return "raw", None, sparse
     evict, _, fmt = name.partition("+") if ":" in name else ("", "", name)
     if not evict:
-        return fmt or "raw", None
+        return fmt or "raw", None, None
     method, _, budget = evict.partition(":")
-    return fmt or "raw", {"method": method, "budget": float(budget), "min_prompt": 64}
+    return fmt or "raw", {"method": method, "budget": float(budget), "min_prompt": 64}, None
 
 
 def main() -> None:
@@ -170,32 +235,60 @@ def main() -> None:
                 setattr(a, key, value)
     configs = a.configs.split(",")
     assert configs[0] == "raw", "the first config is the baseline: raw"
+    parsed = {name: parse_config(name) for name in configs}
+    quest = {n: dataclasses.asdict(SparseAttentionConfig(**p[2])) for n, p in parsed.items() if p[2] is not None}
+    if quest and a.chunk != 1:
+        print(f"(quest configs: perplexity scored one token per decode step, --chunk 1, for every config; "
+              f"--chunk {a.chunk} would read every page)", flush=True)
+        a.chunk = 1
+    # raw and the quest configs share one engine (sparse attention on, prefix caching on): each request's
+    # `sparse_attention` picks its variant ("off" = full KV), and a passkey prompt is prefilled once for all
+    # (quest configs of another dense_layers, an engine-wide setting, share an engine of their own)
+    by_dense: dict[int, list[str]] = {}
+    for n, v in quest.items():
+        by_dense.setdefault(v["dense_layers"], []).append(n)
+    qgroups = list(by_dense.values()) or [[]]
+    groups = [["raw", *qgroups[0]], *qgroups[1:]] + [[n] for n in configs[1:] if n not in quest]
     lengths = [int(x) for x in a.lengths.split(",")]
     depths = [float(x) for x in a.depths.split(",")]
     max_len = max(max(lengths), a.prefill + a.score) + 64
     results, ref_toks = {}, None
-    for name in configs:
+    want = set(a.only or ["ppl", "passkey", "agree"])
+    for group in groups:
         t0 = time.perf_counter()
-        fmt, eviction = parse_config(name)
-        llm = LLM(a.model, dtype=a.dtype, kv_storage=fmt, kv_eviction=eviction, num_pages=-(-max_len * 4 // 16),
-                  max_model_len=max_len, max_num_batched_tokens=max(2048, a.prefill))
+        fmt, eviction, _ = parsed[group[0]]
+        sparse_engine = next((quest[n] for n in group if n in quest), None)
+        variants = {n: quest.get(n, "off") for n in group} if sparse_engine else {group[0]: None}
+        pages = max(-(-max_len * 4 // 16), a.windows * -(-(a.prefill + a.score) // 16) + 64)
+        llm = LLM(a.model, dtype=a.dtype, kv_storage=fmt, kv_eviction=eviction, num_pages=pages,
+                  max_model_len=max_len, max_num_batched_tokens=max(2048, a.prefill),
+                  sparse_attention=sparse_engine,
+                  enable_prefix_caching=len(variants) > 1)
         span = a.prefill + a.score
         windows = [corpus_ids(llm.tokenizer, span, offset=w * span) for w in range(a.windows)]
         prompts = [corpus_ids(llm.tokenizer, 96, offset=20000 + 500 * i) for i in range(a.agree_prompts)]
-        want = set(a.only or ["ppl", "passkey", "agree"])
         keep = eviction["budget"] if eviction else 1.0  # share of prompt slots kept (what crosses the wire)
-        r = {"bytes_per_token_layer": llm.kv_spec.bytes_per_token_layer() * keep, "ppl": None, "passkey": {},
-             "agree": []}
-        if "ppl" in want:
-            r["ppl"] = [perplexity(llm, ids, a.prefill, a.chunk) for ids in windows]
+        keep = keep / a.prefill if keep > 1 else keep
+        rs = {n: {"bytes_per_token_layer": llm.kv_spec.bytes_per_token_layer() * keep, "ppl": None, "passkey": {},
+                  "agree": []} for n in variants}
+        for name, sparse in variants.items():
+            if "ppl" in want:
+                rs[name]["ppl"] = (perplexities_decode(llm, windows, a.prefill, sparse) if a.chunk == 1 else
+                                   [perplexity(llm, ids, a.prefill, a.chunk) for ids in windows])
+                print(f"{name}: ppl {rs[name]['ppl']} [{time.perf_counter() - t0:.0f} s]", flush=True)
         if "passkey" in want:
-            r["passkey"] = passkey(llm, lengths, depths, a.trials, a.seed)
+            cells = passkey(llm, lengths, depths, a.trials, a.seed, variants if len(variants) > 1 else None)
+            for name in variants:
+                rs[name]["passkey"] = cells[name] if len(variants) > 1 else cells
         if "agree" in want:
-            ref_toks_new, r["agree"] = agreement(llm, ref_toks, prompts, a.agree_tokens)
-            ref_toks = ref_toks or ref_toks_new
-        r["seconds"] = time.perf_counter() - t0
-        results[name] = r
-        print(f"{name}: ppl {r['ppl']} passkey {r['passkey']} agree {r['agree']} [{r['seconds']:.0f} s]", flush=True)
+            for name, sparse in variants.items():
+                ref_toks_new, rs[name]["agree"] = agreement(llm, ref_toks, prompts, a.agree_tokens, sparse)
+                ref_toks = ref_toks or ref_toks_new
+        for name, r in rs.items():
+            r["seconds"] = time.perf_counter() - t0  # (the whole group's: its configs share the engine)
+            results[name] = r
+            print(f"{name}: ppl {r['ppl']} passkey {r['passkey']} agree {r['agree']} [{r['seconds']:.0f} s]", flush=True)
+        assert llm.kv_usage()["pages_in_use"] == 0, llm.kv_usage()
     _report(results, a)
 
 
@@ -215,17 +308,38 @@ def _report(results: dict, a) -> None:
         r["ppl_change_pct"] = changes
         change = statistics.mean(changes) if changes else float("nan")
         se = statistics.stdev(changes) / math.sqrt(len(changes)) if len(changes) > 1 else float("nan")
-        gate = GATES.get(name)
+        gate = GATES.get(name, 1.0 if name.startswith("quest:") else None)
         acc = acc_of(r)
         ok = "" if gate is None or math.isnan(change) else ("PASS" if abs(change) < gate else "FAIL")
         agree = r["agree"] or [0]
         print(f"{name:16} {ppl:9.4f} {change:+7.3f}% +-{se:5.3f} {ok:>6} {acc:8.2f} {acc / max(base_acc, 1e-9):7.2f} "
               f"{sum(agree) / len(agree):9.1f}/{min(agree):<5d} "
               f"{r['bytes_per_token_layer'] / base['bytes_per_token_layer']:11.3f}x")
+    _passkey_cells(results)
     out = Path(a.out) if a.out else ROOT / "bench" / "out" / f"kv_quality_{a.dtype}{'_quick' if a.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     print(f"reproduce: .venv/bin/python bench/kv_quality.py {' '.join(sys.argv[1:])}\nwrote {out}")
+
+
+def _passkey_cells(results: dict) -> None:
+    """Passkey accuracy per length@depth cell, each config beside raw (the issue's gate for sparse attention:
+    >= 0.95x raw in every cell)."""
+    cells = list(results["raw"]["passkey"])
+    if not cells:
+        return
+    names = [n for n, r in results.items() if r["passkey"]]
+    print("\npasskey per cell (accuracy; min over cells of config / raw, cells where raw > 0)")
+    print(f"{'cell':14}" + "".join(f"{n[:18]:>19}" for n in names))
+    for c in cells:
+        print(f"{c:14}" + "".join(f"{results[n]['passkey'].get(c, float('nan')):19.2f}" for n in names))
+    ratios = []
+    for n in names:
+        rs = [results[n]["passkey"][c] / results["raw"]["passkey"][c] for c in cells
+              if c in results[n]["passkey"] and results["raw"]["passkey"][c] > 0]
+        results[n]["passkey_min_ratio"] = min(rs) if rs else None
+        ratios.append(f"{min(rs):19.2f}" if rs else f"{'-':>19}")
+    print(f"{'min vs raw':14}" + "".join(ratios))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Keyword arguments are the OpenAI body fields (max_tokens, temperature, top_p, n,
 top_logprobs, presence_penalty, frequency_penalty, stream_options, ...) and vLLM's sampling fields
 (ignore_eos, min_tokens, top_k, min_p, repetition_penalty, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, max_completion_tokens), sent as given at the top level; `pdserve={...}` carries
-pdserve's own options (timeline, return_token_ids, deadline_s, speculative, kv_eviction). The model defaults to the
+pdserve's own options (timeline, return_token_ids, deadline_s, speculative, kv_eviction, sparse_attention). The model defaults to the
 first one `/v1/models` lists. A streamed call opens the connection at once, so HTTP errors raise from the
 call itself; an error the server sends mid-stream raises from the iteration. Errors are typed by status:
 400/413/422 BadRequest, 401/403 Unauthorized, 404 NotFound, 429 Overloaded, 5xx ServerError, no answer

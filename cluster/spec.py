@@ -9,8 +9,8 @@ Shape (only `model` is required; the pools the mode needs must be named; default
                   accelerator_type} (per rank: a replica reserves tensor_parallel x pipeline_parallel of them;
                   accelerator_type: Ray's name of the machine type its nodes must offer), max_num_seqs,
                   max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage, eviction,
-                  prefix_caching},
-                  speculative {proposer, max_draft, adaptive, gate, draft_model} (decode/colocated only)
+                  prefix_caching}, speculative {proposer, max_draft, adaptive, gate, draft_model} and
+                  sparse_attention {method, budget, sink_pages, recent, ...} (both decode/colocated only)
     kv_transfer:  host, auth_token {env | file}, tls {cert_file, key_file, ca_file}, failure_policy,
                   push_timeout_s
     server:       host, port, api_key {env | file}, request_timeout_s, max_queued_requests
@@ -44,7 +44,8 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
 from cluster.spec_model import name_problems, resolve_model_config  # noqa: F401 (re-exported)
 from cluster.spec_sections import (RAY_RESERVED, EvictionSpec, KVPages, ReliabilitySpec, Resources,  # noqa: F401
-                                   RoutingSpec, SpeculativeSpec, _fail_if, _Section, prefix_problems)
+                                   RoutingSpec, SparseAttentionSpec, SpeculativeSpec, _fail_if, _Section,
+                                   prefix_problems, sparse_problems)
 from cluster.spec_autoscaling import AutoscalingSpec, autoscaling_problems
 from engine.config import ModelConfig
 from kv_transfer.config import LOOPBACK_HOSTS, TOKEN_ENV
@@ -124,7 +125,8 @@ class Pool(_Section):
     max_model_len: int | None = Field(None, ge=1, le=1 << 22)  # prompt + output; None: the model's limit
     kv: KVPages = Field(default_factory=KVPages)
     speculative: SpeculativeSpec | None = None  # `speculative:` alone: ngram with defaults
-    _blank_is_default = ("resources", "kv", "speculative")
+    sparse_attention: SparseAttentionSpec | None = None  # decode/colocated; `sparse_attention:` alone: defaults
+    _blank_is_default = ("resources", "kv", "speculative", "sparse_attention")
 
     @model_validator(mode="after")
     def _check(self) -> "Pool":
@@ -270,7 +272,8 @@ class ClusterSpec(_Section):
             problems.append(Problem("pools.decode.kv.page_size", f"{dec.kv.page_size} differs from pools.prefill.kv."
                                     f"page_size {pre.kv.page_size}: kivi4 cells carry a share of their page's key "
                                     f"scales (a page is one key group), so both pools need the same page size"))
-        _fail_if(problems + self._deadline_problems() + prefix_problems(self) + autoscaling_problems(self))
+        _fail_if(problems + self._deadline_problems() + prefix_problems(self) + sparse_problems(self)
+                 + autoscaling_problems(self))
         return self
 
     def _deadline_problems(self) -> list[Problem]:
@@ -329,6 +332,8 @@ class ClusterSpec(_Section):
             kw["pipeline_parallel_size"] = p.pipeline_parallel
         if p.speculative is not None:
             kw["speculative"] = p.speculative.engine_config()
+        if p.sparse_attention is not None:
+            kw["sparse_attention"] = p.sparse_attention.engine_config()
         return kw
 
     def summary(self) -> str:

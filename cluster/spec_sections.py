@@ -1,7 +1,6 @@
 """Parts of the cluster spec (`cluster/spec.py`) that configure the engine of a pool replica: KV pages (size,
-count, storage format, eviction, prefix caching) and draft-verify decoding; a rank's Ray `resources`; the
-`routing` section (prefix-aware
-placement); the `reliability` section (dead-peer detection,
+count, storage format, eviction, prefix caching), sparse decode attention and draft-verify decoding; a
+rank's Ray `resources`; the `routing` section (prefix-aware placement); the `reliability` section (dead-peer detection,
 request recovery, Ray actor restarts), read by `cluster/serving/actors.py` into `RouterConfig` and actor options;
 plus the strict base section every spec model derives from and `_fail_if`, which turns cross-field
 problems into a `SpecError`.
@@ -80,6 +79,59 @@ class Resources(_Section):
     def actor_options(self) -> dict[str, Any]:
         """Keyword arguments for `ActorClass.options(...)`."""
         return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": self.ray_custom()}
+
+
+class SparseAttentionSpec(_Section):
+    """`sparse_attention:` on a decode or colocated pool: decode steps read only the KV pages Quest picks
+    (engine/kv_cache/sparse.py); every token's KV is kept. Requests may change it for themselves
+    (`pdserve.sparse_attention`) only where this is on (the pool then keeps page summaries)."""
+    method: Literal["quest"] = "quest"
+    budget: int = Field(1024, ge=1, le=1 << 22)  # tokens of top-scored pages read; a multiple of kv.page_size
+    sink_pages: int = Field(1, ge=0)  # first pages always read
+    recent: int = Field(64, ge=0)  # the last `recent` slots always read
+    min_context: int = Field(0, ge=0)  # shorter contexts read every page
+    select_per: Literal["kv_head", "row"] = "kv_head"  # row: one choice for all KV heads (the paged kernel)
+    gqa: Literal["max", "sum"] = "max"
+    selection_layers: tuple[int, ...] = ()  # only these layers choose, the others reuse (TidalDecode)
+    dense_layers: int = Field(0, ge=0)  # the first layers read every page (Quest: 2); requests cannot change it
+
+    @field_validator("selection_layers", mode="before")
+    @classmethod
+    def _layers(cls, v: Any) -> Any:
+        if isinstance(v, list):  # YAML lists; strict mode takes tuples only
+            v = tuple(v)
+        if isinstance(v, tuple) and any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in v):
+            raise ValueError(f"must be a list of layer ids >= 0, got {list(v)!r}")
+        return v
+
+    def engine_config(self) -> dict[str, Any]:
+        """The `sparse_attention` keyword of `engine.LLM` (plain data: it crosses to Ray actors)."""
+        return {**self.model_dump(), "selection_layers": list(self.selection_layers)}
+
+
+def sparse_problems(spec) -> list[Problem]:
+    """`ClusterSpec` cross-checks of each pool's sparse attention (keys rooted at the spec)."""
+    return [Problem(f"pools.{name}.{p.key}", p.reason) for name, pool in spec.pools_in_use().items()
+            for p in _pool_sparse_problems(pool, name)]
+
+
+def _pool_sparse_problems(pool, name: str) -> list[Problem]:
+    sa = pool.sparse_attention
+    if sa is None:
+        return []
+    if name == "prefill":
+        return [Problem("sparse_attention", "prefill reads every page (sparse attention is for decode steps); "
+                                            "set it on pools.decode")]
+    out, ps = [], pool.kv.page_size
+    if sa.budget % ps:
+        out.append(Problem("sparse_attention.budget", f"{sa.budget} is not a multiple of kv.page_size ({ps}); "
+                                                      f"use e.g. {max(1, sa.budget // ps) * ps}"))
+    if pool.kv.storage == "kivi4":
+        out.append(Problem("sparse_attention", "kivi4 pages keep no page summaries; use storage raw, int8 or fp8"))
+    if pool.degree > 1:
+        out.append(Problem("sparse_attention", "not with tensor/pipeline parallelism yet (page summaries live in "
+                                               "the single-process KV backend)"))
+    return out
 
 
 class KVPages(_Section):

@@ -42,6 +42,7 @@ class AttnGroup:
     _bias: dict = field(default_factory=dict, repr=False)  # dtype -> additive mask (see mask_bias)
     _host: tuple | None = field(default=None, repr=False)  # see host_rows
     sparse_plan: dict = field(default_factory=dict, repr=False)  # sparse attention's per-step masks (kv_cache/sparse)
+    sparse_rows: list | None = None  # per row: its own sparse config or None (full); None: the backend's for all
 
     def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The page table [batch, pages] and slot counts [batch] as int64 numpy arrays (CPU kernels),
@@ -101,10 +102,11 @@ class SeqLayout:
 def build_context(
     seqs: list[SeqLayout], page_size: int, scale: float, device="cpu",
     sliding_window: int | None = None, observe: dict[str, ObserveSpec] | None = None,
-    bucket_decode: bool = True,
+    bucket_decode: bool = True, sparse: dict | None = None,
 ) -> AttentionContext:
     """bucket_decode=False: decode runs stay one group whatever their lengths (a backend whose decode
-    attention reads each row's own slots, with no padding to save: `RawKVBackend.ragged_decode`)."""
+    attention reads each row's own slots, with no padding to save: `RawKVBackend.ragged_decode`).
+    sparse: request id -> its sparse attention config (None: full), when rows differ from the backend's."""
     write: list[int] = []
     for s in seqs:
         write.extend(_slots(s.pages, page_size, s.num_cached, s.q_len))
@@ -126,6 +128,9 @@ def build_context(
                 groups.append(g)
         start += sum(s.q_len for s in run)
         i = j
+    if sparse is not None:
+        for g in groups:
+            g.sparse_rows = [sparse.get(r) for r in g.request_ids]
     return AttentionContext(torch.tensor(write, dtype=torch.long, device=device), groups, scale)
 
 

@@ -31,6 +31,8 @@ class StepBatch:
     seqs: list[SeqStep]
     return_logits: bool = False
     observe: dict[str, ObserveSpec] | None = None  # request id -> attention statistics to record
+    # request id -> its sparse attention config (None: full); None: every row the backend's own (sparse_config)
+    sparse: dict | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,8 @@ prefill_only=True)` ends HELD with its pages kept until `release_held()`; `reser
 `add_prefilled_request()` join a request whose KV was written into reserved pages by someone else.
 `enable_prefix_caching=True` shares full pages of repeated prefixes between requests
 (`engine/kv_cache/prefix_cache.py`); `prefix_stats()`, `reset_prefix_cache()`. `sparse_attention={"method":
-"quest", "budget": 1024, ...}` lets decode steps read only the pages Quest picks (`engine/kv_cache/sparse.py`).
+"quest", "budget": 1024, ...}` lets decode steps read only the pages Quest picks (`engine/kv_cache/sparse.py`);
+a request's `params.sparse_attention` ("off" or fields) changes it for its own rows (`sparse_config.py`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from engine.kv_cache.prefix_cache import PrefixCache, PrefixSharing, prefix_salt
 from engine.evictor import Evictor
 from engine.kv_cache.eviction_policy import EvictionPolicy
 from engine.kv_cache.sparse import SparseAttentionConfig, install as install_sparse
+from engine.kv_cache.sparse_config import check_for_engine as check_sparse, step_rows as sparse_rows
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
 from engine.model import LlamaForward
@@ -139,7 +141,8 @@ class LLM:
             raise InvalidRequestError("kv_eviction", "not supported on kivi4 pages (compaction would move cells "
                                                      "across the per-page key groups)")
         if prefill_only:
-            params = SamplingParams(max_tokens=1)
+            params = SamplingParams(max_tokens=1)  # (and no sparse attention: prefill reads every page)
+        check_sparse(self.sparse_attention, params.sparse_attention, self.kv_spec.page_size)
         if self.spec is not None:
             self.spec.check(params)  # a per-request proposer this engine cannot run
         if n_prompt >= self.max_model_len:
@@ -276,7 +279,8 @@ class LLM:
             seqs.append(SeqStep(req.request_id, req.token_ids[c.start:c.start + c.num_tokens], c.start,
                                 c.num_cached, self.tables.get(req.request_id).pages,
                                 [c.num_tokens - 1] if c.sample else [], sample))
-        return StepBatch(seqs, return_logits=self.keep_logits, observe=observe or None)
+        return StepBatch(seqs, return_logits=self.keep_logits, observe=observe or None,
+                         sparse=sparse_rows(self.sparse_attention, (c.request for c in sched.chunks)))
 
     def will_evict(self, request_id: str) -> bool:
         """Will this request's prompt KV be thinned at the end of its prefill (policy on, prompt long

@@ -55,7 +55,7 @@ class ModelRunner:
         layouts = [SeqLayout(s.request_id, len(s.token_ids), s.num_cached, s.pages) for s in batch.seqs]
         ctx = build_context(layouts, self.page_size, self.model.scale, self.device,
                             self.model.cfg.sliding_window, batch.observe,
-                            bucket_decode=not getattr(self.backend, "ragged_decode", False))
+                            bucket_decode=not getattr(self.backend, "ragged_decode", False), sparse=batch.sparse)
         hook = None
         if self._layer_hooks:
             def hook(layer: int) -> None:

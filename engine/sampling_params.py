@@ -4,7 +4,8 @@ Validation raises `InvalidRequestError` naming the field; the scheduler and samp
 Fields follow vLLM's names and meaning (the HTTP frontend takes them as top-level body fields):
 `min_tokens` (EOS and `stop_token_ids` are masked, stop strings not searched, until that many tokens),
 `min_p` (drop tokens below min_p x the top token's probability), `include_stop_str_in_output`,
-`skip_special_tokens`, `ignore_eos`, `top_k`, `repetition_penalty`, `stop_token_ids`.
+`skip_special_tokens`, `ignore_eos`, `top_k`, `repetition_penalty`, `stop_token_ids`. pdserve's own:
+`speculative`, `kv_eviction` and `sparse_attention` ("off" or fields over the engine's settings).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: SpecRequestOptions | None = None  # engines without speculation ignore it
     kv_eviction: dict | str | None = None  # "off", or fields overriding the pool's EvictionPolicy
+    sparse_attention: dict | str | None = None  # "off", or fields overriding the engine's (kv_cache/sparse_config)
     min_tokens: int = 0  # no EOS / stop token id / stop string ends the output before this many tokens
     min_p: float = 0.0  # 0 = off; else keep tokens with p >= min_p * max p (after temperature)
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
@@ -96,6 +98,10 @@ class SamplingParams:
 
             if self.kv_eviction != "off":
                 resolve(None, self.kv_eviction)  # a typed error names a bad field
+        if self.sparse_attention is not None:
+            from engine.kv_cache.sparse_config import check_value  # (pure Python)
+
+            check_value(self.sparse_attention)  # the engine checks it against its own config at intake
         o = self.speculative
         if o is not None:
             if not isinstance(o, SpecRequestOptions) or not isinstance(o.enabled, bool):

@@ -15,15 +15,16 @@ stop_token_ids, include_stop_str_in_output, skip_special_tokens, plus max_comple
 `response_format`, `logit_bias`, `use_beam_search`, ...) are accepted only at their neutral value (absent,
 null, false, empty, `{"type": "text"}`) and otherwise answered with a 400 naming them: nothing that would
 change the output is ignored. pdserve's own per-request options live under one `pdserve` object (the
-openai SDK's `extra_body={"pdserve": {...}}`), never as loose fields; its older spellings of five vLLM
-fields (`pdserve.ignore_eos`, `.top_k`, `.repetition_penalty`, `.stop_token_ids`, `.skip_special_tokens`)
+openai SDK's `extra_body={"pdserve": {...}}`), never as loose fields (`kv_eviction` and `sparse_attention`
+take "off" or an object of fields over the pool's settings); its older spellings of five vLLM fields
+(`pdserve.ignore_eos`, `.top_k`, `.repetition_penalty`, `.stop_token_ids`, `.skip_special_tokens`)
 are still accepted, and a request giving one both ways with different values gets a 400. Fields that name
 internal state (reservations, transfer parameters, pages, ...) are rejected wherever they appear: the
 server owns that state, clients never set it.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -78,6 +79,20 @@ class KVEvictionOptions(_Strict):
     slack: int | None = Field(None, ge=1)
 
 
+class SparseAttentionOptions(_Strict):
+    """Per-request sparse decode attention: fields replace the pool's (engine/kv_cache/sparse_config.py).
+    The pool must run with sparse attention on (its pages keep the page summaries); "off" always works.
+    The budget must also be a multiple of the pool's KV page size (checked where the pool is known)."""
+    method: Literal["quest"] | None = None
+    budget: int | None = Field(None, ge=1)  # tokens of top-scored pages read besides sinks and the window
+    sink_pages: int | None = Field(None, ge=0)
+    recent: int | None = Field(None, ge=0)
+    min_context: int | None = Field(None, ge=0)
+    select_per: Literal["kv_head", "row"] | None = None
+    gqa: Literal["max", "sum"] | None = None
+    selection_layers: list[Annotated[int, Field(ge=0)]] | None = None
+
+
 # vLLM field -> its value when absent (or null); pdserve.<field> is an older spelling of the first five
 DEFAULTS: dict[str, Any] = {"ignore_eos": False, "top_k": 0, "repetition_penalty": 1.0, "stop_token_ids": [],
                             "skip_special_tokens": True, "min_tokens": 0, "min_p": 0.0,
@@ -92,6 +107,7 @@ class PdserveOptions(_Strict):
     deadline_s: float | None = Field(None, gt=0)  # abort after this many seconds; finish_reason "timeout"
     speculative: SpeculativeOptions | None = None
     kv_eviction: Literal["off"] | KVEvictionOptions | None = None  # "off" keeps every prompt token
+    sparse_attention: Literal["off"] | SparseAttentionOptions | None = None  # "off": this request reads every page
     # older spellings of the top-level vLLM fields (ALIASES); None: not given here
     ignore_eos: bool | None = None
     top_k: int | None = Field(None, ge=-1)
@@ -199,10 +215,23 @@ def screen_fields(body: Any, kind: Literal["completion", "chat"]) -> dict[str, A
 
 
 def _param(loc: tuple) -> str:
-    """Dotted field path from a pydantic error location, without union member tags."""
-    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in
-                                                                 ("str", "int", "float", "bool", "list", "dict")))]
+    """Dotted field path from a pydantic error location, without union member tags (types, literals and
+    the option models' class names)."""
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _MEMBER_TAGS))]
     return ".".join(parts) or "body"
+
+
+def _first_error(errors: list[dict]) -> dict:
+    """The error to report: the first, unless it only says an object is not the literal of its union
+    (`"off" | {...}`) and the object's own error, deeper in the same field, is listed: that one names the
+    bad key (`pdserve.sparse_attention.budget`, not `pdserve.sparse_attention`)."""
+    first = errors[0]
+    if first["type"] == "literal_error":
+        stem = first["loc"][:-1]
+        for other in errors[1:]:
+            if other["loc"][:len(stem)] == stem and len(other["loc"]) > len(first["loc"]):
+                return other
+    return first
 
 
 def parse_request(body: dict[str, Any], kind: Literal["completion", "chat"]) -> CompletionRequest | ChatRequest:
@@ -210,7 +239,7 @@ def parse_request(body: dict[str, Any], kind: Literal["completion", "chat"]) -> 
     try:
         req = model.model_validate(screen_fields(body, kind))
     except ValidationError as e:
-        err = e.errors()[0]
+        err = _first_error(e.errors())
         raise InvalidRequestError(_param(err["loc"]), err["msg"]) from None
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP:
         raise InvalidRequestError("stop", f"at most {MAX_STOP} stop strings")
@@ -227,6 +256,10 @@ def parse_request(body: dict[str, Any], kind: Literal["completion", "chat"]) -> 
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options", "only allowed with `stream: true`")
     return req
+
+
+_MEMBER_TAGS = {"str", "int", "float", "bool", "list", "dict", SpeculativeOptions.__name__,
+                KVEvictionOptions.__name__, SparseAttentionOptions.__name__}
 
 
 def vllm_field(req: CompletionRequest | ChatRequest, name: str) -> Any:
@@ -254,6 +287,8 @@ def sampling_params(req: CompletionRequest | ChatRequest, choice: int, default_m
         speculative=SpecRequestOptions(**o.speculative.model_dump()) if o.speculative is not None else None,
         kv_eviction=o.kv_eviction if not isinstance(o.kv_eviction, KVEvictionOptions)
         else o.kv_eviction.model_dump(exclude_none=True),
+        sparse_attention=o.sparse_attention if not isinstance(o.sparse_attention, SparseAttentionOptions)
+        else o.sparse_attention.model_dump(exclude_none=True),
         **vllm,
     )
     try:

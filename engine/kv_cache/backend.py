@@ -209,15 +209,12 @@ class RawKVBackend:
 
     def _attend_sparse(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor | None:
         """A decode group through the pages sparse attention chooses, or None if it chooses them all."""
-        s, cfg, plan = self.summaries, self.sparse, g.sparse_plan
-        if cfg.selection_layers and layer not in cfg.selection_layers and "chosen" in plan:
-            sel = plan["chosen"]  # the latest selection layer's pages (TidalDecode-style reuse)
-        else:
-            sel = plan["chosen"] = sparse_attention.select(cfg, s.lo[layer], s.hi[layer], q, g.page_index,
-                                                           g.ctx_lens, self.spec.page_size, plan)
+        s, plan = self.summaries, g.sparse_plan
+        sel = sparse_attention.choose(self.sparse, g.sparse_rows, s.lo[layer], s.hi[layer], q, g.page_index,
+                                      g.ctx_lens, self.spec.page_size, plan, layer)
         if sel is None:
             return None
-        if self.sparse.select_per == "row" and self._takes_kernel(g):  # the chosen pages, read in place
+        if plan["all_row"] and self._takes_kernel(g):  # the chosen pages, read in place
             return self._attend_kernel(layer, q, g, scale, sparse_attention.kernel_rows(sel))
         k, v = self._page_heads(layer, sel.pages)  # [B, kv_heads, S, page_size, head_dim] each
         return sparse_attention.attend_torch(k, v, q, sel, scale)

@@ -10,12 +10,17 @@ layer and group:
      slots always, plus the best pages within `budget` tokens; sorted in page order.
      With `selection_layers` (TidalDecode's idea, with Quest's bounds in place of its full-attention
      scores), only those layers choose; every other layer reuses the latest choice of the step (a layer
-     before the first selection layer chooses for itself).
+     before the first selection layer chooses for itself). The first `dense_layers` layers read everything.
   2. `attend_torch(...)`: gather the chosen pages per (row, KV head) and run one SDPA with a slot mask; or,
      with `select_per="row"` on bf16 CPU pages, the numba/C paged kernel reads the chosen pages in place
      through a shorter page table (`attend_kernel`). The kernel takes one page table per row for all its KV
      heads, so per-KV-head selection (the default) runs on the torch path; a per-(row, head) table would
      need a kernel change (not done).
+Per request: a group may carry each row's own config (`AttnGroup.sparse_rows`, from `StepBatch.sparse`,
+resolved in `sparse_config.py`; None for a row = full attention): budgets, sinks, windows and thresholds
+apply row by row (a row of a smaller budget keeps only its best pages of the group's top-k), rows differing
+in select_per / gqa are scored each its own way, and `choose` lets each row reuse or choose per its own
+selection_layers. The in-place kernel read needs every row on select_per="row".
 Off (full attention, unchanged) for groups of several queries per row (prefill chunks, verify steps),
 observed or windowed groups, rows below `min_context` slots, and whenever every row's pages fit the
 selection anyway -- so a budget >= the context gives full attention exactly. Selection never changes
@@ -23,7 +28,6 @@ what is stored: turning it off gives full attention back.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -32,60 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.cpu_kernels import _bf16_to_f32, _jit, bits
-from engine.errors import InvalidRequestError
-
-_FIELD = "sparse_attention"
-
-
-@dataclass(frozen=True)
-class SparseAttentionConfig:
-    method: str = "quest"  # the only one so far
-    budget: int = 1024  # tokens of top-scored pages read besides the sinks and the recent window
-    sink_pages: int = 1  # first pages always read (attention sinks)
-    recent: int = 64  # the last `recent` slots always read (their pages)
-    min_context: int = 0  # rows with fewer slots read everything
-    select_per: str = "kv_head"  # "kv_head" (Quest) or "row" (one choice for all KV heads: the paged kernel)
-    gqa: str = "max"  # how query heads of one KV head combine their page bounds: "max" or "sum"
-    selection_layers: tuple[int, ...] = ()  # () = every layer chooses; else only these, the others reuse
-
-    def __post_init__(self) -> None:
-        if self.method != "quest":
-            raise InvalidRequestError(f"{_FIELD}.method", f"{self.method!r} is not a method; known: 'quest'")
-        for key in ("budget", "sink_pages", "recent", "min_context"):
-            val = getattr(self, key)
-            if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-                raise InvalidRequestError(f"{_FIELD}.{key}", f"must be an integer >= 0, got {val!r}")
-        if self.budget < 1:
-            raise InvalidRequestError(f"{_FIELD}.budget", "must be >= 1 token")
-        if self.select_per not in ("kv_head", "row"):
-            raise InvalidRequestError(f"{_FIELD}.select_per", f"{self.select_per!r}; use 'kv_head' or 'row'")
-        layers = self.selection_layers
-        if isinstance(layers, list):
-            object.__setattr__(self, "selection_layers", layers := tuple(layers))
-        if not isinstance(layers, tuple) or any(not isinstance(x, int) or isinstance(x, bool) or x < 0 for x in layers):
-            raise InvalidRequestError(f"{_FIELD}.selection_layers", f"must be a list of layer ids >= 0, got {layers!r}")
-        if self.gqa not in ("max", "sum"):
-            raise InvalidRequestError(f"{_FIELD}.gqa", f"{self.gqa!r}; use 'max' or 'sum'")
-
-    @staticmethod
-    def of(value) -> "SparseAttentionConfig | None":
-        """None / "off" -> None; a config passes; a dict is checked key by key (unknown keys named)."""
-        if value is None or value == "off":
-            return None
-        if isinstance(value, SparseAttentionConfig):
-            return value
-        if not isinstance(value, dict):
-            raise InvalidRequestError(_FIELD, f"must be 'off' or a dict of fields, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(SparseAttentionConfig)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"{_FIELD}.{unknown[0]}", f"unknown key; known: {', '.join(sorted(known))}")
-        return SparseAttentionConfig(**value)
+from engine.kv_cache.sparse_config import SparseAttentionConfig, check_page_size  # noqa: F401 (re-exported)
 
 
 def install(backend, allocator, tables, cfg: SparseAttentionConfig) -> None:
     """Turn sparse attention on for an engine's page pool (before any KV is written): the backend keeps
     page summaries, the allocator resets a freed page's, the block tables recompute a rolled-back one's."""
+    check_page_size(cfg, backend.spec.page_size)
     summaries = backend.enable_summaries()
     backend.enable_sparse(cfg)
     allocator.add_free_hook(summaries.reset)
@@ -98,46 +55,96 @@ class Selection:
     slots: torch.Tensor  # [B, kv_heads, S] filled slots of each chosen page read (0 = padding)
 
 
+Rows = list  # per row of a group: its SparseAttentionConfig, or None (full attention); None: all the engine's
+
+
+def choose(cfg: SparseAttentionConfig, rows: Rows | None, lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor,
+           page_index: torch.Tensor, ctx_lens: list[int], page_size: int, plan: dict, layer: int) -> Selection | None:
+    """One layer's pages for a decode group: `select` where a row's config chooses at this layer, the
+    step's latest choice (`plan["chosen"]`) where it reuses it (selection_layers)."""
+    cfgs = rows if rows is not None else [cfg]
+    if layer < cfg.dense_layers:  # (every row's: a request cannot change it)
+        return None
+    if "chosen" in plan:
+        prev = plan["chosen"]
+        reuse = [c is not None and not c.chooses_at(layer) for c in cfgs]
+        if prev is None or all(r for r, c in zip(reuse, cfgs) if c is not None):
+            return prev  # (None: every row reads all its pages this step)
+    sel = select(cfg, lo, hi, q, page_index, ctx_lens, page_size, plan, rows)
+    if "chosen" in plan and sel is not None and any(reuse):  # rows of different selection layers
+        keep = torch.tensor(reuse).view(-1, 1, 1)
+        sel = Selection(torch.where(keep, prev.pages, sel.pages), torch.where(keep, prev.slots, sel.slots))
+    plan["chosen"] = sel
+    return sel
+
+
 def select(cfg: SparseAttentionConfig, lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor,
-           page_index: torch.Tensor, ctx_lens: list[int], page_size: int, plan: dict | None = None) -> Selection | None:
+           page_index: torch.Tensor, ctx_lens: list[int], page_size: int, plan: dict | None = None,
+           rows: Rows | None = None) -> Selection | None:
     """lo/hi [num_pages, kv_heads, D] (one layer's summaries); q [B, q_heads, D]; page_index [B, P].
     None when every row reads all its pages anyway. `plan`: a dict kept for the step (`AttnGroup.sparse_plan`)
-    where what does not depend on the layer is made once."""
+    where what does not depend on the layer is made once. `rows`: each row's own config (None: full)."""
     plan = {} if plan is None else plan
     if "s" not in plan:
-        plan.update(_plan(cfg, page_index, ctx_lens, page_size))
+        plan.update(_plan(rows if rows is not None else [cfg] * len(ctx_lens), page_index, ctx_lens, page_size))
     if plan["s"] is None:
         return None
     b, p = page_index.shape
     h, s = lo.shape[1], plan["s"]
-    scores = _bounds(cfg, lo, hi, q, page_index)  # [B, P, kv_heads]
+    if plan["gqa_sum"] is None:
+        scores = _bounds(plan["gqa"], lo, hi, q, page_index)  # [B, P, kv_heads]
+    else:  # rows of both kinds: score both ways, each row takes its own
+        scores = torch.where(plan["gqa_sum"], _bounds(_SUM, lo, hi, q, page_index), _bounds(_MAX, lo, hi, q, page_index))
     scores = scores.masked_fill(plan["forced"], float("inf")).masked_fill(plan["invalid"], float("-inf"))
-    if cfg.select_per == "row":
-        scores = scores.sum(-1, keepdim=True)  # one choice per row (inf/-inf survive the sum)
-    idx = scores.topk(s, dim=1).indices.sort(dim=1).values  # [B, S, kv_heads or 1]
-    idx = idx.expand(b, s, h).transpose(1, 2)  # [B, kv_heads, S]
-    pages = page_index.unsqueeze(1).expand(b, h, p).gather(2, idx)
+    if plan["row_mode"] is not None:  # one choice per row for all its KV heads (inf/-inf survive the sum)
+        summed = scores.sum(-1, keepdim=True)
+        scores = summed if plan["all_row"] else torch.where(plan["row_mode"], summed.expand_as(scores), scores)
+    top = scores.topk(s, dim=1).indices  # [B, S, kv_heads or 1], best first
+    if plan["keep"] is not None:  # rows of smaller budgets drop their worst: index p sorts after every page
+        top = top.masked_fill(torch.arange(s).view(1, s, 1) >= plan["keep"], p)
+    idx = top.sort(dim=1).values.expand(b, s, h).transpose(1, 2)  # [B, kv_heads, S]
+    pages = page_index.unsqueeze(1).expand(b, h, p).gather(2, idx.clamp(max=p - 1))
     last, tail = plan["last"], plan["tail"]  # [B, 1, 1] each
     slots = torch.where(idx == last, tail, torch.full_like(idx, page_size)).masked_fill(idx > last, 0)
     return Selection(pages.masked_fill(idx > last, 0), slots)
 
 
-def _plan(cfg: SparseAttentionConfig, page_index: torch.Tensor, ctx_lens: list[int], ps: int) -> dict:
-    """The layer-independent part of a group's choice: how many pages each row reads (s; None: all), which
-    pages are forced (sinks, recent window, rows below min_context) and which are padding."""
+_MAX, _SUM = SparseAttentionConfig(gqa="max"), SparseAttentionConfig(gqa="sum")
+
+
+def _plan(cfgs: Rows, page_index: torch.Tensor, ctx_lens: list[int], ps: int) -> dict:
+    """The layer-independent part of a group's choice: how many pages each row reads (s: the most; None:
+    every row reads all), which pages are forced (sinks, recent window, rows below min_context or with no
+    config) and which are padding; per-row kinds where rows differ (select_per, gqa)."""
     b, p = page_index.shape
     n_pages = [-(-n // ps) for n in ctx_lens]
-    s = min(p, cfg.sink_pages + cfg.budget // ps + -(-cfg.recent // ps) + 1)  # +1: a window straddles pages
-    s = max(s, max((n for n, c in zip(n_pages, ctx_lens) if c < cfg.min_context), default=0))
-    if s >= max(n_pages):
+    full = [c is None or n < c.min_context for c, n in zip(cfgs, ctx_lens)]
+    # +1: a recent window straddles pages
+    s_row = [n if f else min(n, c.sink_pages + c.budget // ps + -(-c.recent // ps) + 1)
+             for c, n, f in zip(cfgs, n_pages, full)]
+    if all(sr >= n for sr, n in zip(s_row, n_pages)):
         return {"s": None}
+    s = max(s_row)
+    live = [c for c in cfgs if c is not None]
     j = torch.arange(p).view(1, p)
     npg = torch.tensor(n_pages).view(b, 1)
-    first_recent = torch.tensor([max(0, c - cfg.recent) // ps for c in ctx_lens]).view(b, 1)
-    below = torch.tensor([c < cfg.min_context for c in ctx_lens]).view(b, 1)
-    forced = (j < cfg.sink_pages) | (j >= first_recent) | below  # [B, P]
-    return {"s": s, "forced": forced.unsqueeze(-1), "invalid": (j >= npg).unsqueeze(-1),
-            "last": (npg - 1).view(b, 1, 1), "tail": (torch.tensor(ctx_lens).view(b, 1) - (npg - 1) * ps).view(b, 1, 1)}
+    sinks = torch.tensor([c.sink_pages if c is not None else 0 for c in cfgs]).view(b, 1)
+    first_recent = torch.tensor([max(0, n - c.recent) // ps if c is not None else 0
+                                 for c, n in zip(cfgs, ctx_lens)]).view(b, 1)
+    forced = (j < sinks) | (j >= first_recent) | torch.tensor(full).view(b, 1)  # [B, P]
+    per_row = [c.select_per == "row" for c in live]
+    sums = [c.gqa == "sum" for c in live]
+    plan = {"s": s, "forced": forced.unsqueeze(-1), "invalid": (j >= npg).unsqueeze(-1),
+            "last": (npg - 1).view(b, 1, 1), "tail": (torch.tensor(ctx_lens).view(b, 1) - (npg - 1) * ps).view(b, 1, 1),
+            "keep": None, "row_mode": None, "all_row": all(per_row),
+            "gqa": _SUM if all(sums) else _MAX, "gqa_sum": None}
+    if any(sr < min(s, n) for sr, n in zip(s_row, n_pages)):
+        plan["keep"] = torch.tensor(s_row).view(b, 1, 1)
+    if any(per_row):
+        plan["row_mode"] = torch.tensor([c is not None and c.select_per == "row" for c in cfgs]).view(b, 1, 1)
+    if any(sums) and not all(sums):
+        plan["gqa_sum"] = torch.tensor([c is not None and c.gqa == "sum" for c in cfgs]).view(b, 1, 1)
+    return plan
 
 
 def _bounds(cfg, lo, hi, q, page_index) -> torch.Tensor:

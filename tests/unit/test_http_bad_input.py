@@ -99,6 +99,13 @@ ROWS = {
     "beam search": ({"use_beam_search": True}, 400, "use_beam_search"),
     "max_draft past 16": ({"pdserve": {"speculative": {"max_draft": 99}}}, 400, "pdserve.speculative.max_draft"),
     "eviction budget negative": ({"pdserve": {"kv_eviction": {"budget": -1.0}}}, 400, "pdserve.kv_eviction"),
+    "sparse budget zero": ({"pdserve": {"sparse_attention": {"budget": 0}}}, 400, "pdserve.sparse_attention.budget"),
+    "sparse unknown method": ({"pdserve": {"sparse_attention": {"method": "x"}}}, 400,
+                              "pdserve.sparse_attention.method"),
+    "sparse unknown key": ({"pdserve": {"sparse_attention": {"bugdet": 64}}}, 400, "pdserve.sparse_attention.bugdet"),
+    # the served engine runs with sparse attention off: fields (not "off") are refused, naming the option
+    "sparse on a pool without it": ({"pdserve": {"sparse_attention": {"budget": 64}}}, 400,
+                                    "pdserve.sparse_attention"),
     # fields naming internal state
     "request_id": ({"request_id": "r-1"}, 400, "request_id"),
     "nonce": ({"nonce": "00"}, 400, "nonce"),
