@@ -57,3 +57,13 @@ def assert_logits_close(reference: torch.Tensor, actual: torch.Tensor, upto: int
     diff = float((reference[:upto].float() - actual[:upto].float()).abs().max()) if upto else 0.0
     assert diff <= atol, f"logits differ by {diff:.3e} (> {atol}) within the first {upto} positions"
     return diff
+
+
+def plain_reference(llm, prompts, params) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt generated alone on `llm` (built with keep_logits=True): its tokens and the logits that
+    chose them, the oracle `assert_greedy_equal` tolerates near-ties against; the engine ends empty."""
+    from tests.conftest import assert_engine_empty
+
+    outs = [llm.generate(p, params)[0] for p in prompts]
+    assert_engine_empty(llm)
+    return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]

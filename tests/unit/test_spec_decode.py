@@ -16,7 +16,7 @@ import torch
 from engine import SamplingParams
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
-from tests.exactness import assert_greedy_equal
+from tests.exactness import assert_greedy_equal, plain_reference
 from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -55,10 +55,7 @@ def make(tiny_dir, spec=None, **kw):
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
     """Plain greedy outputs and their logits, alone (the oracles' futures come from these)."""
-    llm = make(tiny_dir, keep_logits=True)
-    outs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
-    assert_engine_empty(llm)
-    return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
+    return plain_reference(make(tiny_dir, keep_logits=True), PROMPTS, GREEDY)
 
 
 def spec_config(name: str, reference, draft_dir, tiny_dir, **kw) -> dict:

@@ -21,7 +21,7 @@ from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
-from tests.exactness import assert_greedy_equal
+from tests.exactness import assert_greedy_equal, plain_reference
 from tests.kv_helpers import close_all, ship_all
 from tests.tiny_models import write_tiny
 from tests.unit.test_spec_verify import chi_square_pvalue
@@ -54,10 +54,7 @@ def make(tiny_dir, options=None, **kw):
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
-    llm = make(tiny_dir, keep_logits=True)
-    outs = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
-    assert_engine_empty(llm)
-    return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
+    return plain_reference(make(tiny_dir, keep_logits=True), PROMPTS, GREEDY)
 
 
 def finish(llm) -> None:
