@@ -66,20 +66,18 @@ async def _stream(router, rid, prompt, params, first: asyncio.Event, out: dict) 
         out[rid] = (type(e).__name__, toks)
 
 
-async def _round(router, prompts, params, tag, kill=None) -> tuple[dict, float | None]:
+async def _round(router, prompts, params, tag, kill=None) -> dict:
     """Every prompt streams; `kill` (a coroutine function) runs once each has a token. Returns outputs by
-    request id and the kill's time."""
+    request id."""
     firsts = [asyncio.Event() for _ in prompts]
     out: dict = {}
     tasks = [asyncio.create_task(_stream(router, f"{tag}-{i}", p, params, firsts[i], out))
              for i, p in enumerate(prompts)]
     await asyncio.gather(*(f.wait() for f in firsts))
-    t_kill = None
     if kill is not None:
-        t_kill = time.monotonic()
         await kill()
     await asyncio.gather(*tasks)
-    return out, t_kill
+    return out
 
 
 async def _leftovers(router, timeout_s=30.0) -> dict:
@@ -123,7 +121,7 @@ async def _kill_cycles(router, role, prompts, params, reference, cycles, rows) -
         async def kill():
             os.kill(pid, signal.SIGKILL)
             watcher.append(asyncio.create_task(watch(time.monotonic())))
-        out, _ = await _round(router, prompts, params, f"{role}{c}", kill)
+        out = await _round(router, prompts, params, f"{role}{c}", kill)
         await watcher[0]
         healed, seen = marks.get("healed", float("inf")), marks.get("seen", float("inf"))
         left = await _leftovers(router)
@@ -153,7 +151,7 @@ async def run_spec(path: str, roles: list[str] | None, cycles: int, streams: int
     prompts = _prompts(streams)
     rows: list[dict] = []
     try:
-        ref_out, _ = await _round(router, prompts, params, "ref")
+        ref_out = await _round(router, prompts, params, "ref")
         reference = [ref_out[f"ref-{i}"][1] for i in range(streams)]
         for role in [r for r in router.workers if roles is None or r in roles]:
             await _kill_cycles(router, role, prompts, params, reference, cycles, rows)
