@@ -32,7 +32,8 @@ linear-interpolated percentiles; GuideLLM's inter_token_latency_ms, the same per
 weighted by tokens - 1 (equal weights at a fixed output length), nearest-rank percentiles; AIPerf's
 inter_token_latency, (request latency - TTFT) / (tokens - 1). TTFT: first token-carrying chunk minus send,
 for all three. The clients run on the same cores as the server: AIPerf with one worker and one record
-processor to keep its footprint near the others'. Each client runs under `nice -n --client-nice` (default 10):
+processor to keep its footprint near the others'. Each client, and pdserve bench's load generator too (a forked
+child), runs under `nice -n --client-nice` (default 10):
 on a 2-core machine GuideLLM's own CPU use (its scheduler and tokenizer loops) took cycles from the server's
 workers and showed up as the server's ITL (4.08x and 3.16x pdserve bench's at 0.4 req/s, run at nice 0),
 where a real deployment puts the load generator on another machine. --client-nice 0 measures the old way.
@@ -42,11 +43,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -169,12 +172,26 @@ def run_aiperf(bin_dir: Path, ctx: dict, rate: float, out: Path) -> ClientResult
 
 
 # ---- pdserve bench's own load generator ----------------------------------------------------------------
+_CHILD_CTX: dict = {}  # what a forked load-generator child reads (set before the fork; never pickled)
+
+
 def run_pdserve(ctx: dict, rate: float, round_no: int, warm_up: bool = False) -> list:
     """N requests at `rate` (constant gaps), their records; `warm_up`: 3 requests one at a time. Each call
-    its own round of prompts (a prefix cache never serves one run from another's)."""
+    its own round of prompts (a prefix cache never serves one run from another's). It runs in a forked child
+    at the clients' niceness: every load generator gets the same CPU priority, so a TTFT difference is the
+    client's and not the scheduler's (a niced client's timestamps wait behind the busy server's workers)."""
+    _CHILD_CTX.clear()
+    _CHILD_CTX.update(ctx)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"), initializer=os.nice,
+                             initargs=(CLIENT_NICE,)) as pool:
+        return pool.submit(_pdserve_load, rate, round_no, warm_up).result()
+
+
+def _pdserve_load(rate: float, round_no: int, warm_up: bool) -> list:
     from cluster.bench.loadgen import Target, run_load, run_sequential
     from cluster.bench.workload import RequestSpec
 
+    ctx = _CHILD_CTX
     n = 3 if warm_up else ctx["n"]
     reqs = [RequestSpec(i, i / rate, ctx["input"], ctx["output"], (), round_no) for i in range(n)]
     target = Target(ctx["url"], ctx["model"], pdserve=True, timeout_s=ctx["timeout"])

@@ -252,5 +252,5 @@ def _results(st: _State) -> SimResult:
     for i, r in enumerate(st.reqs):
         ttft = st.first[i] - r.arrival
         tpot = (st.done[i] - st.first[i]) / (r.output_len - 1) if r.output_len > 1 else 0.0
-        out.append(RequestResult(r.arrival, ttft, tpot, st.done[i] - r.arrival))
+        out.append(RequestResult(r.arrival, ttft, tpot, st.done[i] - r.arrival, r.input_len, r.output_len))
     return SimResult(tuple(out), max(st.done))
