@@ -174,7 +174,10 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default=str(ROOT / "deploy" / "colocated.yaml"))
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--minutes", type=float, default=15.0, help="length of each run (low / high / low thirds)")
-    ap.add_argument("--rates", default="0.4,2.5,0.4", help="req/s of each step")
+    # the high step within what 2 replicas serve here: at 2.5 req/s the static 2-replica run met the SLO for
+    # only 59% of requests (a backlog from ~330 s to ~650 s) while the autoscaled one held: both runs were at
+    # the edge of the machine, and the comparison measured which backlog happened to build, not the autoscaler
+    ap.add_argument("--rates", default="0.4,2.0,0.4", help="req/s of each step (low, high, low)")
     ap.add_argument("--input-scale", type=float, default=0.25)
     ap.add_argument("--output-scale", type=float, default=0.25)
     ap.add_argument("--num-cpus", type=float, default=0.5)

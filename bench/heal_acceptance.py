@@ -80,17 +80,6 @@ async def _round(router, prompts, params, tag, kill=None) -> dict:
     return out
 
 
-async def _leftovers(router, timeout_s=30.0) -> dict:
-    end = time.monotonic() + timeout_s
-    while True:
-        stats = await router.worker_stats()
-        left = {n: s for n, s in stats.items() if s.pages_in_use or s.reservations or s.running or s.waiting
-                or getattr(s, "held", 0) or getattr(s, "sending", 0) or getattr(s, "receiving", 0)}
-        if not left and not router.flights.by_wid or time.monotonic() > end:
-            return left
-        await asyncio.sleep(0.1)
-
-
 def _ray_leftovers(router) -> str:
     """'' when Ray's live actors are exactly the router's live workers, else what differs."""
     from ray._private import state
@@ -124,7 +113,7 @@ async def _kill_cycles(router, role, prompts, params, reference, cycles, rows) -
         out = await _round(router, prompts, params, f"{role}{c}", kill)
         await watcher[0]
         healed, seen = marks.get("healed", float("inf")), marks.get("seen", float("inf"))
-        left = await _leftovers(router)
+        left = await router.leftovers(30.0)
         ok = [rid for rid, (end, _) in out.items() if end == "ok"]
         equal = sum(out[f"{role}{c}-{i}"][1] == ref for i, ref in enumerate(reference)
                     if out[f"{role}{c}-{i}"][0] == "ok")

@@ -27,7 +27,7 @@ The paper's inputs, as its artifact (github.com/Mutinifni/splitwise-sim) states 
              Baseline-H100 reaches at that power (cost-optimized and power-optimized)
 
 Order: (1) per model and trace, each machine type's per-instance goodputs at the SLO (prompt machine: TTFT;
-token machine: TPOT; baseline machine: both) from the planner's simulator (`search._measure`, the
+token machine: TPOT; baseline machine: both) from the planner's simulator (`search.measure_phase`, the
 planner's fine pass); (2) per design and objective, integer machine counts (prompt, token) within the
 budget that maximise min(n_p x g_p, n_t x g_t) (colocated: n x g); (3) with --verify, each chosen
 design's whole plan is simulated at its throughput (`placement.simulate_plan`, KV moved between machine
@@ -56,7 +56,7 @@ from cluster.planner.metrics import SLO, SlowdownSLO, percentile  # noqa: E402
 from cluster.planner.models import load_model  # noqa: E402
 from cluster.planner.parallel import instance_memory  # noqa: E402
 from cluster.planner.profiles import latency_model  # noqa: E402
-from cluster.planner.search import PlanRequest, _measure  # noqa: E402
+from cluster.planner.search import PlanRequest, measure_phase  # noqa: E402
 from cluster.planner.workload import clamp, subsample, trace_lengths  # noqa: E402
 
 # ../shared/workloads beside the checkout (a worktree under wt/ sits one level deeper)
@@ -105,7 +105,7 @@ def per_instance(model, pairs, slo: SLO) -> tuple[dict[tuple[str, str], float], 
                 continue  # H100cap serves token machines only (the paper's HHcap)
             kreq = replace(req, slo=phase_slo(slo, kind))
             out[(machine, kind)], budget_of[(machine, kind)] = max(
-                (_measure(kreq, kind, mem, b, FINE)[0].goodput, b) for b in budgets)
+                (measure_phase(kreq, kind, mem, b, FINE)[0].goodput, b) for b in budgets)
     return out, budget_of
 
 

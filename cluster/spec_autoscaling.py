@@ -8,6 +8,7 @@ it into the frozen `AutoscaleConfig` the pure policy (`cluster/serving/autoscale
       window_s: 60               # the sliding window of recent requests the rate, mix and latencies come from
       scale_up_cooldown_s: 30    # after any change of a pool, no scale-up for this long...
       scale_down_cooldown_s: 120 # ...and no scale-down for this long (shrinking too soon is what flaps)
+      scale_up_tolerance: 0.1    # no scale-up while the forecast rate / 1.1 still fits the current replicas
       scale_down_headroom: 0.2   # hysteresis: shrink only if the forecast rate x 1.2 still fits fewer replicas
       scale_down_stable_intervals: 3   # ...in this many decisions in a row
       min_samples: 10            # finished requests a window needs before latencies correct the model
@@ -51,6 +52,7 @@ class AutoscalingSpec(_Section):
     window_s: float = Field(60.0, gt=0, le=86400)
     scale_up_cooldown_s: float = Field(30.0, ge=0, le=86400)
     scale_down_cooldown_s: float = Field(120.0, ge=0, le=86400)
+    scale_up_tolerance: float = Field(0.1, ge=0, le=1)
     scale_down_headroom: float = Field(0.2, ge=0, le=10)
     scale_down_stable_intervals: int = Field(3, ge=1, le=1000)
     min_samples: int = Field(10, ge=1, le=100000)

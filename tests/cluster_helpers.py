@@ -26,16 +26,9 @@ async def collect(router, rid, prompt, params, model, **kw):
 async def assert_cluster_empty(router, timeout_s: float = 10.0) -> dict:
     """Every worker: no pages, reservations, requests or transfers left (cleanup calls are asynchronous,
     so this waits up to `timeout_s`); the router holds no request. Returns the workers' final stats."""
-    end = time.monotonic() + timeout_s
-    while True:
-        stats = await router.worker_stats()
-        left = {name: s for name, s in stats.items()
-                if s.pages_in_use or s.reservations or s.running or s.waiting
-                or getattr(s, "held", 0) or getattr(s, "sending", 0) or getattr(s, "receiving", 0)}
-        if not left and not router.flights.by_wid and not router.flights.waiting:
-            return stats
-        assert time.monotonic() < end, f"workers still hold state: {left}; flights {list(router.flights.by_wid)}"
-        await asyncio.sleep(0.05)
+    left = await router.leftovers(timeout_s)
+    assert not left, f"workers still hold state: {left}"
+    return await router.worker_stats()
 
 
 @contextlib.asynccontextmanager

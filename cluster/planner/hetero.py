@@ -29,7 +29,7 @@ from cluster.planner.hardware import Hardware
 from cluster.planner.kv_link import cross_type_bandwidth
 from cluster.planner.parallel import instance_configs
 from cluster.planner.plans import PhaseChoice, Plan
-from cluster.planner.search import PlanRequest, _phase_choices
+from cluster.planner.search import PlanRequest, phase_choices
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def measure_types(req: PlanRequest, hws: list[Hardware]) -> tuple[dict[str, dict
         rejected += [f"{hw.name}: {r}" for r in rej]
         if not configs:
             continue
-        phases, _ = _phase_choices(rh, configs)
+        phases, _ = phase_choices(rh, configs)
         out[hw.name] = {k: [replace(c, hardware=hw.name) for c in v] for k, v in phases.items()}
     if not out:
         names = ", ".join(h.name for h in hws)
@@ -103,7 +103,7 @@ def measure_types(req: PlanRequest, hws: list[Hardware]) -> tuple[dict[str, dict
 def _cross(req: PlanRequest, p: PhaseChoice, d: PhaseChoice, n_p: int, n_d: int) -> Plan | None:
     link = cross_type_bandwidth(req.hw_of(p.hardware), req.hw_of(d.hardware), p, d)
     shell = Plan("disaggregated", "cross-type", ((p, 1), (d, 1)), p.parallel.gpus + d.parallel.gpus, link)
-    return placement._resized(req, shell, [(p, n_p), (d, n_d)])
+    return placement.resized_plan(req, shell, [(p, n_p), (d, n_d)])
 
 
 def rate_candidates(req: PlanRequest, phases: dict) -> list[Plan]:
@@ -115,13 +115,13 @@ def rate_candidates(req: PlanRequest, phases: dict) -> list[Plan]:
                 for d in dk["decode"]:
                     if pt == dt:
                         rh = replace(req, hw=req.hw_of(pt))
-                        one = placement._independent(rh, p, d)
-                        plans += ([one] if one else []) + placement._co_node(rh, p, d)
+                        one = placement.independent_plan(rh, p, d)
+                        plans += ([one] if one else []) + placement.co_node_plans(rh, p, d)
                     else:
                         one = _cross(req, p, d, math.ceil(req.rate / p.goodput), math.ceil(req.rate / d.goodput))
                         plans += [one] if one else []
         for c in pk["colocated"]:
-            one = placement._colocated(replace(req, hw=req.hw_of(pt)), c)
+            one = placement.colocated_plan(replace(req, hw=req.hw_of(pt)), c)
             plans += [one] if one else []
     return plans
 
@@ -145,7 +145,7 @@ def budget_candidates(req: PlanRequest, phases: dict, budget: Budget) -> tuple[l
                         b = min(req.total_gpus // d.parallel.gpus, math.ceil(a * p.goodput / d.goodput))
                         one = _cross(req, p, d, a, max(1, b)) if pt != dt else _same_type(req, p, d, a, max(1, b))
                         while one is not None and _spend(req, one, budget) > budget.limit and one.pools[1][1] > 1:
-                            one = placement._resized(req, one, [(p, a), (d, one.pools[1][1] - 1)])
+                            one = placement.resized_plan(req, one, [(p, a), (d, one.pools[1][1] - 1)])
                         if one is None:
                             continue
                         if cheapest is None or _spend(req, one, budget) < _spend(req, cheapest, budget):
@@ -155,7 +155,7 @@ def budget_candidates(req: PlanRequest, phases: dict, budget: Budget) -> tuple[l
                     plans += [best] if best else []
         for c in pk["colocated"]:
             rh = replace(req, hw=req.hw_of(pt))
-            top = placement._colocated(replace(rh, rate=c.goodput * rh.total_gpus), c)
+            top = placement.colocated_plan(replace(rh, rate=c.goodput * rh.total_gpus), c)
             for n in range(top.pools[0][1] if top else 0, 0, -1):
                 one = Plan("colocated", "colocated", ((c, n),), n * c.parallel.gpus)
                 if cheapest is None or _spend(req, one, budget) < _spend(req, cheapest, budget):
@@ -170,7 +170,7 @@ def _same_type(req: PlanRequest, p: PhaseChoice, d: PhaseChoice, a: int, b: int)
     hw = req.hw_of(p.hardware)
     bw = (hw.inter_node_bw if req.nodes > 1 else hw.intra_node_bw) * min(p.parallel.gpus, d.parallel.gpus)
     shell = Plan("disaggregated", "independent", ((p, 1), (d, 1)), p.parallel.gpus + d.parallel.gpus, bw)
-    return placement._resized(req, shell, [(p, a), (d, b)])
+    return placement.resized_plan(req, shell, [(p, a), (d, b)])
 
 
 def _design(req: PlanRequest, plan: Plan, goodput: float) -> Design:
@@ -189,10 +189,10 @@ def _verify_rate(req: PlanRequest, plans: list[Plan], objective: str) -> list[De
         mine = sorted((p for p in plans if _family(p) == fam and p.goodput >= req.rate), key=key)
         passing = []
         for plan in mine[:req.verify_per_mode]:
-            runs = placement._bumped_until_ok(req, plan)
+            runs = placement.bumped_until_ok(req, plan)
             passing += [r for r in runs if r.attainment >= req.slo.attainment]
         if passing:
-            passing += [r for r in placement._shrunk(req, min(passing, key=key)) if r.attainment >= req.slo.attainment]
+            passing += [r for r in placement.shrunk_plans(req, min(passing, key=key)) if r.attainment >= req.slo.attainment]
             best = min(passing, key=key)
             designs.append(_design(req, best, best.goodput))
     return designs

@@ -50,7 +50,7 @@ def _stages(c: PhaseChoice, n: int) -> list[int]:
     return [c.parallel.tp] * (c.parallel.pp * n)
 
 
-def _independent(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> Plan | None:
+def independent_plan(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> Plan | None:
     """Replicas for the target rate; when those do not fit the GPUs, the split that serves the most
     within them (a whole plan serves more than its instances alone, so it may still meet the rate)."""
     per_device = req.hw.inter_node_bw if req.nodes > 1 else req.hw.intra_node_bw
@@ -71,7 +71,7 @@ def _independent(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> Plan | N
     return None
 
 
-def _co_node(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> list[Plan]:
+def co_node_plans(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> list[Plan]:
     if req.nodes < 2 or p.parallel.pp != d.parallel.pp:
         return []
     g, pp, out = req.gpus_per_node, p.parallel.pp, []
@@ -86,7 +86,7 @@ def _co_node(req: "PlanRequest", p: PhaseChoice, d: PhaseChoice) -> list[Plan]:
     return out
 
 
-def _colocated(req: "PlanRequest", c: PhaseChoice) -> Plan | None:
+def colocated_plan(req: "PlanRequest", c: PhaseChoice) -> Plan | None:
     n = min(math.ceil(req.rate / c.goodput), req.total_gpus // c.parallel.gpus)
     while n >= 1 and not _packs(_stages(c, n), req.nodes, req.gpus_per_node):
         n -= 1
@@ -99,9 +99,9 @@ def candidate_plans(req: "PlanRequest", phases: dict[str, list[PhaseChoice]]) ->
     plans: list[Plan] = []
     for p in phases["prefill"]:
         for d in phases["decode"]:
-            plan = _independent(req, p, d)
-            plans += ([plan] if plan else []) + _co_node(req, p, d)
-    plans += [x for x in (_colocated(req, c) for c in phases["colocated"]) if x]
+            plan = independent_plan(req, p, d)
+            plans += ([plan] if plan else []) + co_node_plans(req, p, d)
+    plans += [x for x in (colocated_plan(req, c) for c in phases["colocated"]) if x]
     return plans
 
 
@@ -143,14 +143,14 @@ def _bump(req: "PlanRequest", plan: Plan, result) -> Plan | None:
     pools = list(plan.pools)
     if plan.placement == "co-node":
         units = math.gcd(pools[0][1], pools[1][1])
-        return _resized(req, plan, [(c, n + n // units) for c, n in pools])
+        return resized_plan(req, plan, [(c, n + n // units) for c, n in pools])
     k = 0
     if plan.mode == "disaggregated" and result.ttft_attainment(req.slo) >= result.tpot_attainment(req.slo):
         k = 1
-    return _resized(req, plan, [(c, n + (j == k)) for j, (c, n) in enumerate(pools)])
+    return resized_plan(req, plan, [(c, n + (j == k)) for j, (c, n) in enumerate(pools)])
 
 
-def _resized(req: "PlanRequest", plan: Plan, pools: list) -> Plan | None:
+def resized_plan(req: "PlanRequest", plan: Plan, pools: list) -> Plan | None:
     """The plan with other replica counts, if they fit: each machine type packs into its own nodes."""
     if any(n < 1 for _, n in pools):
         return None
@@ -170,8 +170,8 @@ def _scaled(req: "PlanRequest", plan: Plan, factor: float) -> Plan | None:
     if plan.placement == "co-node":
         units = math.gcd(pools[0][1], pools[1][1])
         keep = max(1, math.ceil(units * factor))
-        return _resized(req, plan, [(c, n // units * keep) for c, n in pools])
-    return _resized(req, plan, [(c, max(1, math.ceil(n * factor))) for c, n in pools])
+        return resized_plan(req, plan, [(c, n // units * keep) for c, n in pools])
+    return resized_plan(req, plan, [(c, max(1, math.ceil(n * factor))) for c, n in pools])
 
 
 def _trims(req: "PlanRequest", plan: Plan) -> list[Plan]:
@@ -179,10 +179,10 @@ def _trims(req: "PlanRequest", plan: Plan) -> list[Plan]:
     pools = list(plan.pools)
     if plan.placement == "co-node":
         units = math.gcd(pools[0][1], pools[1][1])
-        out = [_resized(req, plan, [(c, n - n // units) for c, n in pools])]
+        out = [resized_plan(req, plan, [(c, n - n // units) for c, n in pools])]
     else:
         order = sorted(range(len(pools)), key=lambda k: -pools[k][0].parallel.gpus)
-        out = [_resized(req, plan, [(c, n - (k == j)) for k, (c, n) in enumerate(pools)]) for j in order]
+        out = [resized_plan(req, plan, [(c, n - (k == j)) for k, (c, n) in enumerate(pools)]) for j in order]
     return [p for p in out if p is not None]
 
 
@@ -191,7 +191,7 @@ def _checked(req: "PlanRequest", plan: Plan) -> Plan:
     return Plan(plan.mode, plan.placement, plan.pools, plan.gpus, plan.link_bw, result.attainment(req.slo), result)
 
 
-def _bumped_until_ok(req: "PlanRequest", plan: Plan) -> list[Plan]:
+def bumped_until_ok(req: "PlanRequest", plan: Plan) -> list[Plan]:
     """The plan simulated whole; while it misses, one more replica of the pool that misses more."""
     out = [_checked(req, plan)]
     for _ in range(MAX_BUMPS):
@@ -205,7 +205,7 @@ def _bumped_until_ok(req: "PlanRequest", plan: Plan) -> list[Plan]:
     return out
 
 
-def _shrunk(req: "PlanRequest", plan: Plan) -> list[Plan]:
+def shrunk_plans(req: "PlanRequest", plan: Plan) -> list[Plan]:
     """Per-instance goodputs come from one instance alone, and many instances behind a load-balancing
     router smooth each other's bursts: a plan sized from them usually has spare replicas. Bisect a scale
     factor on all pools (4 probes), then try one replica fewer per pool."""
@@ -242,11 +242,11 @@ def verify(req: "PlanRequest", plans: list[Plan]) -> list[Plan]:
         picks += [biggest] if biggest is not None and biggest not in picks else []
         passing = []
         for plan in picks:
-            runs = _bumped_until_ok(req, plan)
+            runs = bumped_until_ok(req, plan)
             out += runs
             passing += [runs[-1]] if runs[-1].attainment >= req.slo.attainment else []
         if passing:
-            out += _shrunk(req, min(passing, key=_by_size))
+            out += shrunk_plans(req, min(passing, key=_by_size))
     return out
 
 

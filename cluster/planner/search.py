@@ -102,7 +102,7 @@ def _no_config_error(req: PlanRequest, rejected: list[str]) -> NoFeasibleConfigE
                                  f"{shown}; closest feasible: {closest}")
 
 
-def _measure(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec: Precision,
+def measure_phase(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec: Precision,
              warm: float = 0.0) -> tuple[PhaseChoice, Goodput]:
     lm = latency_model(req.model, req.hw, mem.parallel, req.dtype, req.profile, req.gpus_per_node,
                        "colocated" if kind == "colocated" else "disaggregated")
@@ -121,7 +121,7 @@ def _measure(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec
     return PhaseChoice(kind, mem.parallel, budget, mem.kv_tokens, max_seqs, g.rate, g.binding), g
 
 
-def _phase_choices(req: PlanRequest, configs: list[InstanceMemory]) -> tuple[dict[str, list[PhaseChoice]], dict]:
+def phase_choices(req: PlanRequest, configs: list[InstanceMemory]) -> tuple[dict[str, list[PhaseChoice]], dict]:
     """Coarse pass over every configuration at the middle token budget; fine pass (warm-started from the
     coarse goodput) over the finalists of each kind, every budget for the best finalist only."""
     pre_b, col_b, _, _ = req.budgets()
@@ -130,12 +130,12 @@ def _phase_choices(req: PlanRequest, configs: list[InstanceMemory]) -> tuple[dic
     low_load: dict[str, list[tuple[PhaseChoice, Goodput]]] = {}
     for kind, budgets in kinds.items():
         mid = budgets[len(budgets) // 2]
-        coarse = [_measure(req, kind, mem, mid, COARSE) for mem in configs]
+        coarse = [measure_phase(req, kind, mem, mid, COARSE) for mem in configs]
         low_load[kind] = coarse
         fine = []
         for rank, c in enumerate(_finalists([c for c, _ in coarse if c.goodput > 0], req.top_k)):
             mem = next(m for m in configs if m.parallel == c.parallel)
-            fine += [_measure(req, kind, mem, b, FINE, warm=c.goodput)[0] for b in (budgets if rank == 0 else (mid,))]
+            fine += [measure_phase(req, kind, mem, b, FINE, warm=c.goodput)[0] for b in (budgets if rank == 0 else (mid,))]
         out[kind] = [c for c in fine if c.goodput > 0]
     return out, low_load
 
@@ -179,7 +179,7 @@ def search(req: PlanRequest) -> SearchResult:
                                          req.model_len)
     if not configs:
         raise _no_config_error(req, rejected)
-    phases, low_load = _phase_choices(req, configs)
+    phases, low_load = phase_choices(req, configs)
     t_phases = time.perf_counter() - start
     if not phases["colocated"] and not (phases["prefill"] and phases["decode"]):
         raise InfeasibleSLOError(f"no configuration of {req.model.name} on {req.hw.name} meets TTFT "

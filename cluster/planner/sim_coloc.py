@@ -21,7 +21,7 @@ from cluster.planner.events import EventQueue
 from cluster.planner.latency import LatencyModel
 from cluster.planner.metrics import SimResult
 from cluster.planner.serving import drift_factor, drift_horizon
-from cluster.planner.sim_disagg import _results, _scaled, _State
+from cluster.planner.sim_disagg import RunState, results_of, scaled_lines
 from cluster.planner.stepping import StepRun
 from cluster.planner.workload import Request
 
@@ -35,7 +35,7 @@ class ColocSetup:
 
 
 class _Replica:
-    def __init__(self, setup: ColocSetup, ev: EventQueue, st: _State, bus: tuple[Bus, int] = (ALONE, 0)):
+    def __init__(self, setup: ColocSetup, ev: EventQueue, st: RunState, bus: tuple[Bus, int] = (ALONE, 0)):
         self.s, self.ev, self.st = setup, ev, st
         self.bus, self.me = bus
         self.waiting: deque[int] = deque()
@@ -96,7 +96,7 @@ class _Replica:
                 return
             self.bus.set(self.me, "decode")
             f = self.bus.factor(self.me, "decode") * drift_factor(self.s.model, "decode", self.ev.now)
-            run = StepRun(_scaled(self.s.model.decode_lines(self.batch), f), self.context, self.batch)
+            run = StepRun(scaled_lines(self.s.model.decode_lines(self.batch), f), self.context, self.batch)
             horizon = min(self.ev.next_time(), drift_horizon(self.s.model, "decode", self.ev.now))
             k = run.steps_before(horizon - self.ev.now, self.finishing[0][0] - self.step_no + 1)
             if k == 0:
@@ -161,7 +161,7 @@ class _Replica:
 def simulate_colocated(requests: list[Request], replicas: list[ColocSetup], sharing: Sharing | None = None) -> SimResult:
     """`sharing`: the node of each replica; None: no co-run slowdown."""
     assert replicas and requests
-    ev, st = EventQueue(), _State(requests)
+    ev, st = EventQueue(), RunState(requests)
     buses = sharing.buses(len(replicas)) if sharing is not None else [(ALONE, k) for k in range(len(replicas))]
     reps = [_Replica(s, ev, st, b) for s, b in zip(replicas, buses)]
 
@@ -172,4 +172,4 @@ def simulate_colocated(requests: list[Request], replicas: list[ColocSetup], shar
     for i, r in enumerate(requests):
         ev.at(r.arrival + late, arrive, i)
     ev.run()
-    return _results(st)
+    return results_of(st)

@@ -52,7 +52,7 @@ class Link:
     reshard_s_per_token: float = 0.0  # re-layout on the decode side when TP differs (`kv_link.reshard_cost`)
 
 
-class _State:
+class RunState:
     """Mutable bookkeeping of one run (times per request index)."""
 
     def __init__(self, requests: list[Request]):
@@ -62,7 +62,7 @@ class _State:
         self.done = [0.0] * n
 
 
-def _scaled(lines, f: float):
+def scaled_lines(lines, f: float):
     return tuple((a * f, b * f) for a, b in lines) if f != 1.0 else lines
 
 
@@ -166,7 +166,7 @@ class _Decode:
             self.stepping = True
             self.bus.set(self.me, "decode")
             f = self.bus.factor(self.me, "decode") * drift_factor(model, "decode", ev.now)
-            run = StepRun(_scaled(model.decode_lines(self.batch), f), self.context, self.batch)
+            run = StepRun(scaled_lines(model.decode_lines(self.batch), f), self.context, self.batch)
             horizon = min(ev.next_time(), drift_horizon(model, "decode", ev.now))
             k = run.steps_before(horizon - ev.now, self.finishing[0][0] - self.step_no + 1)
             if k == 0:
@@ -195,7 +195,7 @@ class _Decode:
 
 class _Disagg:
     def __init__(self, requests, prefill, decode, link, sharing: Sharing | None = None):
-        self.ev, self.st, self.link = EventQueue(), _State(requests), link
+        self.ev, self.st, self.link = EventQueue(), RunState(requests), link
         n = len(prefill) + len(decode)
         buses = sharing.buses(n) if sharing is not None else [(ALONE, k) for k in range(n)]
         self.prefill = [_Prefill(s, self, b) for s, b in zip(prefill, buses)]
@@ -229,7 +229,7 @@ def simulate_disaggregated(requests: list[Request], prefill: list[PrefillSetup],
     for i, r in enumerate(requests):
         sim.ev.at(r.arrival + late, sim.arrive, i)
     sim.ev.run()
-    return _results(sim.st)
+    return results_of(sim.st)
 
 
 def simulate_decode_only(requests: list[Request], decode: list[DecodeSetup],
@@ -244,10 +244,10 @@ def simulate_decode_only(requests: list[Request], decode: list[DecodeSetup],
         else:
             sim.ev.at(r.arrival, sim.to_decode, i)
     sim.ev.run()
-    return _results(sim.st)
+    return results_of(sim.st)
 
 
-def _results(st: _State) -> SimResult:
+def results_of(st: RunState) -> SimResult:
     out = []
     for i, r in enumerate(st.reqs):
         ttft = st.first[i] - r.arrival

@@ -23,7 +23,7 @@ from cluster.planner.bus import ALONE
 from cluster.planner.events import EventQueue
 from cluster.planner.metrics import SimResult
 from cluster.planner.sim_coloc import ColocSetup, _Replica
-from cluster.planner.sim_disagg import _results, _State
+from cluster.planner.sim_disagg import RunState, results_of
 from cluster.planner.workload import Request
 
 
@@ -50,7 +50,7 @@ class ElasticResult:
 
 
 class _Pool:
-    def __init__(self, setup: ColocSetup, ev: EventQueue, st: _State, start_delay_s: float):
+    def __init__(self, setup: ColocSetup, ev: EventQueue, st: RunState, start_delay_s: float):
         self.setup, self.ev, self.st, self.delay = setup, ev, st, start_delay_s
         self.serving: list[_Replica] = []
         self.starting = 0
@@ -110,7 +110,7 @@ class _Pool:
 def simulate_elastic(requests: list[Request], setup: ColocSetup, control: Callable[[float, ElasticView], int],
                      interval_s: float, start_delay_s: float, initial: int) -> ElasticResult:
     assert requests and initial >= 1
-    ev, st = EventQueue(), _State(requests)
+    ev, st = EventQueue(), RunState(requests)
     pool = _Pool(setup, ev, st, start_delay_s)
     for _ in range(initial):
         pool.starting += 1
@@ -148,5 +148,5 @@ def simulate_elastic(requests: list[Request], setup: ColocSetup, control: Callab
     pool.release_idle(end)
     pool.paid += sum(end - pool.paid_since[id(r)] for r in pool.serving)
     pool.paid += sum(end - since for _, since in pool.draining)
-    out.result, out.replica_seconds = _results(st), pool.paid
+    out.result, out.replica_seconds = results_of(st), pool.paid
     return out

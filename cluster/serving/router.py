@@ -211,6 +211,21 @@ class ClusterRouter:
             out[w.name] = await w.handle.call("stats")
         return out
 
+    async def leftovers(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """The live workers still holding pages, reservations, requests or transfers, waiting up to
+        `timeout_s` for them to let go (cleanup calls are asynchronous); {} once every worker is empty and
+        the router holds no request. Leak checks in tests and benches."""
+        end = time.monotonic() + timeout_s
+        while True:
+            left = {name: s for name, s in (await self.worker_stats()).items()
+                    if s.pages_in_use or s.reservations or s.running or s.waiting
+                    or getattr(s, "held", 0) or getattr(s, "sending", 0) or getattr(s, "receiving", 0)}
+            if not left and not self.flights.by_wid and not self.flights.waiting:
+                return {}
+            if time.monotonic() > end:
+                return left or {"router": f"flights {list(self.flights.by_wid)}, {len(self.flights.waiting)} waiting"}
+            await asyncio.sleep(0.05)
+
     async def shutdown(self) -> None:
         if self.tasks.closed:
             return

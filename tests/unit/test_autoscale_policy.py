@@ -211,3 +211,21 @@ def test_bad_autoscaling_specs_name_the_key(auto, key):
     with pytest.raises(SpecError) as e:
         parse_spec(data)
     assert key + ":" in str(e.value), str(e.value)
+
+
+def steady_window(rate: float, ttft: float, now: float = 60.0) -> Window:
+    """Arrivals evenly spaced at `rate` over the last 60 s, each finished with `ttft` (the 2 s target)."""
+    times = [k / rate for k in range(int(now * rate))]
+    return Window(now, 0.0, tuple((t, 100, 20) for t in times), tuple(Finished(t, 100, 20, ttft, 0.05) for t in times))
+
+
+@pytest.mark.parametrize("rate, ttft, want", [
+    (0.8, 0.5, ("hold", "tolerance")),   # 7% over one replica's 0.75 req/s: within the 10% tolerance
+    (0.9, 0.5, ("up", "forecast")),      # 20% over: a real step
+    (0.8, 3.0, ("up", "forecast")),      # within the tolerance, but the window misses the SLO: no hold
+])
+def test_scale_up_tolerance(rate, ttft, want):
+    d = Policy(cfg(), FakeCapacity()).step(steady_window(rate, ttft), {"colocated": 1})[0]
+    assert (d.direction, d.reason) == want
+    off = Policy(cfg(up_tolerance=0.0), FakeCapacity()).step(steady_window(rate, ttft), {"colocated": 1})[0]
+    assert off.direction == "up"  # without the tolerance every one of them scales up
