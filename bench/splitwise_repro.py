@@ -217,9 +217,9 @@ def report(case: dict, scale: int) -> list[str]:
     base = rows["Baseline-H100"]
     for d, r in rows.items():
         ip, ic, co, po = r["iso_power"], r["iso_cost"], r["cost_opt"], r["power_opt"]
-        cost_ip = _cost_of(d, ip)
+        cost_ip = _spend(d, ip)
         line = (f"| {d} | {ip[0]:.1f} ({_split(ip[1], ip[2])}) | {ip[0] / base['iso_power'][0]:.2f} | "
-                f"{cost_ip / _cost_of('Baseline-H100', base['iso_power']):.2f} | {ic[0]:.1f} ({_split(ic[1], ic[2])}) | "
+                f"{cost_ip / _spend('Baseline-H100', base['iso_power']):.2f} | {ic[0]:.1f} ({_split(ic[1], ic[2])}) | "
                 f"{ic[0] / base['iso_cost'][0]:.2f} | {co[0]:.0f} ({_split(co[1], co[2])}) | "
                 f"{co[0] / base['cost_opt'][0]:.2f} | {po[0] / 1000:.0f} ({_split(po[1], po[2])}) | "
                 f"{po[0] / base['power_opt'][0]:.2f} |")
@@ -238,10 +238,6 @@ def _spend(design: str, split: tuple[float, int, int], by: int = 0) -> float:
     prompt, token = DESIGNS[design]
     _, a, b = split
     return a * machine_numbers(token if prompt is None else prompt)[by] + (b * machine_numbers(token)[by] if prompt else 0)
-
-
-def _cost_of(design: str, split: tuple[float, int, int]) -> float:
-    return _spend(design, split, 0)
 
 
 def main(argv: list[str] | None = None) -> int:
