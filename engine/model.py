@@ -28,6 +28,7 @@ from engine.cpu_activations import swiglu
 from engine.cpu_kernels import bits, from_bits, rms_norm_bf16
 from engine.linear import Linear
 from engine.rope import RotaryTable, apply_rotary
+from engine.sdpa_backends import sdpa_context
 
 LayerHook = Callable[[int], None]  # called with the global layer index after that layer ran
 AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel group
@@ -117,18 +118,19 @@ class LlamaForward:
         cos, sin = self.rotary.lookup(positions)
         x = F.embedding(input_ids, self.embed) if hidden is None else hidden  # [num_tokens, hidden]
         nh = cfg.num_heads + cfg.num_kv_heads
-        for i, lw in zip(self.layer_ids, self.layers):
-            h = self._norm(x, lw.input_norm)
-            qkv = lw.qkv(h)  # [num_tokens, (q_heads + 2 kv_heads) * head_dim]
-            qk = apply_rotary(qkv[:, :nq + nkv].view(t, nh, hd), cos, sin)  # RoPE on q and k heads at once
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-            backend.write(i, ctx.write_slots, k, qkv[:, nq + nkv:].view(t, cfg.num_kv_heads, hd))
-            o = backend.attend(i, q, ctx)  # [num_tokens, q_heads, head_dim]
-            x = self._residual(lw.o, o.reshape(t, nq), x)
-            h = self._norm(x, lw.post_norm)
-            x = self._residual(lw.down, swiglu(lw.gate_up(h)), x)  # silu(gate) * up
-            if layer_hook is not None:
-                layer_hook(i)
+        with sdpa_context(self.device):  # CUDA: named SDPA backends (engine/sdpa_backends.py)
+            for i, lw in zip(self.layer_ids, self.layers):
+                h = self._norm(x, lw.input_norm)
+                qkv = lw.qkv(h)  # [num_tokens, (q_heads + 2 kv_heads) * head_dim]
+                qk = apply_rotary(qkv[:, :nq + nkv].view(t, nh, hd), cos, sin)  # RoPE on q and k heads at once
+                q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+                backend.write(i, ctx.write_slots, k, qkv[:, nq + nkv:].view(t, cfg.num_kv_heads, hd))
+                o = backend.attend(i, q, ctx)  # [num_tokens, q_heads, head_dim]
+                x = self._residual(lw.o, o.reshape(t, nq), x)
+                h = self._norm(x, lw.post_norm)
+                x = self._residual(lw.down, swiglu(lw.gate_up(h)), x)  # silu(gate) * up
+                if layer_hook is not None:
+                    layer_hook(i)
         return self._norm(x, self.final_norm) if self.is_last else x
 
     def _residual(self, linear: Linear, inp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -247,6 +247,16 @@ class RawKVBackend:
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, ctx, head_dim]
         if g.observe is not None:
             ctx.observe_attention(layer, g, qh, kh)
+        heads, kv_heads = q.shape[1], kh.shape[1]
+        if ql == 1 and heads != kv_heads and q.device.type == "cuda":
+            # Decode under GQA on CUDA: a KV head's query heads become its queries ([B, kv_heads, group,
+            # head_dim]; head h reads KV head h // group, as enable_gqa does), the mask broadcasting over
+            # them, so masked decode groups run memory-efficient attention (it has no enable_gqa) instead
+            # of math (engine/sdpa_backends.py). CPU keeps the enable_gqa call transformers makes.
+            o = F.scaled_dot_product_attention(
+                q.view(b, kv_heads, heads // kv_heads, q.shape[-1]), kh, vh, attn_mask=g.mask_bias(qh.dtype),
+                scale=ctx.scale)
+            return o.reshape(b, heads, q.shape[-1])
         o = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=g.mask_bias(qh.dtype), is_causal=g.is_causal, scale=ctx.scale,
             enable_gqa=qh.shape[1] != kh.shape[1],

@@ -1,0 +1,39 @@
+"""The SDPA backends attention may use on CUDA, named once per forward (`LlamaForward.forward`).
+
+Why: with every backend enabled (PyTorch's default), one decode-shaped `scaled_dot_product_attention` call
+cost ~2 ms of host time on an H100 (torch 2.11+cu130), the whole of a small-batch decode step (30 layers:
+~60 ms), against 30-150 us with the backends named (bench/gpu_sdpa_probe.py; figures in
+bench/gpu_results/). Flash first, then memory-efficient attention (it takes the masks of bucketed decode
+groups and chunked prefill), then math as the fallback every shape has. cuDNN is left out by default.
+`PDSERVE_CUDA_SDPA=cudnn,flash,...` names another list (A/B runs); CPU keeps PyTorch's own choice.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+_NAMES = ("flash", "efficient", "cudnn", "math")
+DEFAULT = "flash,efficient,math"
+
+
+def cuda_backends(spec: str | None = None) -> list:
+    from torch.nn.attention import SDPBackend
+
+    table = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    names = [n.strip() for n in (spec or os.environ.get("PDSERVE_CUDA_SDPA") or DEFAULT).split(",") if n.strip()]
+    bad = [n for n in names if n not in _NAMES]
+    if bad or not names:
+        raise ValueError(f"PDSERVE_CUDA_SDPA: unknown backend(s) {bad or names}; name some of {', '.join(_NAMES)}")
+    return [table[n] for n in names]
+
+
+def sdpa_context(device: torch.device):
+    """A context manager for one forward on `device`: the named backends on CUDA, nothing elsewhere."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(cuda_backends())
