@@ -2,6 +2,7 @@
 
     python bench/splitwise_repro.py                       # both models, both traces (a few minutes)
     python bench/splitwise_repro.py --models llama-2-70b --traces conv --scale 20
+    python bench/splitwise_repro.py --perf artifact --pools 1,4,16,64   # the paper's own inputs, JSQ pools
 
 The paper's inputs, as its artifact (github.com/Mutinifni/splitwise-sim) states them:
   machines   DGX-A100, DGX-H100 and DGX-H100 power-capped to 70% (H100cap, token machines only): price and
@@ -26,10 +27,18 @@ The paper's inputs, as its artifact (github.com/Mutinifni/splitwise-sim) states 
              within it; iso-throughput: the cost and power each design needs for the throughput
              Baseline-H100 reaches at that power (cost-optimized and power-optimized)
 
+  step times --perf planner (default): the planner's GPU step model of each hardware entry; --perf artifact:
+             the artifact's measured iteration times (deploy/profiles/splitwise-perf-model.yaml,
+             `step_table.TableLatency`), its batching (prompt batches of 2048 tokens; whole prompts in
+             the baselines' mixed batches of 2048 tokens) and its reading of "alone" and TBT (`slo_for`)
+  pools      --pools K1,K2,..: each kind's per-machine goodput measured with K machines behind the router
+             (least queued work: the artifact's JSQ schedulers) and interpolated in log2(n) for a pool of
+             n; the default 1 is one machine's goodput times n, which under P99 bounds understates pools
+
 Order: (1) per model and trace, each machine type's per-instance goodputs at the SLO (prompt machine: TTFT;
 token machine: TPOT; baseline machine: both) from the planner's simulator (`search.measure_phase`, the
-planner's fine pass); (2) per design and objective, integer machine counts (prompt, token) within the
-budget that maximise min(n_p x g_p, n_t x g_t) (colocated: n x g); (3) with --verify, each chosen
+planner's fine pass), at each pool size; (2) per design and objective, integer machine counts (prompt,
+token) within the budget that maximise min(n_p x g_p(n_p), n_t x g_t(n_t)) (colocated: n x g(n)); (3) with --verify, each chosen
 design's whole plan is simulated at its throughput (`placement.simulate_plan`, KV moved between machine
 types over InfiniBand) and the throughput bisected down until it meets the SLO; (4) tables: throughput,
 cost and power per design, ratios, ranking, beside the paper's two headline ratios.
@@ -57,6 +66,7 @@ from cluster.planner.models import load_model  # noqa: E402
 from cluster.planner.parallel import instance_memory  # noqa: E402
 from cluster.planner.profiles import latency_model  # noqa: E402
 from cluster.planner.search import PlanRequest, measure_phase  # noqa: E402
+from cluster.planner.step_table import StepTable, TableLatency  # noqa: E402
 from cluster.planner.workload import clamp, subsample, trace_lengths  # noqa: E402
 
 # ../shared/workloads beside the checkout (a worktree under wt/ sits one level deeper)
@@ -67,10 +77,26 @@ DESIGNS = {"Baseline-A100": (None, "A100"), "Baseline-H100": (None, "H100"), "Sp
            "Splitwise-HH": ("H100", "H100"), "Splitwise-HA": ("H100", "A100"), "Splitwise-HHcap": ("H100", "H100cap")}
 GPUS = 8  # one DGX machine = one TP-8 instance
 MAX_LEN = 8192
-def slo_for(model, pairs, ttft_x: float = 3.0, tbt_x: float = 1.5, kind: str = "slowdown") -> SLO:
+def machine_latency(model, machine: str, perf: str):
+    """One TP-8 instance's latency model: the planner's for the machine's hardware entry ("planner"), or
+    the artifact's measured iteration times (deploy/profiles/splitwise-perf-model.yaml, "artifact")."""
+    if perf == "artifact":
+        return TableLatency(StepTable.load(model.name, MACHINES[machine]))
+    return latency_model(model, load_hardware(MACHINES[machine]), Parallel(GPUS, 1))
+
+
+def slo_for(model, pairs, ttft_x: float = 3.0, tbt_x: float = 1.5, kind: str = "slowdown", perf: str = "planner") -> SLO:
     """The paper's targets against one DGX-A100 running one request alone: per-request slowdowns
-    (kind "slowdown"), or their P90 bounds made absolute at the trace's P90 lengths ("absolute")."""
-    lm = latency_model(model, load_hardware(MACHINES["A100"]), Parallel(GPUS, 1))
+    (kind "slowdown"), or their P90 bounds made absolute at the trace's P90 lengths ("absolute"). With the
+    artifact's tables, "alone" is as the artifact's notebooks compute it (perf_model.add_baseline_perf): the
+    A100's prompt time at the prompt's tokens and its token time at as many batch tokens as the prompt
+    has, and a request's TBT is over all its output tokens."""
+    lm = machine_latency(model, "A100", perf)
+    if perf == "artifact" and kind == "slowdown":
+        t = lm.table
+        p90_in = percentile([i for i, _ in pairs], 90)
+        return SlowdownSLO(ttft_x * t.prompt(p90_in), tbt_x * t.token(1), alone_ttft=t.prompt, alone_tbt=t.token,
+                           tbt_over_all_tokens=True)
     p90_in = percentile([i for i, _ in pairs], 90)
     p90_ctx = percentile([i + o for i, o in pairs], 90)
     absolute = SLO(ttft_x * lm.prefill(p90_in, p90_in ** 2), tbt_x * lm.decode(1, p90_ctx), 0.9)
@@ -90,16 +116,21 @@ def phase_slo(slo: SLO, kind: str) -> SLO:
     return slo.only("ttft") if kind == "prefill" else slo.only("tbt")
 
 
-def per_instance(model, pairs, slo: SLO, baseline_budget: int | None = None
-                 ) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], int]]:
+def per_instance(model, pairs, slo: SLO, baseline_budget: int | None = None, copies: int = 1,
+                 perf: str = "planner") -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], int]]:
     """{(machine, kind): goodput of one TP-8 instance at the SLO} (kind: prefill, decode, colocated), and the
-    token budget that gave it."""
+    token budget that gave it; with `copies`, per instance of that many behind the router. With the
+    artifact's tables: its batching (start_state configs: 2048 batch tokens), prompt batches of 2048
+    tokens (a longer prompt alone) and the baselines' whole prompts in mixed batches of 2048 tokens."""
     out, budget_of = {}, {}
     for machine, name in MACHINES.items():
         hw = load_hardware(name)
         req = PlanRequest(model, hw, 1, GPUS, tuple(pairs), 1.0, slo, max_len=MAX_LEN)
         mem = instance_memory(model, hw, Parallel(GPUS, 1))
+        lm = machine_latency(model, machine, perf) if perf == "artifact" else None
         pre_b, col_b, _, _ = req.budgets()
+        if perf == "artifact":
+            pre_b, col_b = (2048,), (2048,)
         col_b = (baseline_budget,) if baseline_budget else col_b
         kinds = {"prefill": pre_b, "decode": (0,)} | ({} if machine == "H100cap" else {"colocated": col_b})
         for kind, budgets in kinds.items():
@@ -107,8 +138,33 @@ def per_instance(model, pairs, slo: SLO, baseline_budget: int | None = None
                 continue  # H100cap serves token machines only (the paper's HHcap)
             kreq = replace(req, slo=phase_slo(slo, kind))
             out[(machine, kind)], budget_of[(machine, kind)] = max(
-                (measure_phase(kreq, kind, mem, b, FINE)[0].goodput, b) for b in budgets)
+                (measure_phase(kreq, kind, mem, b, FINE, copies=copies, lm=lm, whole_prompts=perf == "artifact")[0]
+                 .goodput, b) for b in budgets)
     return out, budget_of
+
+
+class PoolGoodput:
+    """Per-instance goodput of a pool of n machines of one kind: measured with each of `pools` machines
+    behind the router (least queued work, as the artifact's JSQ schedulers), interpolated in log2(n)
+    between them and held beyond the ends. Why: under a P99 bound a pool of n takes more than n times
+    one machine's rate, since a request finds the least loaded machine."""
+
+    def __init__(self, by_pool: dict[int, dict[tuple[str, str], float]]):
+        self.by_pool = dict(sorted(by_pool.items()))
+
+    def __call__(self, key: tuple[str, str], n: int) -> float:
+        ks = list(self.by_pool)
+        if n <= ks[0] or len(ks) == 1:
+            return self.by_pool[ks[0]][key]
+        if n >= ks[-1]:
+            return self.by_pool[ks[-1]][key]
+        hi = next(k for k in ks if k >= n)
+        lo = ks[ks.index(hi) - 1]
+        w = (math.log2(n) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        return (1 - w) * self.by_pool[lo][key] + w * self.by_pool[hi][key]
+
+    def total(self, key: tuple[str, str], n: int) -> float:
+        return n * self(key, n) if n > 0 else 0.0
 
 
 def machine_numbers(machine: str) -> tuple[float, float]:
@@ -116,32 +172,42 @@ def machine_numbers(machine: str) -> tuple[float, float]:
     return hw.price_per_hour * GPUS, hw.tdp_w * GPUS  # $/h and W per machine
 
 
-def best_within(design: str, g: dict, limit: float, by: int) -> tuple[float, int, int]:
+def best_within(design: str, g: PoolGoodput, limit: float, by: int) -> tuple[float, int, int]:
     """(throughput, prompt machines, token machines) with the most throughput whose cost (by=0) or power
     (by=1) fits `limit`; colocated designs report (n, 0)."""
     prompt, token = DESIGNS[design]
     if prompt is None:
         per = machine_numbers(token)[by]
         n = int(limit // per)
-        return n * g[(token, "colocated")], n, 0
+        return g.total((token, "colocated"), n), n, 0
     pp, tp = machine_numbers(prompt)[by], machine_numbers(token)[by]
-    gp, gt = g[(prompt, "prefill")], g[(token, "decode")]
     best = (0.0, 0, 0)
     for a in range(1, int(limit // pp) + 1):
         b = int((limit - a * pp) // tp)
-        if b >= 1 and min(a * gp, b * gt) > best[0]:
-            best = (min(a * gp, b * gt), a, b)
+        if b < 1:
+            continue
+        thr = min(g.total((prompt, "prefill"), a), g.total((token, "decode"), b))
+        if thr > best[0]:
+            best = (thr, a, b)
     return best
 
 
-def least_for(design: str, g: dict, target: float, by: int) -> tuple[float, int, int]:
+def _fewest(g: PoolGoodput, key: tuple[str, str], target: float) -> int:
+    n = 1
+    while g.total(key, n) < target - 1e-9:
+        if g(key, n) <= 0 or n > 100_000:
+            raise ValueError(f"{key} cannot reach {target:.2f} req/s")
+        n += 1
+    return n
+
+
+def least_for(design: str, g: PoolGoodput, target: float, by: int) -> tuple[float, int, int]:
     """(cost or power, prompt machines, token machines) of the cheapest split serving `target` req/s."""
     prompt, token = DESIGNS[design]
     if prompt is None:
-        n = math.ceil(target / g[(token, "colocated")] - 1e-9)
+        n = _fewest(g, (token, "colocated"), target)
         return n * machine_numbers(token)[by], n, 0
-    a = math.ceil(target / g[(prompt, "prefill")] - 1e-9)
-    b = math.ceil(target / g[(token, "decode")] - 1e-9)
+    a, b = _fewest(g, (prompt, "prefill"), target), _fewest(g, (token, "decode"), target)
     return a * machine_numbers(prompt)[by] + b * machine_numbers(token)[by], a, b
 
 
@@ -174,12 +240,15 @@ def verify(model, pairs, slo, design: str, a: int, b: int, rate: float, budget_o
 
 
 def run_case(model_name: str, trace: str, scale: int, do_verify: bool, tbt_x: float = 1.5,
-             slo_kind: str = "slowdown", baseline_budget: int | None = None) -> dict:
+             slo_kind: str = "slowdown", baseline_budget: int | None = None, pools: tuple[int, ...] = (1,),
+             perf: str = "planner") -> dict:
     start = time.perf_counter()
     model = load_model(model_name)
     pairs = clamp(subsample(trace_lengths(WORKLOADS / f"azure_llm_2023_{trace}.csv"), n=2000, seed=0), MAX_LEN)
-    slo = slo_for(model, pairs, tbt_x=tbt_x, kind=slo_kind)
-    g, budget_of = per_instance(model, pairs, slo, baseline_budget)
+    slo = slo_for(model, pairs, tbt_x=tbt_x, kind=slo_kind, perf=perf)
+    measured = {k: per_instance(model, pairs, slo, baseline_budget, copies=k, perf=perf) for k in pools}
+    g = PoolGoodput({k: m[0] for k, m in measured.items()})
+    budget_of = measured[max(pools)][1]
     h_cost, h_power = machine_numbers("H100")
     rows = {}
     for design in DESIGNS:
@@ -193,7 +262,7 @@ def run_case(model_name: str, trace: str, scale: int, do_verify: bool, tbt_x: fl
         if do_verify:
             thr, a, b = rows[design]["iso_power"]
             rows[design]["iso_power_verified"] = verify(model, pairs, slo, design, a, b, thr, budget_of)
-    return {"model": model_name, "trace": trace, "slo": slo, "g": g, "rows": rows, "target": target,
+    return {"model": model_name, "trace": trace, "slo": slo, "g": g.by_pool, "rows": rows, "target": target,
             "seconds": time.perf_counter() - start}
 
 
@@ -207,8 +276,8 @@ def report(case: dict, scale: int) -> list[str]:
               if isinstance(slo, SlowdownSLO) else
               f"TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.1f} ms, {slo.attainment:.0%}")
     out = [f"\n## {case['model']} / {case['trace']} ({target}; {case['seconds']:.0f} s)",
-           "per-instance goodput (req/s, one TP-8 machine): " + ", ".join(
-               f"{m} {k} {v:.2f}" for (m, k), v in case["g"].items()), "",
+           *(f"per-instance goodput (req/s, one TP-8 machine of {n} behind the router): " + ", ".join(
+               f"{m} {k} {v:.2f}" for (m, k), v in g.items()) for n, g in case["g"].items()), "",
            f"| design | iso-power ({scale} DGX-H100 power): req/s (machines) | x Baseline-H100 | cost x | "
            f"iso-cost: req/s (machines) | x Baseline-H100 | cost-opt for {case['target']:.1f} req/s: $/h | "
            f"x Baseline-H100 | power-opt: kW | x Baseline-H100 |" + (" verified iso-power req/s |" if
@@ -252,15 +321,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-budget", type=int, default=None,
                     help="the baselines' token budget per step (default: the best of the planner's); 8192 takes "
                          "whole prompts into a mixed batch, as the paper's mixed continuous batching does")
+    ap.add_argument("--pools", default="1",
+                    help="pool sizes (machines behind the router) at which each kind's per-machine goodput is "
+                         "measured, interpolated in between: '1' is one machine times n; '1,4,16,64' "
+                         "measures the pooling effect of JSQ routing (the artifact's schedulers)")
+    ap.add_argument("--perf", choices=("planner", "artifact"), default="planner",
+                    help="planner: the planner's step model per hardware entry; artifact: the paper's own "
+                         "measured iteration times and batching (deploy/profiles/splitwise-perf-model.yaml)")
     ap.add_argument("--tbt-slowdown", type=float, default=1.5,
                     help="with --slo absolute: the TPOT target as a multiple of the A100's batch-1 step")
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    cases = [run_case(m, t, args.scale, args.verify, args.tbt_slowdown, args.slo, args.baseline_budget)
-             for m in args.models.split(",") for t in args.traces.split(",")]
+    pools = tuple(sorted({int(k) for k in args.pools.split(",")}))
+    if not pools or pools[0] < 1:
+        ap.error("--pools: positive machine counts, e.g. 1,4,16,64")
+    if args.verify and args.perf == "artifact":
+        ap.error("--verify simulates plans with the planner's latency models; drop it with --perf artifact")
+    cases = [run_case(m, t, args.scale, args.verify, args.tbt_slowdown, args.slo, args.baseline_budget, pools,
+                      args.perf) for m in args.models.split(",") for t in args.traces.split(",")]
     slo_text = "the paper's slowdown SLO" if args.slo == "slowdown" else f"TTFT 3x, TPOT {args.tbt_slowdown:g}x"
+    perf_text = "the artifact's measured tables" if args.perf == "artifact" else "the planner's model"
     lines = [f"# Splitwise design comparison in pdserve's planner simulator ({slo_text} "
-             f"against the A100 alone; budgets: {args.scale} DGX-H100s)"]
+             f"against the A100 alone; budgets: {args.scale} DGX-H100s; step times: {perf_text}; "
+             f"per-machine goodput in pools of {args.pools})"]
     for c in cases:
         lines += report(c, args.scale)
     lines += compare(cases, _spend)

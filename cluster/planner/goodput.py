@@ -3,6 +3,10 @@
     phase_goodput("prefill", setup, ...)   one prefill instance alone; TTFT attainment (output 1 token)
     phase_goodput("decode", setup, ...)    one decode instance fed at zero prefill cost; TPOT attainment
     coloc_goodput(setup, ...)              one colocated replica; joint attainment
+    copies=K (either)                      K identical instances behind the router (least queued work),
+                                           the goodput reported per instance: a pool's tail latency is
+                                           not one instance's at 1/K of the rate (a request finds the
+                                           least loaded of K; Splitwise's JSQ pools, bench/splitwise_repro)
 
 Each probe simulates Poisson arrivals at the probed rate (common random numbers: the same seed at every
 rate) for at least `n` requests and at least `LIFETIMES` request lifetimes (at low load): fewer, and a
@@ -122,7 +126,8 @@ def _batch_capacity(step: Callable[[float, float], float], pairs, budget: int, m
 
 
 def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO, prec: Precision = FINE,
-                  seed: int = 0, warm: float = 0.0) -> Goodput:
+                  seed: int = 0, warm: float = 0.0, copies: int = 1) -> Goodput:
+    k = copies
     if phase == "prefill":
         pairs1 = [(i, 1) for i, _ in pairs]
         guess = 1.0 / _mean(pairs1, lambda i, o: setup.model.prefill_interval(i, i * i))
@@ -131,7 +136,7 @@ def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO
 
         def run(rate: float) -> SimResult:
             reqs = poisson_requests(pairs1, rate, prec.size(rate, life), seed)
-            return simulate_disaggregated(reqs, [setup], [DecodeSetup(ZeroLatency(), 1 << 40)], _FREE_LINK)
+            return simulate_disaggregated(reqs, [setup] * k, [DecodeSetup(ZeroLatency(), 1 << 40)], _FREE_LINK)
     else:
         batch = max(1, min(setup.max_seqs, setup.kv_tokens // max(1, int(_mean(pairs, lambda i, o: i + o)))))
         step = setup.model.decode(batch, batch * _mean(pairs, lambda i, o: i + o / 2))
@@ -141,19 +146,25 @@ def phase_goodput(phase: str, setup: PrefillSetup | DecodeSetup, pairs, slo: SLO
 
         def run(rate: float) -> SimResult:
             reqs = poisson_requests(pairs, rate, prec.size(rate, life), seed)
-            return simulate_decode_only(reqs, [setup])
-    return _goodput(run, slo, guess, prec, warm, cap)
+            return simulate_decode_only(reqs, [setup] * k)
+    return _per_instance(_goodput(run, slo, guess * k, prec, warm * k, cap * k), k)
 
 
 def coloc_goodput(setup: ColocSetup, pairs, slo: SLO, prec: Precision = FINE, seed: int = 0,
-                  warm: float = 0.0) -> Goodput:
+                  warm: float = 0.0, copies: int = 1) -> Goodput:
+    k = copies
     per_req = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0)) + \
         _mean(pairs, lambda i, o: (o - 1) * setup.model.decode(32, 32 * (i + o / 2)) / 32)
     life = _mean(pairs, lambda i, o: setup.model.mixed(i, i * i, 0, 0) + (o - 1) * setup.model.decode(1, i + o / 2))
     # a colocated replica cannot take prompts faster than its steps compute them alone
     cap = _batch_capacity(lambda t, sq: setup.model.mixed(t, sq, 0, 0), pairs, setup.token_budget, setup.max_seqs)
-    return _goodput(lambda rate: simulate_colocated(poisson_requests(pairs, rate, prec.size(rate, life), seed),
-                                                    [setup]), slo, 1.0 / per_req, prec, warm, cap)
+    return _per_instance(_goodput(lambda rate: simulate_colocated(
+        poisson_requests(pairs, rate, prec.size(rate, life), seed), [setup] * k), slo, k / per_req, prec, warm * k,
+        cap * k), k)
+
+
+def _per_instance(g: Goodput, copies: int) -> Goodput:
+    return g if copies == 1 else Goodput(g.rate / copies, g.low_load, g.binding)
 
 
 def lifetime(model: LatencyModel, pairs) -> float:

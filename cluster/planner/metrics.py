@@ -39,11 +39,14 @@ class SlowdownSLO(SLO):
     """Per-request slowdowns against the request alone on a reference machine. `ttft_s`/`tpot_s` stay
     absolute stand-ins (for hints and token budgets); `attainment` is 1.0: every bound met.
     `alone_ttft(prompt)` and `alone_tbt(prompt)` are the reference's prompt time and batch-1 token time.
-    The TPOT target ("tpot") covers the TBT and end-to-end bounds; "ttft" the TTFT ones."""
+    The TPOT target ("tpot") covers the TBT and end-to-end bounds; "ttft" the TTFT ones.
+    `tbt_over_all_tokens`: a request's TBT is its time after the first token over all its output tokens,
+    as splitwise-sim computes it (scheduler.py), instead of over the gaps between them."""
     alone_ttft: Callable[[int], float] = lambda n: 1.0
     alone_tbt: Callable[[int], float] = lambda n: 1.0
     bounds: tuple[tuple[str, int, float], ...] = SPLITWISE_BOUNDS
     attainment: float = 1.0
+    tbt_over_all_tokens: bool = False
 
     def only(self, *metrics: str) -> "SlowdownSLO":
         """The bounds on `metrics` alone (ttft, tbt, e2e): one phase measured by itself."""
@@ -56,7 +59,9 @@ class SlowdownSLO(SLO):
             if metric == "ttft":
                 out.append(r.ttft / t1)
             elif metric == "tbt":
-                out.append(r.tpot / b1)
+                gaps = max(0, r.output_len - 1)
+                tbt = r.tpot * gaps / max(1, r.output_len) if self.tbt_over_all_tokens else r.tpot
+                out.append(tbt / b1)
             else:
                 out.append(r.e2e / (t1 + b1 * max(0, r.output_len - 1)))
         return out

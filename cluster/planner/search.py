@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from cluster.planner.errors import InfeasibleSLOError, NoFeasibleConfigError
 from cluster.planner.goodput import COARSE, FINE, Goodput, Precision, coloc_goodput, phase_goodput
 from cluster.planner.hardware import GIB, Hardware
+from cluster.planner.latency import LatencyModel
 from cluster.planner.metrics import SLO, percentile
 from cluster.planner.models import ModelSpec
 from cluster.planner.parallel import InstanceMemory, instance_configs
@@ -103,20 +104,26 @@ def _no_config_error(req: PlanRequest, rejected: list[str]) -> NoFeasibleConfigE
 
 
 def measure_phase(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec: Precision,
-             warm: float = 0.0) -> tuple[PhaseChoice, Goodput]:
-    lm = latency_model(req.model, req.hw, mem.parallel, req.dtype, req.profile, req.gpus_per_node,
-                       "colocated" if kind == "colocated" else "disaggregated")
+             warm: float = 0.0, copies: int = 1, lm: LatencyModel | None = None,
+             whole_prompts: bool = False) -> tuple[PhaseChoice, Goodput]:
+    """One instance of `kind` at `budget`: its goodput at the SLO (per instance, with `copies` identical
+    instances behind the router) as a PhaseChoice. `lm` replaces the request's latency model (a table);
+    `whole_prompts`: a colocated instance batches whole prompts (`ColocSetup`)."""
+    lm = lm or latency_model(req.model, req.hw, mem.parallel, req.dtype, req.profile, req.gpus_per_node,
+                             "colocated" if kind == "colocated" else "disaggregated")
     _, _, pre_seqs, seqs = req.budgets()
     pairs = list(req.pairs)
     # each phase alone at the full attainment target (DistServe's rule); a disaggregated request must
     # pass both, so the whole-plan check (`placement.verify`) adds replicas where the joint rate falls short
     phase_slo = req.slo
     if kind == "prefill":
-        g = phase_goodput("prefill", PrefillSetup(lm, budget, pre_seqs), pairs, phase_slo, prec, req.seed, warm)
+        g = phase_goodput("prefill", PrefillSetup(lm, budget, pre_seqs), pairs, phase_slo, prec, req.seed, warm, copies)
     elif kind == "decode":
-        g = phase_goodput("decode", DecodeSetup(lm, mem.kv_tokens, seqs), pairs, phase_slo, prec, req.seed, warm)
+        g = phase_goodput("decode", DecodeSetup(lm, mem.kv_tokens, seqs), pairs, phase_slo, prec, req.seed, warm,
+                          copies)
     else:
-        g = coloc_goodput(ColocSetup(lm, mem.kv_tokens, budget, seqs), pairs, req.slo, prec, req.seed, warm)
+        g = coloc_goodput(ColocSetup(lm, mem.kv_tokens, budget, seqs, whole_prompts), pairs, req.slo, prec, req.seed,
+                          warm, copies)
     max_seqs = pre_seqs if kind == "prefill" else seqs
     return PhaseChoice(kind, mem.parallel, budget, mem.kv_tokens, max_seqs, g.rate, g.binding), g
 

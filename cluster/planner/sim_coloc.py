@@ -2,7 +2,7 @@
 
 A replica's step (vLLM/Sarathi chunked prefill, like `engine.LLM`'s scheduler): every running decode
 sequence brings one token; the rest of the token budget goes to prompt chunks, FCFS over admitted
-requests. A request is admitted (FIFO) when its reserved KV (prompt + output) fits the replica's capacity
+requests (`whole_prompts`: ORCA-style, whole prompts FCFS within the budget, decodes riding along). A request is admitted (FIFO) when its reserved KV (prompt + output) fits the replica's capacity
 and the sequence cap. Step time = `model.mixed(chunk tokens, chunk SQ, B, C)`; a prompt whose last chunk
 ran gets its first token at the end of that step (TTFT) and decodes from the next step on.
 Requests go to the replica with the fewest outstanding tokens at arrival. Replicas on one node's memory
@@ -32,6 +32,9 @@ class ColocSetup:
     kv_tokens: int
     token_budget: int = 2048  # tokens per step: decode tokens first, prompt chunks fill the rest
     max_seqs: int = 256
+    # whole prompts, no chunks (ORCA-style mixed batching, Splitwise's baselines): FCFS prompts while
+    # their tokens fit the budget, the first one always (a longer prompt runs alone), decodes ride along
+    whole_prompts: bool = False
 
 
 class _Replica:
@@ -69,6 +72,8 @@ class _Replica:
 
     def _plan_chunks(self) -> tuple[list[tuple[int, int]], int, float]:
         """Prompt chunks for this step: (request, chunk) pairs, their tokens and attention SQ term."""
+        if self.s.whole_prompts:
+            return self._whole_prompts()
         budget = self.s.token_budget - self.batch
         chunks, tokens, sq = [], 0, 0.0
         for i in self.prefilling:
@@ -78,6 +83,16 @@ class _Replica:
             c = min(self.st.reqs[i].input_len - p, budget)
             chunks.append((i, c))
             tokens, sq, budget = tokens + c, sq + c * (2 * p + c), budget - c
+        return chunks, tokens, sq
+
+    def _whole_prompts(self) -> tuple[list[tuple[int, int]], int, float]:
+        chunks, tokens, sq = [], 0, 0.0
+        for i in self.prefilling:
+            n = self.st.reqs[i].input_len
+            if chunks and tokens + n > self.s.token_budget:
+                break
+            chunks.append((i, n))
+            tokens, sq = tokens + n, sq + n * n
         return chunks, tokens, sq
 
     def _step(self) -> None:

@@ -1,7 +1,8 @@
 """Discrete-event simulation of the disaggregated mode: prefill pool -> KV transfer -> decode pool.
 
 Life of a request (mirrors DESIGN.md's "Life of a request"):
-  1. arrives; the router queues it on the prefill instance with the fewest queued prompt tokens;
+  1. arrives; the router queues it on the prefill instance with the fewest prompt tokens submitted and not
+     yet done (queued or in a running batch: the real router's `queued_tokens`, cluster/serving);
   2. the instance forms FCFS batches under a token budget (and a sequence cap; a prompt longer than the
      budget runs alone) and returns the first token after `model.prefill(T, SQ)` (TTFT ends); with PP it
      takes the next batch after one stage (`prefill_interval`);
@@ -72,13 +73,15 @@ class _Prefill:
         self.bus, self.me = bus
         self.inflight = 0  # batches started and not done (PP keeps several in flight)
         self.queue: deque[int] = deque()
-        self.queued_tokens = 0
+        self.queued_tokens = 0  # waiting for a batch
+        self.pending_tokens = 0  # queued or in a running batch: the router's load signal
         self.free_at = 0.0  # first stage free
         self.scheduled = False
 
     def enqueue(self, i: int) -> None:
         self.queue.append(i)
         self.queued_tokens += self.sim.st.reqs[i].input_len
+        self.pending_tokens += self.sim.st.reqs[i].input_len
         self._kick()
 
     def _kick(self) -> None:
@@ -108,6 +111,7 @@ class _Prefill:
 
     def done(self, batch: list[int], tokens: int, latency: float) -> None:
         self.inflight -= 1
+        self.pending_tokens -= tokens
         if not self.inflight:
             self.bus.set(self.me, None)
         self.sim.prefill_done(batch, tokens, latency)
@@ -202,7 +206,7 @@ class _Disagg:
         self.decode = [_Decode(s, self, b) for s, b in zip(decode, buses[len(prefill):])]
 
     def arrive(self, i: int) -> None:
-        min(self.prefill, key=lambda p: p.queued_tokens).enqueue(i)
+        min(self.prefill, key=lambda p: p.pending_tokens).enqueue(i)
 
     def prefill_done(self, batch: list[int], tokens: int, latency: float) -> None:
         now = self.ev.now

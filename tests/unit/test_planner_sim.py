@@ -38,6 +38,16 @@ def test_single_request_disaggregated_equals_the_latency_model():
     assert r.tpot == pytest.approx((tail + decode_sum(m, l, out)) / (out - 1))
 
 
+def test_router_counts_running_prompts_not_only_queued_ones():
+    """A prompt arriving while the first instance runs a batch (its queue empty) goes to the idle second
+    instance and starts at once, as the real router's queued_tokens (submitted, first token not back)."""
+    m = model()
+    reqs = [Request(0.0, 4000, 1), Request(0.001, 100, 1)]
+    r = simulate_disaggregated(reqs, [PrefillSetup(m), PrefillSetup(m)], [DecodeSetup(m, 100_000)], FAST_LINK).results
+    alone = COEFFS.prefill[0] + COEFFS.prefill[1] * 100 + COEFFS.prefill[2] * 100 * 100
+    assert r[1].ttft == pytest.approx(alone)
+
+
 def test_slow_link_adds_what_does_not_overlap_compute():
     m, l = model(), 700
     slow = Link(kv_bytes_per_token=1000.0, bandwidth=1e6, layers=10)  # 0.7 s of KV: mostly not hidden
@@ -51,6 +61,18 @@ def test_single_request_colocated_chunks_sum_to_the_whole_prompt():
     chunks = [(0, 256), (256, 256), (512, 256), (768, 232)]
     assert r.ttft == pytest.approx(sum(m.prefill(c, c * (2 * p + c)) for p, c in chunks))
     assert r.e2e == pytest.approx(r.ttft + decode_sum(m, l, out))
+
+
+def test_whole_prompts_run_unchunked_and_batch_fcfs_within_the_budget():
+    """ColocSetup(whole_prompts=True), Splitwise's baselines: a prompt over the budget runs whole and
+    alone; two that fit together share one step."""
+    m = model()
+    long = simulate_colocated([Request(0.0, 1000, 2)], [ColocSetup(m, 10_000, 256, whole_prompts=True)]).results[0]
+    assert long.ttft == pytest.approx(m.prefill(1000, 1000 * 1000))
+    pair = simulate_colocated([Request(0.0, 100, 2), Request(0.0, 120, 2)],
+                              [ColocSetup(m, 10_000, 256, whole_prompts=True)]).results
+    both = m.prefill(220, 100 * 100 + 120 * 120)
+    assert pair[0].ttft == pytest.approx(both) and pair[1].ttft == pytest.approx(both)
 
 
 def test_pipeline_parallel_prefill_pipelines_batches():

@@ -74,3 +74,17 @@ def test_goodput_under_a_slowdown_slo_is_positive_and_lower_when_tighter():
     assert loose.rate > 0 and tight.rate < loose.rate
     decode = phase_goodput("decode", DecodeSetup(lm, 200_000, 64), pairs, alone.only("tbt"), COARSE)
     assert decode.rate > 0 and decode.binding in ("tpot", "throughput")
+
+
+def test_a_pool_behind_the_router_takes_more_per_machine_under_a_tail_bound():
+    """copies=K: K prefill machines behind the least-queued-work router, goodput per machine. Under P99
+    TTFT a request finds the least loaded of K, so K machines take more than K times one (Splitwise's
+    JSQ pools); copies=1 is the single-machine figure exactly."""
+    lm = latency_model(MID, hw("fast", 1e12, 2.0), Parallel(1, 1))
+    pairs = [(50 + 997 * k % 3000, 10) for k in range(300)]  # short prompts queue behind long ones
+    slo = SlowdownSLO(1.0, 1.0, alone_ttft=lambda n: lm.prefill(n, n * n), alone_tbt=lambda n: lm.decode(1, n))
+    one = phase_goodput("prefill", PrefillSetup(lm, 4096, 64), pairs, slo.only("ttft"), COARSE)
+    again = phase_goodput("prefill", PrefillSetup(lm, 4096, 64), pairs, slo.only("ttft"), COARSE, copies=1)
+    pool = phase_goodput("prefill", PrefillSetup(lm, 4096, 64), pairs, slo.only("ttft"), COARSE, copies=8)
+    assert one.rate == again.rate > 0
+    assert pool.rate > 1.3 * one.rate

@@ -1,0 +1,83 @@
+"""A latency model read from a table of measured iteration times by batch tokens (Splitwise's artifact).
+
+    TableLatency(StepTable.load(path, model, hardware))
+
+The artifact's performance model (splitwise-sim performance_model.py, its data in
+deploy/profiles/splitwise-perf-model.yaml): an iteration holding any prompt takes `prompt_ms` at its batch
+tokens (prompt tokens plus one per decoding request); one of decoding requests only takes `token_ms` at
+their count, whatever their context; linear interpolation between the measured points and linear
+extrapolation beyond the two end ones (scipy's interp1d with fill_value="extrapolate"). One TP-8 instance,
+no pipeline stages. Used by bench/splitwise_repro.py --perf artifact; pure Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from cluster.planner.latency import LatencyModel, Line, Parallel
+
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "splitwise-perf-model.yaml"
+
+
+class StepTableError(ValueError):
+    """The table file has no entry for this model and hardware, or a malformed one."""
+
+
+def interp_extrapolated(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise-linear through (xs, ys), continued linearly past either end."""
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        i = next(k for k in range(len(xs) - 1) if xs[k] <= x <= xs[k + 1])
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class StepTable:
+    batch_tokens: tuple[float, ...]
+    prompt_s: tuple[float, ...]
+    token_s: tuple[float, ...]
+
+    @classmethod
+    def load(cls, model: str, hardware: str, path: Path = DEFAULT_PATH) -> "StepTable":
+        data = yaml.safe_load(Path(path).read_text())
+        try:
+            e = data["tables"][model][hardware]
+            xs = tuple(float(x) for x in e["batch_tokens"])
+            p, t = tuple(e["prompt_ms"]), tuple(e["token_ms"])
+        except (KeyError, TypeError) as err:
+            raise StepTableError(f"{path}: no table for model {model!r} on {hardware!r} ({err})") from None
+        if len(xs) < 2 or not len(xs) == len(p) == len(t) or list(xs) != sorted(set(xs)):
+            raise StepTableError(f"{path}: {model}/{hardware}: batch_tokens must rise, with one prompt_ms and "
+                                 f"token_ms each")
+        return cls(xs, tuple(v / 1000 for v in p), tuple(v / 1000 for v in t))
+
+    def prompt(self, batch_tokens: float) -> float:
+        return interp_extrapolated(self.batch_tokens, self.prompt_s, batch_tokens)
+
+    def token(self, batch: float) -> float:
+        return interp_extrapolated(self.batch_tokens, self.token_s, batch)
+
+
+class TableLatency(LatencyModel):
+    """`StepTable` behind the simulators' interface: prefill by prompt tokens, decode by batch size only
+    (no context term: the artifact's token times do not depend on it), a mixed step as a prompt step."""
+
+    def __init__(self, table: StepTable):
+        super().__init__(Parallel(8, 1))
+        self.table = table
+
+    def stage_prefill(self, tokens: float, sq: float) -> float:
+        return self.table.prompt(tokens)
+
+    def stage_decode_lines(self, batch: float) -> tuple[Line, Line]:
+        line = (self.table.token(batch), 0.0)
+        return line, line
+
+    def stage_mixed(self, tokens: float, sq: float, batch: float, context: float) -> float:
+        return self.table.prompt(tokens + batch) if tokens > 0 else self.table.token(batch)
