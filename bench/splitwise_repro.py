@@ -38,10 +38,12 @@ The paper's inputs, as its artifact (github.com/Mutinifni/splitwise-sim) states 
 Order: (1) per model and trace, each machine type's per-instance goodputs at the SLO (prompt machine: TTFT;
 token machine: TPOT; baseline machine: both) from the planner's simulator (`search.measure_phase`, the
 planner's fine pass), at each pool size; (2) per design and objective, integer machine counts (prompt,
-token) within the budget that maximise min(n_p x g_p(n_p), n_t x g_t(n_t)) (colocated: n x g(n)); (3) with --verify, each chosen
-design's whole plan is simulated at its throughput (`placement.simulate_plan`, KV moved between machine
-types over InfiniBand) and the throughput bisected down until it meets the SLO; (4) tables: throughput,
-cost and power per design, ratios, ranking, beside the paper's two headline ratios.
+token) within the budget that maximise min(n_p x g_p(n_p), n_t x g_t(n_t)) (colocated: n x g(n))
+(bench/splitwise_designs.py); (3) with --verify, each iso-power and iso-cost design runs as one cluster,
+every request held to all nine bounds (the sizing holds a prompt pool to the TTFT ones and a token pool to
+the TBT ones only), and its throughput is searched to the highest rate that meets them
+(bench/splitwise_verify.py; the iso-throughput objectives stay sized); (4) tables: throughput, cost and
+power per design, ratios, ranking, beside the paper's two headline ratios.
 Paper side (bench/splitwise_paper.py): every per-design figure the paper's text states (Figs 18-19, BLOOM-176B,
 as it sizes its clusters), its stated ranking (iso-cost: AA first), and the abstract's two headlines under our
 reading of which designs they compare; the bars of its figures are images, not compared.
@@ -49,7 +51,6 @@ reading of which designs they compare; the bars of its figures are images, not c
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from dataclasses import replace
@@ -57,33 +58,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.splitwise_designs import (DESIGNS, GPUS, MACHINES, MAX_LEN, WORKLOADS, PoolGoodput,  # noqa: E402
+                                     best_within, least_for, machine_latency, machine_numbers, spend)
 from bench.splitwise_paper import compare  # noqa: E402
+from bench.splitwise_verify import verify_artifact, verify_planner  # noqa: E402
 from cluster.planner.goodput import FINE  # noqa: E402
 from cluster.planner.hardware import load_hardware  # noqa: E402
 from cluster.planner.latency import Parallel  # noqa: E402
 from cluster.planner.metrics import SLO, SlowdownSLO, percentile  # noqa: E402
 from cluster.planner.models import load_model  # noqa: E402
 from cluster.planner.parallel import instance_memory  # noqa: E402
-from cluster.planner.profiles import latency_model  # noqa: E402
 from cluster.planner.search import PlanRequest, measure_phase  # noqa: E402
-from cluster.planner.step_table import StepTable, TableLatency  # noqa: E402
 from cluster.planner.workload import clamp, subsample, trace_lengths  # noqa: E402
-
-# ../shared/workloads beside the checkout (a worktree under wt/ sits one level deeper)
-WORKLOADS = next((p / "shared" / "workloads" for p in Path(__file__).resolve().parents[2:4]
-                  if (p / "shared" / "workloads").is_dir()), Path("../shared/workloads"))
-MACHINES = {"A100": "splitwise-a100", "H100": "splitwise-h100", "H100cap": "splitwise-h100cap"}
-DESIGNS = {"Baseline-A100": (None, "A100"), "Baseline-H100": (None, "H100"), "Splitwise-AA": ("A100", "A100"),
-           "Splitwise-HH": ("H100", "H100"), "Splitwise-HA": ("H100", "A100"), "Splitwise-HHcap": ("H100", "H100cap")}
-GPUS = 8  # one DGX machine = one TP-8 instance
-MAX_LEN = 8192
-def machine_latency(model, machine: str, perf: str):
-    """One TP-8 instance's latency model: the planner's for the machine's hardware entry ("planner"), or
-    the artifact's measured iteration times (deploy/profiles/splitwise-perf-model.yaml, "artifact")."""
-    if perf == "artifact":
-        return TableLatency(StepTable.load(model.name, MACHINES[machine]))
-    return latency_model(model, load_hardware(MACHINES[machine]), Parallel(GPUS, 1))
-
 
 def slo_for(model, pairs, ttft_x: float = 3.0, tbt_x: float = 1.5, kind: str = "slowdown", perf: str = "planner") -> SLO:
     """The paper's targets against one DGX-A100 running one request alone: per-request slowdowns
@@ -143,102 +129,6 @@ def per_instance(model, pairs, slo: SLO, baseline_budget: int | None = None, cop
     return out, budget_of
 
 
-class PoolGoodput:
-    """Per-instance goodput of a pool of n machines of one kind: measured with each of `pools` machines
-    behind the router (least queued work, as the artifact's JSQ schedulers), interpolated in log2(n)
-    between them and held beyond the ends. Why: under a P99 bound a pool of n takes more than n times
-    one machine's rate, since a request finds the least loaded machine."""
-
-    def __init__(self, by_pool: dict[int, dict[tuple[str, str], float]]):
-        self.by_pool = dict(sorted(by_pool.items()))
-
-    def __call__(self, key: tuple[str, str], n: int) -> float:
-        ks = list(self.by_pool)
-        if n <= ks[0] or len(ks) == 1:
-            return self.by_pool[ks[0]][key]
-        if n >= ks[-1]:
-            return self.by_pool[ks[-1]][key]
-        hi = next(k for k in ks if k >= n)
-        lo = ks[ks.index(hi) - 1]
-        w = (math.log2(n) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-        return (1 - w) * self.by_pool[lo][key] + w * self.by_pool[hi][key]
-
-    def total(self, key: tuple[str, str], n: int) -> float:
-        return n * self(key, n) if n > 0 else 0.0
-
-
-def machine_numbers(machine: str) -> tuple[float, float]:
-    hw = load_hardware(MACHINES[machine])
-    return hw.price_per_hour * GPUS, hw.tdp_w * GPUS  # $/h and W per machine
-
-
-def best_within(design: str, g: PoolGoodput, limit: float, by: int) -> tuple[float, int, int]:
-    """(throughput, prompt machines, token machines) with the most throughput whose cost (by=0) or power
-    (by=1) fits `limit`; colocated designs report (n, 0)."""
-    prompt, token = DESIGNS[design]
-    if prompt is None:
-        per = machine_numbers(token)[by]
-        n = int(limit // per)
-        return g.total((token, "colocated"), n), n, 0
-    pp, tp = machine_numbers(prompt)[by], machine_numbers(token)[by]
-    best = (0.0, 0, 0)
-    for a in range(1, int(limit // pp) + 1):
-        b = int((limit - a * pp) // tp)
-        if b < 1:
-            continue
-        thr = min(g.total((prompt, "prefill"), a), g.total((token, "decode"), b))
-        if thr > best[0]:
-            best = (thr, a, b)
-    return best
-
-
-def _fewest(g: PoolGoodput, key: tuple[str, str], target: float) -> int:
-    n = 1
-    while g.total(key, n) < target - 1e-9:
-        if g(key, n) <= 0 or n > 100_000:
-            raise ValueError(f"{key} cannot reach {target:.2f} req/s")
-        n += 1
-    return n
-
-
-def least_for(design: str, g: PoolGoodput, target: float, by: int) -> tuple[float, int, int]:
-    """(cost or power, prompt machines, token machines) of the cheapest split serving `target` req/s."""
-    prompt, token = DESIGNS[design]
-    if prompt is None:
-        n = _fewest(g, (token, "colocated"), target)
-        return n * machine_numbers(token)[by], n, 0
-    a, b = _fewest(g, (prompt, "prefill"), target), _fewest(g, (token, "decode"), target)
-    return a * machine_numbers(prompt)[by] + b * machine_numbers(token)[by], a, b
-
-
-def verify(model, pairs, slo, design: str, a: int, b: int, rate: float, budget_of: dict) -> float:
-    """The whole plan simulated at `rate`; the highest rate (5% steps down) meeting the SLO."""
-    from cluster.planner.placement import simulate_plan
-    from cluster.planner.plans import PhaseChoice, Plan
-
-    prompt, token = DESIGNS[design]
-    hws = tuple(load_hardware(MACHINES[m]) for m in MACHINES)
-    req = PlanRequest(model, hws[0], 64, GPUS, tuple(pairs), rate, slo, max_len=MAX_LEN, types=hws)
-
-    def choice(machine, kind, budget):
-        hw = load_hardware(MACHINES[machine])
-        kv = instance_memory(model, hw, Parallel(GPUS, 1)).kv_tokens
-        return PhaseChoice(kind, Parallel(GPUS, 1), budget, kv, 256, 1.0, "", hw.name)
-
-    if prompt is None:
-        plan = Plan("colocated", "colocated", ((choice(token, "colocated", budget_of[(token, "colocated")]), a),),
-                    a * GPUS)
-    else:
-        p, d = choice(prompt, "prefill", budget_of[(prompt, "prefill")]), choice(token, "decode", 0)
-        bw = min(load_hardware(MACHINES[prompt]).inter_node_bw, load_hardware(MACHINES[token]).inter_node_bw) * GPUS
-        plan = Plan("disaggregated", "cross-type", ((p, a), (d, b)), (a + b) * GPUS, bw)
-    while rate > 0.05:
-        if simulate_plan(replace(req, rate=rate), plan, rate).attainment(slo) >= slo.attainment:
-            return rate
-        rate *= 0.95
-    return 0.0
-
-
 def run_case(model_name: str, trace: str, scale: int, do_verify: bool, tbt_x: float = 1.5,
              slo_kind: str = "slowdown", baseline_budget: int | None = None, pools: tuple[int, ...] = (1,),
              perf: str = "planner") -> dict:
@@ -255,13 +145,18 @@ def run_case(model_name: str, trace: str, scale: int, do_verify: bool, tbt_x: fl
         iso_power = best_within(design, g, scale * h_power, 1)
         iso_cost = best_within(design, g, scale * h_cost, 0)
         rows[design] = {"iso_power": iso_power, "iso_cost": iso_cost}
+    if do_verify:  # whole designs, all nine bounds: the sized figures become the verified ones
+        for design in DESIGNS:
+            for key in ("iso_power", "iso_cost"):
+                thr, a, b = rows[design][key]
+                rows[design][key + "_sized"] = thr
+                ok = (verify_artifact(model, pairs, slo, design, a, b, thr) if perf == "artifact" else
+                      verify_planner(model, pairs, slo, design, a, b, thr, budget_of))
+                rows[design][key] = (ok, a, b)
     target = rows["Baseline-H100"]["iso_power"][0]
     for design in DESIGNS:
         rows[design]["cost_opt"] = least_for(design, g, target, 0)
         rows[design]["power_opt"] = least_for(design, g, target, 1)
-        if do_verify:
-            thr, a, b = rows[design]["iso_power"]
-            rows[design]["iso_power_verified"] = verify(model, pairs, slo, design, a, b, thr, budget_of)
     return {"model": model_name, "trace": trace, "slo": slo, "g": g.by_pool, "rows": rows, "target": target,
             "seconds": time.perf_counter() - start}
 
@@ -272,6 +167,7 @@ def _split(a: int, b: int) -> str:
 
 def report(case: dict, scale: int) -> list[str]:
     rows, slo = case["rows"], case["slo"]
+    verified = "iso_power_sized" in rows["Splitwise-AA"]
     target = ("per-request slowdowns vs the A100 alone, " + ", ".join(f"{m} P{q} <= {x:g}x" for m, q, x in slo.bounds)
               if isinstance(slo, SlowdownSLO) else
               f"TTFT <= {slo.ttft_s * 1000:.0f} ms, TPOT <= {slo.tpot_s * 1000:.1f} ms, {slo.attainment:.0%}")
@@ -280,20 +176,19 @@ def report(case: dict, scale: int) -> list[str]:
                f"{m} {k} {v:.2f}" for (m, k), v in g.items()) for n, g in case["g"].items()), "",
            f"| design | iso-power ({scale} DGX-H100 power): req/s (machines) | x Baseline-H100 | cost x | "
            f"iso-cost: req/s (machines) | x Baseline-H100 | cost-opt for {case['target']:.1f} req/s: $/h | "
-           f"x Baseline-H100 | power-opt: kW | x Baseline-H100 |" + (" verified iso-power req/s |" if
-                                                                      "iso_power_verified" in rows["Splitwise-AA"] else ""),
-           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if "iso_power_verified" in rows["Splitwise-AA"] else "")]
+           f"x Baseline-H100 | power-opt: kW | x Baseline-H100 |" + (" sized iso-power / iso-cost req/s |"
+                                                                      if verified else ""),
+           "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if verified else "")]
     base = rows["Baseline-H100"]
     for d, r in rows.items():
         ip, ic, co, po = r["iso_power"], r["iso_cost"], r["cost_opt"], r["power_opt"]
-        cost_ip = _spend(d, ip)
         line = (f"| {d} | {ip[0]:.1f} ({_split(ip[1], ip[2])}) | {ip[0] / base['iso_power'][0]:.2f} | "
-                f"{cost_ip / _spend('Baseline-H100', base['iso_power']):.2f} | {ic[0]:.1f} ({_split(ic[1], ic[2])}) | "
+                f"{spend(d, ip) / spend('Baseline-H100', base['iso_power']):.2f} | {ic[0]:.1f} ({_split(ic[1], ic[2])}) | "
                 f"{ic[0] / base['iso_cost'][0]:.2f} | {co[0]:.0f} ({_split(co[1], co[2])}) | "
                 f"{co[0] / base['cost_opt'][0]:.2f} | {po[0] / 1000:.0f} ({_split(po[1], po[2])}) | "
                 f"{po[0] / base['power_opt'][0]:.2f} |")
-        if "iso_power_verified" in r:
-            line += f" {r['iso_power_verified']:.1f} |"
+        if verified:
+            line += f" {r['iso_power_sized']:.1f} / {r['iso_cost_sized']:.1f} |"
         out.append(line)
     for key, label in (("iso_power", "iso-power throughput"), ("iso_cost", "iso-cost throughput")):
         out.append(f"ranking, {label}: " + " > ".join(sorted(rows, key=lambda d: -rows[d][key][0])))
@@ -302,19 +197,12 @@ def report(case: dict, scale: int) -> list[str]:
     return out
 
 
-def _spend(design: str, split: tuple[float, int, int], by: int = 0) -> float:
-    """$/h (by=0) or W (by=1) of a design's machines."""
-    prompt, token = DESIGNS[design]
-    _, a, b = split
-    return a * machine_numbers(token if prompt is None else prompt)[by] + (b * machine_numbers(token)[by] if prompt else 0)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="llama-2-70b,bloom-176b")
     ap.add_argument("--traces", default="code,conv")
     ap.add_argument("--scale", type=int, default=40, help="budget = this many DGX-H100s' power or cost (artifact: 40)")
-    ap.add_argument("--verify", action="store_true", help="simulate each iso-power design's whole plan (slow)")
+    ap.add_argument("--verify", action="store_true", help="run each iso-power and iso-cost design as one cluster on all nine bounds (slow)")
     ap.add_argument("--slo", choices=("slowdown", "absolute"), default="slowdown",
                     help="slowdown: the paper's per-request bounds at P50/P90/P99; absolute: one TTFT/TPOT "
                          "target at the trace's P90 lengths for 90%% of requests (the earlier reading)")
@@ -335,8 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     pools = tuple(sorted({int(k) for k in args.pools.split(",")}))
     if not pools or pools[0] < 1:
         ap.error("--pools: positive machine counts, e.g. 1,4,16,64")
-    if args.verify and args.perf == "artifact":
-        ap.error("--verify simulates plans with the planner's latency models; drop it with --perf artifact")
     cases = [run_case(m, t, args.scale, args.verify, args.tbt_slowdown, args.slo, args.baseline_budget, pools,
                       args.perf) for m in args.models.split(",") for t in args.traces.split(",")]
     slo_text = "the paper's slowdown SLO" if args.slo == "slowdown" else f"TTFT 3x, TPOT {args.tbt_slowdown:g}x"
@@ -346,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
              f"per-machine goodput in pools of {args.pools})"]
     for c in cases:
         lines += report(c, args.scale)
-    lines += compare(cases, _spend)
+    lines += compare(cases, spend)
     lines.append(f"\ntotal {time.perf_counter() - start:.0f} s")
     print("\n".join(lines))
     return 0

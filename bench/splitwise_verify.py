@@ -1,0 +1,84 @@
+"""Whole-design checks for bench/splitwise_repro.py --verify: a design's machines simulated together.
+
+The per-machine goodputs that size a design measure each phase alone on its own bounds (a prompt pool on
+the TTFT ones, a token pool on the TBT ones); the end-to-end bounds (P50 <= 1.25x!) need both phases, and so
+do the KV transfers between them. Here the chosen design runs as one cluster -- prompt pool -> KV over the
+machines' link -> token pool, or n colocated machines -- every request held to all nine bounds, and the
+rate is searched down from the sizing's figure to the highest that meets them.
+
+    verify_planner   the planner's latency models and plan simulation (`placement.simulate_plan`)
+    verify_artifact  the artifact's tables (`step_table`) and batching: prompt batches of 2048 tokens, whole
+                     prompts in the baselines' mixed batches; KV at the slower machine's inter-node bandwidth
+Pure Python.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from bench.splitwise_designs import DESIGNS, GPUS, MACHINES, MAX_LEN, machine_latency
+from cluster.planner.goodput import bisect_rate
+from cluster.planner.hardware import load_hardware
+from cluster.planner.latency import Parallel
+from cluster.planner.parallel import instance_memory
+from cluster.planner.search import PlanRequest
+from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
+from cluster.planner.workload import poisson_requests
+
+REQUESTS = 3000  # per probe: ~30 s of a 100 req/s cluster, enough for a P99 over requests
+MAX_SEQS = 256
+
+
+def _link_bw(prompt: str, token: str) -> float:
+    return min(load_hardware(MACHINES[prompt]).inter_node_bw, load_hardware(MACHINES[token]).inter_node_bw) * GPUS
+
+
+def verify_planner(model, pairs, slo, design: str, a: int, b: int, rate: float, budget_of: dict) -> float:
+    """The whole plan simulated at `rate`; the highest rate (5% steps down) meeting the SLO."""
+    from cluster.planner.placement import simulate_plan
+    from cluster.planner.plans import PhaseChoice, Plan
+
+    prompt, token = DESIGNS[design]
+    hws = tuple(load_hardware(MACHINES[m]) for m in MACHINES)
+    req = PlanRequest(model, hws[0], 64, GPUS, tuple(pairs), rate, slo, max_len=MAX_LEN, types=hws)
+
+    def choice(machine, kind, budget):
+        hw = load_hardware(MACHINES[machine])
+        kv = instance_memory(model, hw, Parallel(GPUS, 1)).kv_tokens
+        return PhaseChoice(kind, Parallel(GPUS, 1), budget, kv, MAX_SEQS, 1.0, "", hw.name)
+
+    if prompt is None:
+        plan = Plan("colocated", "colocated", ((choice(token, "colocated", budget_of[(token, "colocated")]), a),),
+                    a * GPUS)
+    else:
+        p, d = choice(prompt, "prefill", budget_of[(prompt, "prefill")]), choice(token, "decode", 0)
+        plan = Plan("disaggregated", "cross-type", ((p, a), (d, b)), (a + b) * GPUS, _link_bw(prompt, token))
+    while rate > 0.05:
+        if simulate_plan(replace(req, rate=rate), plan, rate).attainment(slo) >= slo.attainment:
+            return rate
+        rate *= 0.95
+    return 0.0
+
+
+def verify_artifact(model, pairs, slo, design: str, a: int, b: int, rate: float, seed: int = 0) -> float:
+    """The design's a prompt + b token machines (colocated: a machines) on the artifact's tables; the
+    highest rate meeting every bound, bisected to 3% from `rate` (the sizing's figure) down or up."""
+    prompt, token = DESIGNS[design]
+
+    def kv(machine: str) -> int:
+        return instance_memory(model, load_hardware(MACHINES[machine]), Parallel(GPUS, 1)).kv_tokens
+
+    if prompt is None:
+        setups = [ColocSetup(machine_latency(model, token, "artifact"), kv(token), 2048, MAX_SEQS, True)] * a
+
+        def run(r: float):
+            return simulate_colocated(poisson_requests(pairs, r, REQUESTS, seed), setups)
+    else:
+        pre = [PrefillSetup(machine_latency(model, prompt, "artifact"), 2048, MAX_SEQS)] * a
+        dec = [DecodeSetup(machine_latency(model, token, "artifact"), kv(token), MAX_SEQS)] * b
+        link = Link(model.kv_bytes_per_token(), _link_bw(prompt, token), model.layers)
+
+        def run(r: float):
+            return simulate_disaggregated(poisson_requests(pairs, r, REQUESTS, seed), pre, dec, link)
+
+    return bisect_rate(lambda r: run(r).attainment(slo), slo.attainment, rate, rel_tol=0.03, warm=True)[0]
