@@ -152,7 +152,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_loop(llm: LLM, device: str, seconds: float, one) -> list[float]:
+def timed_loop(seconds: float, one) -> list[float]:
     """Call one() (returns the seconds of the step it timed) until `seconds` of wall time have passed."""
     times, t_end = [], time.monotonic() + seconds
     while time.monotonic() < t_end or len(times) < 3:
@@ -178,7 +178,7 @@ def prefill_case(llm: LLM, device: str, n: int, seconds: float, vocab: int) -> t
 
     one()  # warm-up
     t0 = time.monotonic()
-    times = timed_loop(llm, device, seconds, one)
+    times = timed_loop(seconds, one)
     return times, t0, time.monotonic()
 
 
@@ -203,7 +203,7 @@ def decode_case(llm: LLM, device: str, batch: int, context: int, seconds: float,
     for _ in range(3):
         one()
     t0 = time.monotonic()
-    times = timed_loop(llm, device, seconds, one)
+    times = timed_loop(seconds, one)
     t1 = time.monotonic()
     for r in rids:
         llm.abort(r)

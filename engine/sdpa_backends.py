@@ -10,30 +10,34 @@ groups and chunked prefill), then math as the fallback every shape has. cuDNN is
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-_NAMES = ("flash", "efficient", "cudnn", "math")
+_TABLE = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+          "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 DEFAULT = "flash,efficient,math"
 
 
 def cuda_backends(spec: str | None = None) -> list:
-    from torch.nn.attention import SDPBackend
+    """The backends `spec` names (default: PDSERVE_CUDA_SDPA, else DEFAULT), in order."""
+    return list(_parsed(spec or os.environ.get("PDSERVE_CUDA_SDPA") or DEFAULT))
 
-    table = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
-    names = [n.strip() for n in (spec or os.environ.get("PDSERVE_CUDA_SDPA") or DEFAULT).split(",") if n.strip()]
-    bad = [n for n in names if n not in _NAMES]
+
+@functools.lru_cache(maxsize=8)
+def _parsed(spec: str) -> tuple:
+    """Parsed once per distinct spec: `sdpa_context` runs once per forward step."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in _TABLE]
     if bad or not names:
-        raise ValueError(f"PDSERVE_CUDA_SDPA: unknown backend(s) {bad or names}; name some of {', '.join(_NAMES)}")
-    return [table[n] for n in names]
+        raise ValueError(f"PDSERVE_CUDA_SDPA: unknown backend(s) {bad or names}; name some of {', '.join(_TABLE)}")
+    return tuple(_TABLE[n] for n in names)
 
 
 def sdpa_context(device: torch.device):
     """A context manager for one forward on `device`: the named backends on CUDA, nothing elsewhere."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import sdpa_kernel
-
     return sdpa_kernel(cuda_backends())

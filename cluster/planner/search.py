@@ -104,8 +104,8 @@ def _no_config_error(req: PlanRequest, rejected: list[str]) -> NoFeasibleConfigE
 
 
 def measure_phase(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec: Precision,
-             warm: float = 0.0, copies: int = 1, lm: LatencyModel | None = None,
-             whole_prompts: bool = False) -> tuple[PhaseChoice, Goodput]:
+                  warm: float = 0.0, copies: int = 1, lm: LatencyModel | None = None,
+                  whole_prompts: bool = False) -> tuple[PhaseChoice, Goodput]:
     """One instance of `kind` at `budget`: its goodput at the SLO (per instance, with `copies` identical
     instances behind the router) as a PhaseChoice. `lm` replaces the request's latency model (a table);
     `whole_prompts`: a colocated instance batches whole prompts (`ColocSetup`)."""

@@ -2,8 +2,9 @@
 
 A replica's step (vLLM/Sarathi chunked prefill, like `engine.LLM`'s scheduler): every running decode
 sequence brings one token; the rest of the token budget goes to prompt chunks, FCFS over admitted
-requests (`whole_prompts`: ORCA-style, whole prompts FCFS within the budget, decodes riding along). A request is admitted (FIFO) when its reserved KV (prompt + output) fits the replica's capacity
-and the sequence cap. Step time = `model.mixed(chunk tokens, chunk SQ, B, C)`; a prompt whose last chunk
+requests (`whole_prompts`: ORCA-style, whole prompts FCFS within the budget, decodes riding along). A
+request is admitted (FIFO) when its reserved KV (prompt + output) fits the replica's capacity and the
+sequence cap. Step time = `model.mixed(chunk tokens, chunk SQ, B, C)`; a prompt whose last chunk
 ran gets its first token at the end of that step (TTFT) and decodes from the next step on.
 Requests go to the replica with the fewest outstanding tokens at arrival. Replicas on one node's memory
 bus (`Sharing`, `bus.py`) slow each other: a step's prompt-chunk part is scaled by the prefill co-run

@@ -73,14 +73,12 @@ class _Prefill:
         self.bus, self.me = bus
         self.inflight = 0  # batches started and not done (PP keeps several in flight)
         self.queue: deque[int] = deque()
-        self.queued_tokens = 0  # waiting for a batch
         self.pending_tokens = 0  # queued or in a running batch: the router's load signal
         self.free_at = 0.0  # first stage free
         self.scheduled = False
 
     def enqueue(self, i: int) -> None:
         self.queue.append(i)
-        self.queued_tokens += self.sim.st.reqs[i].input_len
         self.pending_tokens += self.sim.st.reqs[i].input_len
         self._kick()
 
@@ -98,7 +96,6 @@ class _Prefill:
                 break
             batch.append(self.queue.popleft())
             tokens, sq = tokens + n, sq + n * n
-        self.queued_tokens -= tokens
         now = self.sim.ev.now
         f = self.bus.factor(self.me, "prefill")  # neighbours mid-step on this node's memory bus
         f *= drift_factor(self.s.model, "prefill", now)

@@ -1,6 +1,6 @@
 """A latency model read from a table of measured iteration times by batch tokens (Splitwise's artifact).
 
-    TableLatency(StepTable.load(path, model, hardware))
+    TableLatency(StepTable.load(model, hardware[, path]))
 
 The artifact's performance model (splitwise-sim performance_model.py, its data in
 deploy/profiles/splitwise-perf-model.yaml): an iteration holding any prompt takes `prompt_ms` at its batch
@@ -11,6 +11,7 @@ no pipeline stages. Used by bench/splitwise_repro.py --perf artifact; pure Pytho
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,12 @@ def interp_extrapolated(xs: tuple[float, ...], ys: tuple[float, ...], x: float) 
     return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
 
 
+@functools.lru_cache(maxsize=4)
+def _read(path: Path) -> dict:
+    """The parsed table file, once per process (every design and pool size loads its machines' tables)."""
+    return yaml.safe_load(path.read_text())
+
+
 @dataclass(frozen=True)
 class StepTable:
     batch_tokens: tuple[float, ...]
@@ -45,7 +52,7 @@ class StepTable:
 
     @classmethod
     def load(cls, model: str, hardware: str, path: Path = DEFAULT_PATH) -> "StepTable":
-        data = yaml.safe_load(Path(path).read_text())
+        data = _read(Path(path))
         try:
             e = data["tables"][model][hardware]
             xs = tuple(float(x) for x in e["batch_tokens"])
