@@ -109,11 +109,15 @@ class Scaler:
         """Draining `w` leaves: see the module map."""
         while w.alive and self._owed(w) and self.clock() < end:
             await asyncio.sleep(0.05)
-        for f in self._owed(w):  # still held at the drain's end: moved elsewhere, resumed there
-            self.recovery.recover(f, BackendUnavailableError(f"worker {w.name} is leaving the pool"), handoff=True)
-        w.flights.clear()  # (the flights left only have its finished part: their KV left, their end is theirs)
-        if w.alive:
-            await self._emptied(w)
+        while True:
+            for f in self._owed(w):  # still held at the drain's end: moved elsewhere, resumed there
+                self.recovery.recover(f, BackendUnavailableError(f"worker {w.name} is leaving the pool"),
+                                      handoff=True)
+            w.flights.clear()  # (the flights left only have their finished part: their KV left, their end is theirs)
+            if w.alive:
+                await self._emptied(w)
+            if not w.flights:  # a placement picked `w` before the drain and landed during the awaits: again
+                break
         if w in m:  # (draining, or fenced if it died meanwhile: then it was not healed)
             m.leave(w, self.clock())
         self.prefix.forget(w)

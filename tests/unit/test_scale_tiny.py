@@ -103,6 +103,51 @@ def test_a_pool_grows_and_shrinks_under_steady_load_without_a_failed_request(tin
     asyncio.run(main())
 
 
+def test_a_placement_that_lands_on_a_worker_while_it_leaves_is_handed_off(tiny_dir, reference):
+    """The scaler's race (seen in CI): a request placed on the newest worker before a resize to 1 reaches it
+    only after the drain found it empty (its add and the emptiness check cross). The worker must still leave,
+    and the request finish elsewhere, greedy-equal."""
+    async def main():
+        router, _ = cluster(tiny_dir, "colocated", scale_drain_s=0.0)
+        try:
+            await router.scale("colocated", 2)
+            old, new = router.workers["colocated"]
+            router.prefix.pick_colocated = lambda ws, hashes, n: new if new in ws else ws[0]
+            asked, gate, call = asyncio.Event(), asyncio.Event(), new.handle.call
+
+            async def crossing(method, *args):
+                if method == "add_request":
+                    asked.set()
+                    await gate.wait()
+                elif method == "stats" and new.state == "draining" and not gate.is_set():
+                    reply = await call(method, *args)  # (taken before the add lands, read after)
+                    gate.set()
+                    while not new.flights:
+                        await asyncio.sleep(0.005)
+                    return reply
+                return await call(method, *args)
+
+            new.handle.call = crossing
+            req = GenerateRequest("late", PROMPTS[0], GREEDY, model=router.model_name)
+            run = asyncio.ensure_future(collect(router.generate(req)))
+            await asked.wait()  # (placed on `new`, not yet there)
+            out = await router.scale("colocated", 1)
+            assert out["removed"] == ["colocated-1"] and router.workers["colocated"] == [old]
+            toks = await run
+            assert_greedy_equal([reference[0]], [toks])
+            await assert_cluster_empty(router)
+            assert router.ledger.recovered == 1 and router.ledger.failed == 0
+        finally:
+            await router.shutdown()
+    asyncio.run(main())
+
+
+async def collect(stream):
+    out = [d async for d in stream]
+    assert out[-1].finished and out[-1].finish_reason == "length", out[-1]
+    return [t for d in out for t in d.new_token_ids]
+
+
 BAD = {  # name: (pool, replicas, field, words)
     "below 1": ("decode", 0, "replicas", "outside [1, 2]"),
     "negative": ("decode", -3, "replicas", "outside [1, 2]"),
