@@ -7,8 +7,8 @@ machines' link -> token pool, or n colocated machines -- every request held to a
 rate is searched down from the sizing's figure to the highest that meets them.
 
     verify_planner   the planner's latency models and plan simulation (`placement.simulate_plan`)
-    verify_artifact  the artifact's tables (`step_table`) and batching: prompt batches of 2048 tokens, whole
-                     prompts in the baselines' mixed batches; KV at the slower machine's inter-node bandwidth
+    verify_artifact  the artifact's tables (`step_table`), memory and batching: prompt batches of 2048 tokens,
+                     whole prompts in the baselines' mixed batches; each prompt's KV moves after it, whole
 Pure Python.
 """
 from __future__ import annotations
@@ -23,9 +23,12 @@ from cluster.planner.parallel import instance_memory
 from cluster.planner.search import PlanRequest
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
 from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
+from cluster.planner.sim_mixed_pool import simulate_mixed_pool
+from cluster.planner.step_table import TableMemory
 from cluster.planner.workload import poisson_requests
 
 REQUESTS = 3000  # per probe: ~30 s of a 100 req/s cluster, enough for a P99 over requests
+ARTIFACT_SECONDS = 600.0  # the artifact's traces run 10 minutes (generate_trace.py: end_time=600)
 MAX_SEQS = 256
 
 
@@ -60,25 +63,27 @@ def verify_planner(model, pairs, slo, design: str, a: int, b: int, rate: float, 
     return 0.0
 
 
+def _count(rate: float) -> int:
+    """Requests in one of the artifact's runs at `rate`: near saturation a queue grows with the run."""
+    return max(REQUESTS, int(rate * ARTIFACT_SECONDS))
+
+
 def verify_artifact(model, pairs, slo, design: str, a: int, b: int, rate: float, seed: int = 0) -> float:
     """The design's a prompt + b token machines (colocated: a machines) on the artifact's tables; the
     highest rate meeting every bound, bisected to 3% from `rate` (the sizing's figure) down or up."""
     prompt, token = DESIGNS[design]
-
-    def kv(machine: str) -> int:
-        return instance_memory(model, load_hardware(MACHINES[machine]), Parallel(GPUS, 1)).kv_tokens
-
+    mem = TableMemory.load(model.name)  # (the same on every machine: 8 x 80 GiB)
     if prompt is None:
-        setups = [ColocSetup(machine_latency(model, token, "artifact"), kv(token), 2048, MAX_SEQS, True)] * a
+        setups = [ColocSetup(machine_latency(model, token, "artifact"), mem.kv_tokens, 2048, MAX_SEQS, True, "prompts")] * a
 
         def run(r: float):
-            return simulate_colocated(poisson_requests(pairs, r, REQUESTS, seed), setups)
-    else:
-        pre = [PrefillSetup(machine_latency(model, prompt, "artifact"), 2048, MAX_SEQS)] * a
-        dec = [DecodeSetup(machine_latency(model, token, "artifact"), kv(token), MAX_SEQS)] * b
-        link = Link(model.kv_bytes_per_token(), _link_bw(prompt, token), model.layers)
+            return simulate_colocated(poisson_requests(pairs, r, _count(r), seed), setups)
+    else:  # the artifact's machine pools and scheduler (mixed_pool): machines change role under load
+        pre = [ColocSetup(machine_latency(model, prompt, "artifact"), mem.kv_tokens, 2048, MAX_SEQS, True)] * a
+        dec = [ColocSetup(machine_latency(model, token, "artifact"), mem.kv_tokens, 2048, MAX_SEQS, True)] * b
+        link = Link(mem.kv_bytes_per_token, mem.link_bytes_per_s, 1)
 
         def run(r: float):
-            return simulate_disaggregated(poisson_requests(pairs, r, REQUESTS, seed), pre, dec, link)
+            return simulate_mixed_pool(poisson_requests(pairs, r, _count(r), seed), pre, dec, link)
 
     return bisect_rate(lambda r: run(r).attainment(slo), slo.attainment, rate, rel_tol=0.03, warm=True)[0]

@@ -105,10 +105,10 @@ def _no_config_error(req: PlanRequest, rejected: list[str]) -> NoFeasibleConfigE
 
 def measure_phase(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int, prec: Precision,
                   warm: float = 0.0, copies: int = 1, lm: LatencyModel | None = None,
-                  whole_prompts: bool = False) -> tuple[PhaseChoice, Goodput]:
+                  whole_prompts: bool = False, route: str = "outstanding") -> tuple[PhaseChoice, Goodput]:
     """One instance of `kind` at `budget`: its goodput at the SLO (per instance, with `copies` identical
     instances behind the router) as a PhaseChoice. `lm` replaces the request's latency model (a table);
-    `whole_prompts`: a colocated instance batches whole prompts (`ColocSetup`)."""
+    `whole_prompts`, `route`: a colocated instance's batching and its router's signal (`ColocSetup`)."""
     lm = lm or latency_model(req.model, req.hw, mem.parallel, req.dtype, req.profile, req.gpus_per_node,
                              "colocated" if kind == "colocated" else "disaggregated")
     _, _, pre_seqs, seqs = req.budgets()
@@ -122,8 +122,8 @@ def measure_phase(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int,
         g = phase_goodput("decode", DecodeSetup(lm, mem.kv_tokens, seqs), pairs, phase_slo, prec, req.seed, warm,
                           copies)
     else:
-        g = coloc_goodput(ColocSetup(lm, mem.kv_tokens, budget, seqs, whole_prompts), pairs, req.slo, prec, req.seed,
-                          warm, copies)
+        setup = ColocSetup(lm, mem.kv_tokens, budget, seqs, whole_prompts, route)
+        g = coloc_goodput(setup, pairs, req.slo, prec, req.seed, warm, copies)
     max_seqs = pre_seqs if kind == "prefill" else seqs
     return PhaseChoice(kind, mem.parallel, budget, mem.kv_tokens, max_seqs, g.rate, g.binding), g
 

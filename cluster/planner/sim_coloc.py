@@ -6,7 +6,8 @@ requests (`whole_prompts`: ORCA-style, whole prompts FCFS within the budget, dec
 request is admitted (FIFO) when its reserved KV (prompt + output) fits the replica's capacity and the
 sequence cap. Step time = `model.mixed(chunk tokens, chunk SQ, B, C)`; a prompt whose last chunk
 ran gets its first token at the end of that step (TTFT) and decodes from the next step on.
-Requests go to the replica with the fewest outstanding tokens at arrival. Replicas on one node's memory
+Requests go to the replica with the fewest outstanding tokens at arrival (`route`: or splitwise-sim's
+signal, the fewest prompt tokens to compute plus unfinished requests). Replicas on one node's memory
 bus (`Sharing`, `bus.py`) slow each other: a step's prompt-chunk part is scaled by the prefill co-run
 factor and its decode part by the decode factor, both read at the step's start. Pure Python; called by
 `search` and `report` on equal terms with `sim_disagg`.
@@ -36,6 +37,9 @@ class ColocSetup:
     # whole prompts, no chunks (ORCA-style mixed batching, Splitwise's baselines): FCFS prompts while
     # their tokens fit the budget, the first one always (a longer prompt runs alone), decodes ride along
     whole_prompts: bool = False
+    # the router's signal: "outstanding" prompt + output tokens not yet done (pdserve's router), or
+    # "prompts": prompt tokens not yet computed plus one per unfinished request (splitwise-sim's token_jsq)
+    route: str = "outstanding"
 
 
 class _Replica:
@@ -51,13 +55,18 @@ class _Replica:
         self.finishing: list[tuple[int, int]] = []
         self.stepping = False
         self.outstanding = 0  # prompt + output tokens not yet done: the router's load signal
+        self.prompt_load = 0  # prompt tokens not yet computed + unfinished requests (route "prompts")
 
     def _need(self, i: int) -> int:
         return self.st.reqs[i].input_len + self.st.reqs[i].output_len
 
+    def load(self) -> int:
+        return self.prompt_load if self.s.route == "prompts" else self.outstanding
+
     def arrive(self, i: int) -> None:
         self.waiting.append(i)
         self.outstanding += self._need(i)
+        self.prompt_load += self.st.reqs[i].input_len + 1
         if not self.stepping:
             self._step()
 
@@ -153,25 +162,32 @@ class _Replica:
         for i, c in chunks:
             self.done_tokens[i] += c
             self.outstanding -= c
+            self.prompt_load -= c
             r = st.reqs[i]
             if self.done_tokens[i] < r.input_len:
                 continue
             self.prefilling.remove(i)
             del self.done_tokens[i]
             st.first[i] = now
-            if r.output_len <= 1:
-                self._finish(i, now)
-            else:  # decodes in steps step_no+1 .. step_no+output_len-1
-                self.batch += 1
-                self.context += r.input_len + 1
-                heapq.heappush(self.finishing, (self.step_no + r.output_len - 1, i))
+            self._first_token(i, now)
         self.step_no += 1
+
+    def _first_token(self, i: int, now: float) -> None:
+        """`i`'s prompt ended in the step numbered `step_no`: it decodes here from the next step on."""
+        r = self.st.reqs[i]
+        if r.output_len <= 1:
+            self._finish(i, now)
+        else:  # decodes in steps step_no+1 .. step_no+output_len-1
+            self.batch += 1
+            self.context += r.input_len + 1
+            heapq.heappush(self.finishing, (self.step_no + r.output_len - 1, i))
 
     def _finish(self, i: int, now: float) -> None:
         self.st.done[i] = now
         self.used -= self._need(i)
         self.seqs -= 1
         self.outstanding -= self.st.reqs[i].output_len
+        self.prompt_load -= 1
 
 
 def simulate_colocated(requests: list[Request], replicas: list[ColocSetup], sharing: Sharing | None = None) -> SimResult:
@@ -182,7 +198,7 @@ def simulate_colocated(requests: list[Request], replicas: list[ColocSetup], shar
     reps = [_Replica(s, ev, st, b) for s, b in zip(replicas, buses)]
 
     def arrive(i: int) -> None:
-        min(reps, key=lambda r: r.outstanding).arrive(i)
+        min(reps, key=_Replica.load).arrive(i)
 
     late = replicas[0].model.admission_s  # the runtime's routing before a replica sees it
     for i, r in enumerate(requests):

@@ -1,12 +1,14 @@
 """A latency model read from a table of measured iteration times by batch tokens (Splitwise's artifact).
 
     TableLatency(StepTable.load(model, hardware[, path]))
+    TableMemory.load(model[, path])          # the artifact's KV space per instance
 
 The artifact's performance model (splitwise-sim performance_model.py, its data in
 deploy/profiles/splitwise-perf-model.yaml): an iteration holding any prompt takes `prompt_ms` at its batch
 tokens (prompt tokens plus one per decoding request); one of decoding requests only takes `token_ms` at
 their count, whatever their context; linear interpolation between the measured points and linear
-extrapolation beyond the two end ones (scipy's interp1d with fill_value="extrapolate"). One TP-8 instance,
+extrapolation beyond the two end ones (scipy's interp1d with fill_value="extrapolate"); an iteration of
+prompts and decoding requests together costs 1.1x the prompt time at its batch tokens. One TP-8 instance,
 no pipeline stages. Used by bench/splitwise_repro.py --perf artifact; pure Python.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import yaml
 
 from cluster.planner.latency import LatencyModel, Line, Parallel
 
+MIXED_FACTOR = 1.1  # the artifact's price of a prompt and decoding requests in one iteration (performance_model.py)
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "splitwise-perf-model.yaml"
 
 
@@ -71,9 +74,32 @@ class StepTable:
         return interp_extrapolated(self.batch_tokens, self.token_s, batch)
 
 
+@dataclass(frozen=True)
+class TableMemory:
+    """The table file's memory accounting for one model: KV tokens one instance holds, KV bytes per token,
+    and the prompt-to-token machine link (bytes/s; a prompt's KV crosses it whole, after the prompt)."""
+    kv_tokens: int
+    kv_bytes_per_token: float
+    link_bytes_per_s: float
+
+    @classmethod
+    def load(cls, model: str, path: Path = DEFAULT_PATH) -> "TableMemory":
+        data = _read(Path(path))
+        try:
+            mem, m = data["memory"], data["memory"]["models"][model]
+            per_token = 2.0 * m["hidden"] * m["layers"] * 2
+            free = mem["gpus"] * mem["gpu_bytes"] - m["weights_bytes"]
+        except (KeyError, TypeError) as err:
+            raise StepTableError(f"{path}: no memory entry for model {model!r} ({err})") from None
+        if free <= 0:
+            raise StepTableError(f"{path}: {model}'s weights do not fit the instance's memory")
+        return cls(int(free // per_token), per_token, float(mem["link_bytes_per_s"]))
+
+
 class TableLatency(LatencyModel):
     """`StepTable` behind the simulators' interface: prefill by prompt tokens, decode by batch size only
-    (no context term: the artifact's token times do not depend on it), a mixed step as a prompt step."""
+    (no context term: the artifact's token times do not depend on it), a mixed step as a prompt step
+    at all its tokens, 10% dearer when it also carries decoding requests (as the artifact prices it)."""
 
     def __init__(self, table: StepTable):
         super().__init__(Parallel(8, 1))
@@ -87,4 +113,6 @@ class TableLatency(LatencyModel):
         return line, line
 
     def stage_mixed(self, tokens: float, sq: float, batch: float, context: float) -> float:
-        return self.table.prompt(tokens + batch) if tokens > 0 else self.table.token(batch)
+        if tokens <= 0:
+            return self.table.token(batch)
+        return self.table.prompt(tokens + batch) * (MIXED_FACTOR if batch > 0 else 1.0)

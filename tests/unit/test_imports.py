@@ -24,7 +24,7 @@ PURE = ("engine.scheduler", "engine.request", "engine.kv_cache.allocator", "engi
 PLANNER_PURE = tuple(f"cluster.planner.{m}" for m in (
     "errors", "paths", "models", "hardware", "latency", "roofline", "profiles", "parallel", "workload",
     "metrics", "events", "stepping", "sim_disagg", "sim_coloc", "goodput", "plans", "placement", "search", "bus",
-    "gpu_constants", "gpu_latency", "gpu_fit", "vidur_tables"))
+    "gpu_constants", "gpu_latency", "gpu_fit", "vidur_tables", "sim_mixed_pool", "step_table"))
 PURE += PLANNER_PURE
 NOT_PURE = {"torch", "grpc", "ray"}
 

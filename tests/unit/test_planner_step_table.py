@@ -22,8 +22,9 @@ def test_bundled_tables_load_in_seconds_and_the_model_reads_them_as_the_artifact
     lm = TableLatency(t)
     # decode: by batch size only, no context term
     assert lm.decode(1, 100) == lm.decode(1, 100_000) == pytest.approx(t.token(1))
-    # a mixed iteration is a prompt iteration at prompt tokens + one per decoding request
-    assert lm.mixed(1000, 1e6, 24, 50_000) == pytest.approx(t.prompt(1024))
+    # a mixed iteration is a prompt iteration at prompt tokens + one per decoding request, 10% dearer
+    assert lm.mixed(1000, 1e6, 24, 50_000) == pytest.approx(1.1 * t.prompt(1024))
+    assert lm.mixed(1000, 1e6, 0, 0) == pytest.approx(t.prompt(1000))  # prompts alone: no surcharge
     assert lm.prefill(2048, 0) == pytest.approx(0.53606)
     h = StepTable.load("llama-2-70b", "splitwise-h100cap")
     assert h.prompt(2048) > StepTable.load("llama-2-70b", "splitwise-h100").prompt(2048)  # power-capped prompts
