@@ -11,7 +11,8 @@ The paper's inputs, as its artifact (github.com/Mutinifni/splitwise-sim) states 
              70 DGX-A100 in power as its §VI-B states); one model instance per machine, TP 8
   models     Llama-2-70B and BLOOM-176B (deploy/models/)
   traces     the Azure LLM inference traces 2023, code and conversation (../shared/workloads/), lengths as
-             recorded (clamped to 8k tokens), Poisson arrivals
+             recorded, Poisson arrivals (--perf planner: 2000 of them sampled and clamped to 8k tokens;
+             --perf artifact: every one, unclipped, as the artifact's generate_trace.py draws them)
   SLO        slowdowns of each request against itself alone on a DGX-A100 (splitwise-sim notebooks,
              get_slo; perf_model.add_baseline_perf): TTFT P50/P90/P99 <= 2x/3x/6x, TBT 1.25x/1.5x/5x,
              end-to-end 1.25x/1.5x/5x; "alone" = the A100's prompt time for the request's prompt and its
@@ -29,8 +30,10 @@ The paper's inputs, as its artifact (github.com/Mutinifni/splitwise-sim) states 
 
   step times --perf planner (default): the planner's GPU step model of each hardware entry; --perf artifact:
              the artifact's measured iteration times (deploy/profiles/splitwise-perf-model.yaml,
-             `step_table.TableLatency`), its batching (prompt batches of 2048 tokens; whole prompts in
-             the baselines' mixed batches of 2048 tokens) and its reading of "alone" and TBT (`slo_for`)
+             `step_table.TableLatency`, a mixed iteration 1.1x), its memory (`TableMemory`), its
+             batching (whole prompts in batches of 2048 tokens, decodes riding along), its schedulers
+             (baselines: token_jsq, `ColocSetup.route="prompts"`; Splitwise: prompt, token and mixed
+             pools, `sim_mixed_pool`, with --verify) and its reading of "alone" and TBT (`slo_for`)
   pools      --pools K1,K2,..: each kind's per-machine goodput measured with K machines behind the router
              (least queued work: the artifact's JSQ schedulers) and interpolated in log2(n) for a pool of
              n; the default 1 is one machine's goodput times n, which under P99 bounds understates pools

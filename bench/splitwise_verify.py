@@ -19,16 +19,18 @@ from bench.splitwise_designs import DESIGNS, GPUS, MACHINES, MAX_LEN, machine_la
 from cluster.planner.goodput import bisect_rate
 from cluster.planner.hardware import load_hardware
 from cluster.planner.latency import Parallel
+from cluster.planner.metrics import SimResult
 from cluster.planner.parallel import instance_memory
 from cluster.planner.search import PlanRequest
 from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
-from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
+from cluster.planner.sim_disagg import Link
 from cluster.planner.sim_mixed_pool import simulate_mixed_pool
 from cluster.planner.step_table import TableMemory
 from cluster.planner.workload import poisson_requests
 
 REQUESTS = 3000  # per probe: ~30 s of a 100 req/s cluster, enough for a P99 over requests
-ARTIFACT_SECONDS = 600.0  # the artifact's traces run 10 minutes (generate_trace.py: end_time=600)
+ARTIFACT_SECONDS = 600.0  # the artifact's traces run 10 minutes (generate_trace.py): a queue near saturation
+                          # grows with the run, so a shorter one would pass rates the artifact fails
 MAX_SEQS = 256
 
 
@@ -63,27 +65,25 @@ def verify_planner(model, pairs, slo, design: str, a: int, b: int, rate: float, 
     return 0.0
 
 
-def _count(rate: float) -> int:
-    """Requests in one of the artifact's runs at `rate`: near saturation a queue grows with the run."""
-    return max(REQUESTS, int(rate * ARTIFACT_SECONDS))
+def artifact_run(model, pairs, design: str, a: int, b: int, rate: float, seconds: float = ARTIFACT_SECONDS,
+                 seed: int = 0) -> SimResult:
+    """One run of the design's a prompt + b token machines (colocated: a machines) as the artifact runs it:
+    its tables, memory and batching (whole prompts, 2048 batch tokens), its schedulers (token_jsq for the
+    baselines, mixed_pool for Splitwise), Poisson arrivals at `rate` for `seconds` (at least REQUESTS)."""
+    prompt, token = DESIGNS[design]
+    mem = TableMemory.load(model.name)  # (the same on every machine: 8 x 80 GiB)
+    requests = poisson_requests(pairs, rate, max(REQUESTS, int(rate * seconds)), seed)
+
+    def machines(kind: str, n: int, route: str = "outstanding") -> list[ColocSetup]:
+        return [ColocSetup(machine_latency(model, kind, "artifact"), mem.kv_tokens, 2048, MAX_SEQS, True, route)] * n
+
+    if prompt is None:
+        return simulate_colocated(requests, machines(token, a, "prompts"))
+    link = Link(mem.kv_bytes_per_token, mem.link_bytes_per_s, 1)
+    return simulate_mixed_pool(requests, machines(prompt, a), machines(token, b), link)
 
 
 def verify_artifact(model, pairs, slo, design: str, a: int, b: int, rate: float, seed: int = 0) -> float:
-    """The design's a prompt + b token machines (colocated: a machines) on the artifact's tables; the
-    highest rate meeting every bound, bisected to 3% from `rate` (the sizing's figure) down or up."""
-    prompt, token = DESIGNS[design]
-    mem = TableMemory.load(model.name)  # (the same on every machine: 8 x 80 GiB)
-    if prompt is None:
-        setups = [ColocSetup(machine_latency(model, token, "artifact"), mem.kv_tokens, 2048, MAX_SEQS, True, "prompts")] * a
-
-        def run(r: float):
-            return simulate_colocated(poisson_requests(pairs, r, _count(r), seed), setups)
-    else:  # the artifact's machine pools and scheduler (mixed_pool): machines change role under load
-        pre = [ColocSetup(machine_latency(model, prompt, "artifact"), mem.kv_tokens, 2048, MAX_SEQS, True)] * a
-        dec = [ColocSetup(machine_latency(model, token, "artifact"), mem.kv_tokens, 2048, MAX_SEQS, True)] * b
-        link = Link(mem.kv_bytes_per_token, mem.link_bytes_per_s, 1)
-
-        def run(r: float):
-            return simulate_mixed_pool(poisson_requests(pairs, r, _count(r), seed), pre, dec, link)
-
-    return bisect_rate(lambda r: run(r).attainment(slo), slo.attainment, rate, rel_tol=0.03, warm=True)[0]
+    """`artifact_run`'s highest rate meeting every bound, bisected to 3% from `rate` (the sizing's figure)."""
+    return bisect_rate(lambda r: artifact_run(model, pairs, design, a, b, r, seed=seed).attainment(slo),
+                       slo.attainment, rate, rel_tol=0.03, warm=True)[0]

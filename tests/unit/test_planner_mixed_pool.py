@@ -75,3 +75,16 @@ def test_with_nothing_to_borrow_a_request_runs_whole_on_the_least_loaded_machine
     sim, roles = run(reqs, machines(1, kv=350), machines(1, kv=350))
     assert roles[-1] == ("mixed", "token")  # the prompt machine took the second's tokens; the third runs whole
     assert all(d > 0 for d in sim.st.done)
+
+
+def test_the_artifacts_baseline_router_counts_prompt_tokens_to_compute_not_outputs_to_come():
+    """token_jsq (`route="prompts"`) sends a short prompt to the machine decoding a long answer rather than
+    behind another machine's long prompt; pdserve's router (outstanding tokens) does the opposite here."""
+    from cluster.planner.sim_coloc import simulate_colocated
+
+    reqs = [Request(0.0, 10, 1000), Request(0.0001, 500, 2), Request(0.001, 10, 2)]
+    ttft = {}
+    for route in ("prompts", "outstanding"):
+        setups = [ColocSetup(TABLE, 100_000, 2048, 256, True, route)] * 2
+        ttft[route] = simulate_colocated(reqs, setups).results[2].ttft
+    assert ttft["prompts"] < 0.05 < 0.4 < ttft["outstanding"]  # beside a decode vs behind a 500 ms prompt
