@@ -3,19 +3,22 @@
 The per-machine goodputs that size a design measure each phase alone on its own bounds (a prompt pool on
 the TTFT ones, a token pool on the TBT ones); the end-to-end bounds (P50 <= 1.25x!) need both phases, and so
 do the KV transfers between them. Here the chosen design runs as one cluster -- prompt pool -> KV over the
-machines' link -> token pool, or n colocated machines -- every request held to all nine bounds, and the
-rate is searched down from the sizing's figure to the highest that meets them.
+machines' link -> token pool (with the artifact: machines change role under load), or n colocated
+machines -- every request held to all nine bounds, and the rate is searched from the sizing's figure to the
+highest that meets them.
 
     verify_planner   the planner's latency models and plan simulation (`placement.simulate_plan`)
-    verify_artifact  the artifact's tables (`step_table`), memory and batching: prompt batches of 2048 tokens,
-                     whole prompts in the baselines' mixed batches; each prompt's KV moves after it, whole
+    artifact_run     one design point as the artifact runs it: its tables, memory and batching (whole
+                     prompts in batches of 2048 tokens), its schedulers (token_jsq; Splitwise's prompt,
+                     token and mixed pools: `sim_mixed_pool`), each prompt's KV moved whole after it
+    verify_artifact  its highest rate meeting every bound; better_split: and the neighbouring splits
 Pure Python.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from bench.splitwise_designs import DESIGNS, GPUS, MACHINES, MAX_LEN, machine_latency
+from bench.splitwise_designs import DESIGNS, GPUS, MACHINES, MAX_LEN, machine_latency, machine_numbers
 from cluster.planner.goodput import bisect_rate
 from cluster.planner.hardware import load_hardware
 from cluster.planner.latency import Parallel
@@ -87,3 +90,26 @@ def verify_artifact(model, pairs, slo, design: str, a: int, b: int, rate: float,
     """`artifact_run`'s highest rate meeting every bound, bisected to 3% from `rate` (the sizing's figure)."""
     return bisect_rate(lambda r: artifact_run(model, pairs, design, a, b, r, seed=seed).attainment(slo),
                        slo.attainment, rate, rel_tol=0.03, warm=True)[0]
+
+
+def better_split(model, pairs, slo, design: str, a: int, b: int, rate: float, limit: float, by: int,
+                 seed: int = 0) -> tuple[float, int, int]:
+    """From a split (a prompt, b token machines) verified at `rate`: move prompt machines a step at a time
+    (the artifact sweeps splits in steps of 5 of its 40-86 machines), the token side refilled to the
+    budget (`limit` in cost, by=0, or power, by=1), while the moved split meets every bound 3% higher up;
+    (rate, a, b) of the best. Colocated designs stay as they are."""
+    prompt, token = DESIGNS[design]
+    if prompt is None:
+        return rate, a, b
+    pp, tp = machine_numbers(prompt)[by], machine_numbers(token)[by]
+    step = max(1, round((a + b) / 14))
+    for move in (step, -step):
+        n = a + move
+        while n >= 1:
+            m = int((limit - n * pp) / tp + 1e-9)
+            if m < 1 or artifact_run(model, pairs, design, n, m, rate * 1.03, seed=seed).attainment(slo) < \
+                    slo.attainment:
+                break
+            rate, a, b = verify_artifact(model, pairs, slo, design, n, m, rate * 1.03, seed), n, m
+            n += move
+    return rate, a, b

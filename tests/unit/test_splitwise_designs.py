@@ -39,3 +39,29 @@ def test_cheapest_split_for_a_rate_and_an_unreachable_rate():
     zero = PoolGoodput({1: {KEY: 0.0}})
     with pytest.raises(ValueError, match="cannot reach"):
         fewest(zero, KEY, 1.0)
+
+
+def test_better_split_climbs_to_the_neighbouring_split_that_serves_most_and_stays_in_budget(monkeypatch):
+    """A made-up cluster whose highest rate peaks at 50 prompt machines of 70 (A100s: iso-power budget of
+    70 machines); from the sized 40P+30T the search steps 5 at a time to 50P+20T and stops there."""
+    from types import SimpleNamespace
+
+    from bench import splitwise_verify as v
+
+    def best(a):
+        return 100.0 - abs(a - 50)
+
+    probes = []
+
+    def run(model, pairs, design, a, b, rate, seed=0):
+        probes.append((a, b))
+        assert a + b <= 70  # within the budget
+        return SimpleNamespace(attainment=lambda slo: 1.0 if rate <= best(a) else 0.0)
+
+    monkeypatch.setattr(v, "artifact_run", run)
+    monkeypatch.setattr(v, "verify_artifact", lambda model, pairs, slo, design, a, b, rate, seed=0: best(a))
+    slo = SimpleNamespace(attainment=1.0)
+    a100_w = machine_numbers("A100")[1]
+    assert v.better_split(None, [], slo, "Splitwise-AA", 40, 30, best(40), 70 * a100_w, 1) == (100.0, 50, 20)
+    assert set(probes) == {(45, 25), (50, 20), (55, 15)}  # up while it gains, one step past; back: no gain
+    assert v.better_split(None, [], slo, "Baseline-A100", 70, 0, 60.0, 70 * a100_w, 1) == (60.0, 70, 0)
