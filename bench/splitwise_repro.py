@@ -25,8 +25,9 @@ The paper's inputs, as its artifact (github.com/Mutinifni/splitwise-sim) states 
              Splitwise-AA, -HH, -HA (prompt H100, token A100), -HHcap (prompt H100, token H100cap)
   objectives (the artifact's sweeps, scaled by --scale): iso-power and iso-cost: the power / cost of
              `scale` DGX-H100s, each design's throughput at the SLO with the best prompt/token split
-             within it; iso-throughput: the cost and power each design needs for the throughput
-             Baseline-H100 reaches at that power (cost-optimized and power-optimized)
+             within it (--splits paper: the paper's own machine counts); iso-throughput: the cost and
+             power each design needs for the throughput Baseline-H100 reaches at that power (--perf
+             artifact: for 70 req/s, as the artifact provisions; cost-optimized and power-optimized)
 
   step times --perf planner (default): the planner's GPU step model of each hardware entry; --perf artifact:
              the artifact's measured iteration times (deploy/profiles/splitwise-perf-model.yaml,
@@ -63,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.splitwise_designs import (DESIGNS, GPUS, MACHINES, MAX_LEN, WORKLOADS, PoolGoodput,  # noqa: E402
                                      best_within, least_for, machine_latency, machine_numbers, spend)
-from bench.splitwise_paper import compare  # noqa: E402
+from bench.splitwise_paper import ISO_THROUGHPUT_RATE, PAPER_SPLITS, compare  # noqa: E402
 from bench.splitwise_verify import better_split, verify_artifact, verify_planner  # noqa: E402
 from cluster.planner.goodput import FINE  # noqa: E402
 from cluster.planner.hardware import load_hardware  # noqa: E402
@@ -138,7 +139,7 @@ def per_instance(model, pairs, slo: SLO, baseline_budget: int | None = None, cop
 
 def run_case(model_name: str, trace: str, scale: int, do_verify: bool, tbt_x: float = 1.5,
              slo_kind: str = "slowdown", baseline_budget: int | None = None, pools: tuple[int, ...] = (1,),
-             perf: str = "planner") -> dict:
+             perf: str = "planner", paper_splits: bool = False) -> dict:
     start = time.perf_counter()
     model = load_model(model_name)
     lengths = trace_lengths(WORKLOADS / f"azure_llm_2023_{trace}.csv")
@@ -154,6 +155,9 @@ def run_case(model_name: str, trace: str, scale: int, do_verify: bool, tbt_x: fl
         iso_power = best_within(design, g, scale * h_power, 1)
         iso_cost = best_within(design, g, scale * h_cost, 0)
         rows[design] = {"iso_power": iso_power, "iso_cost": iso_cost}
+        if paper_splits:  # the paper's machine counts; the sized rate only starts the verification's search
+            for key in ("iso_power", "iso_cost"):
+                rows[design][key] = at_split(design, g, *PAPER_SPLITS[(trace, key)][design])
     if do_verify:  # whole designs, all nine bounds: the sized figures become the verified ones
         for design in DESIGNS:
             for key, limit, by in (("iso_power", scale * h_power, 1), ("iso_cost", scale * h_cost, 0)):
@@ -161,16 +165,26 @@ def run_case(model_name: str, trace: str, scale: int, do_verify: bool, tbt_x: fl
                 rows[design][key + "_sized"] = thr
                 if perf == "artifact":  # (and the neighbouring splits, as the artifact sweeps them)
                     ok = verify_artifact(model, pairs, slo, design, a, b, thr)
-                    ok, a, b = better_split(model, pairs, slo, design, a, b, ok, limit, by)
+                    if not paper_splits:
+                        ok, a, b = better_split(model, pairs, slo, design, a, b, ok, limit, by)
                 else:
                     ok = verify_planner(model, pairs, slo, design, a, b, thr, budget_of)
                 rows[design][key] = (ok, a, b)
-    target = rows["Baseline-H100"]["iso_power"][0]
+    # iso-throughput: the artifact's provisioning rate; the planner's reading: Baseline-H100's iso-power rate
+    target = ISO_THROUGHPUT_RATE if perf == "artifact" else rows["Baseline-H100"]["iso_power"][0]
     for design in DESIGNS:
         rows[design]["cost_opt"] = least_for(design, g, target, 0)
         rows[design]["power_opt"] = least_for(design, g, target, 1)
     return {"model": model_name, "trace": trace, "slo": slo, "g": g.by_pool, "rows": rows, "target": target,
             "seconds": time.perf_counter() - start}
+
+
+def at_split(design: str, g: PoolGoodput, a: int, b: int) -> tuple[float, int, int]:
+    """(sized throughput, a, b) of a given split: colocated n x g(n), else the slower pool's."""
+    prompt, token = DESIGNS[design]
+    if prompt is None:
+        return g.total((token, "colocated"), a), a, 0
+    return min(g.total((prompt, "prefill"), a), g.total((token, "decode"), b)), a, b
 
 
 def _split(a: int, b: int) -> str:
@@ -228,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--perf", choices=("planner", "artifact"), default="planner",
                     help="planner: the planner's step model per hardware entry; artifact: the paper's own "
                          "measured iteration times and batching (deploy/profiles/splitwise-perf-model.yaml)")
+    ap.add_argument("--splits", choices=("planner", "paper"), default="planner",
+                    help="iso-power and iso-cost machine counts: the planner's search (with --perf artifact and "
+                         "--verify: and its neighbours), or the paper's own (BLOOM-176B; its artifact's notebook)")
     ap.add_argument("--tbt-slowdown", type=float, default=1.5,
                     help="with --slo absolute: the TPOT target as a multiple of the A100's batch-1 step")
     args = ap.parse_args(argv)
@@ -235,8 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     pools = tuple(sorted({int(k) for k in args.pools.split(",")}))
     if not pools or pools[0] < 1:
         ap.error("--pools: positive machine counts, e.g. 1,4,16,64")
+    if args.splits == "paper" and (args.models != "bloom-176b" or args.scale != 40 or not args.verify):
+        ap.error("--splits paper: the paper's BLOOM-176B clusters (--models bloom-176b, --scale 40) with --verify")
     cases = [run_case(m, t, args.scale, args.verify, args.tbt_slowdown, args.slo, args.baseline_budget, pools,
-                      args.perf) for m in args.models.split(",") for t in args.traces.split(",")]
+                      args.perf, args.splits == "paper") for m in args.models.split(",") for t in args.traces.split(",")]
     slo_text = "the paper's slowdown SLO" if args.slo == "slowdown" else f"TTFT 3x, TPOT {args.tbt_slowdown:g}x"
     perf_text = "the artifact's measured tables" if args.perf == "artifact" else "the planner's model"
     lines = [f"# Splitwise design comparison in pdserve's planner simulator ({slo_text} "
