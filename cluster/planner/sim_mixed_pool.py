@@ -139,7 +139,8 @@ class _Pools:
     def arrive(self, i: int) -> None:
         r = self.st.reqs[i]
         need = r.input_len + r.output_len
-        p = self._prompt_machine(self._in("prompt"), r.input_len) or self._prompt_machine(self._in("mixed"), r.input_len)
+        n = r.input_len
+        p = self._prompt_machine(self._in("prompt"), n) or self._prompt_machine(self._in("mixed"), n)
         t = self._token_machine(self._in("token"), need) or self._token_machine(self._in("mixed"), need)
         if p is None and self._in("token"):  # every prompt queue is long: a token machine helps
             p = min(self._in("token"), key=lambda x: x.sched_pending)
