@@ -24,8 +24,7 @@ from cluster.planner.models import load_model  # noqa: E402
 from cluster.planner.search import PlanRequest  # noqa: E402
 from cluster.planner.workload import clamp, subsample, trace_lengths  # noqa: E402
 
-TRACE = next((p / "shared/workloads/azure_llm_2023_conv.csv" for p in Path(__file__).resolve().parents[2:4]
-              if (p / "shared/workloads").is_dir()), Path("../shared/workloads/azure_llm_2023_conv.csv"))
+TRACE = Path(__file__).resolve().parents[1] / "data" / "workloads" / "azure_llm_2023_conv.csv"
 
 
 def main(argv=None) -> int:

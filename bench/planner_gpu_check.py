@@ -1,6 +1,6 @@
 """The planner's GPU step model against measured GPU steps (issue 24), offline from Vidur's published tables.
 
-    python bench/planner_gpu_check.py                       # tables in ../shared/gpu_profiles/vidur
+    python bench/planner_gpu_check.py                       # tables in data/gpu_profiles/vidur
     python bench/planner_gpu_check.py --tables DIR --out bench/out/planner-gpu-check
 
 Order: (1) fit the step model's constants (`gpu_fit`) on the FITTED rows only: A100 Llama-3-8B and
@@ -54,10 +54,7 @@ from cluster.planner.roofline import RooflineLatency
 from cluster.planner.vidur_tables import AllReduceTable, AttentionTable, ComputeTable, load_tables
 
 ROOT = Path(__file__).resolve().parents[1]
-# ../shared beside the repository (CI's layout); one level higher for a git worktree under a folder
-DEFAULT_TABLES = next((p for p in (ROOT.parent / "shared" / "gpu_profiles" / "vidur",
-                                   ROOT.parent.parent / "shared" / "gpu_profiles" / "vidur") if p.is_dir()),
-                      ROOT.parent / "shared" / "gpu_profiles" / "vidur")
+DEFAULT_TABLES = ROOT / "data" / "gpu_profiles" / "vidur"
 PREFILL = (128, 512, 1024, 2048, 4096)
 DECODE = tuple((b, c) for c in (512, 2048) for b in (1, 8, 32, 128))
 TPS = (1, 2, 4, 8)
@@ -269,7 +266,7 @@ def summary_table(cases: list[Case]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tables", type=Path, default=DEFAULT_TABLES, help="Vidur tables (the shared copy)")
+    ap.add_argument("--tables", type=Path, default=DEFAULT_TABLES, help="Vidur tables (default: data/gpu_profiles/vidur)")
     ap.add_argument("--h100", default="links", choices=H100_MODES,
                     help="H100 constants: links (default): compute carried from the A100 fit by its datasheet, "
                          "all-reduce from the H100 NVSwitch's own curve (the hardware entry's); carried: the link "

@@ -14,10 +14,10 @@ the step times behind a changed choice; (4) markdown: the command lines, a table
 before and after, and for every plan that changed: both plans, each side's own `why` and the step times.
 
 Scenarios (SCENARIOS): Llama-3-8B and Llama-3-70B on 8 and 32 H100 and A100 GPUs (8 per node) on the Azure
-2023 conversation trace (../shared/workloads), and DistServe's OPT settings (OSDI'24, Table 1: chatbot
+2023 conversation trace (data/workloads), and DistServe's OPT settings (OSDI'24, Table 1: chatbot
 OPT-13B/66B/175B, code completion and summarization on OPT-66B, with its SLOs) on 4 nodes of 8 A100s with
 25 Gb/s between nodes (`--inter-node-gbs 3`, the README's figure for it). DistServe's datasets (ShareGPT,
-HumanEval, LongBench) are not in ../shared: their lengths are uniform ranges of about their means, within
+HumanEval, LongBench) are not in data/: their lengths are uniform ranges of about their means, within
 OPT's 2,048 positions. Rates are set so that a plan needs a good part of its GPUs (one, Llama-3-8B at 40
 req/s on 8 A100s, beyond what the step model lets them sustain); Llama-3-70B gets TTFT 1 s (at 500 ms no
 A100 configuration meets it under the step model: TP 8 prefills the trace's p90 prompt in ~600 ms). Each plan takes 10-60 s
@@ -38,8 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE = "2c278dc"  # parent of 23a4c09 (`git log -- cluster/planner/gpu_latency.py`: the GPU model's first commit)
-CONV = next((p for p in (ROOT.parent / "shared" / "workloads", ROOT.parent.parent / "shared" / "workloads")
-             if p.is_dir()), ROOT.parent / "shared" / "workloads") / "azure_llm_2023_conv.csv"
+CONV = ROOT / "data" / "workloads" / "azure_llm_2023_conv.csv"  # this tree's copy, for both trees
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 --sim: a checkout of github.com/Mutinifni/splitwise-sim (MIT; not bundled, not imported: it runs in its own
 interpreter, --python, with its requirements: hydra-core, omegaconf, pandas, scipy, networkx, requests).
 It is copied to a scratch folder first, where its configs/config.yaml loses the Ray launcher (a sweep
-setting; one run needs none) and data/ gets the Azure traces of ../shared/workloads.
+setting; one run needs none) and data/ gets the Azure traces of data/workloads.
 A point is DESIGN[:P[:T]]@TRACE:RATE. DESIGN: BA, BH (baselines: P machines, default 70 and 40), AA, HH,
 HA, HC (Splitwise-AA/-HH/-HA/-HHcap: P prompt and T token machines). Per point: the artifact's
 generate_trace.py draws a Poisson trace (seed 0) of --seconds; its run.py serves it (its scripts/

@@ -17,9 +17,7 @@ from cluster.planner.latency import Parallel
 from cluster.planner.profiles import latency_model
 from cluster.planner.step_table import StepTable, TableLatency
 
-# ../shared/workloads beside the checkout (a worktree under wt/ sits one level deeper)
-WORKLOADS = next((p / "shared" / "workloads" for p in Path(__file__).resolve().parents[2:4]
-                  if (p / "shared" / "workloads").is_dir()), Path("../shared/workloads"))
+WORKLOADS = Path(__file__).resolve().parents[1] / "data" / "workloads"
 MACHINES = {"A100": "splitwise-a100", "H100": "splitwise-h100", "H100cap": "splitwise-h100cap"}
 DESIGNS = {"Baseline-A100": (None, "A100"), "Baseline-H100": (None, "H100"), "Splitwise-AA": ("A100", "A100"),
            "Splitwise-HH": ("H100", "H100"), "Splitwise-HA": ("H100", "A100"), "Splitwise-HHcap": ("H100", "H100cap")}

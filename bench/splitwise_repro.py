@@ -10,7 +10,7 @@ The paper's inputs, as its artifact (github.com/Mutinifni/splitwise-sim) states 
              8 x 400 W, $38/h and 8 x 700 W, $38/h and 0.7 x that: the paper's Table I, so that 40 DGX-H100 =
              70 DGX-A100 in power as its §VI-B states); one model instance per machine, TP 8
   models     Llama-2-70B and BLOOM-176B (deploy/models/)
-  traces     the Azure LLM inference traces 2023, code and conversation (../shared/workloads/), lengths as
+  traces     the Azure LLM inference traces 2023, code and conversation (data/workloads/), lengths as
              recorded, Poisson arrivals (--perf planner: 2000 of them sampled and clamped to 8k tokens;
              --perf artifact: every one, unclipped, as the artifact's generate_trace.py draws them)
   SLO        slowdowns of each request against itself alone on a DGX-A100 (splitwise-sim notebooks,

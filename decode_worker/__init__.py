@@ -1,4 +1,4 @@
-"""pdserve decode_worker: KV in, tokens out (see ../shared/DESIGN.md).
+"""pdserve decode_worker: KV in, tokens out (see docs/design.md).
 
 - `worker`  `DecodeWorker`: an `engine.LLM` (continuous batching; preemption by local recompute) plus a
             `kv_transfer` `KVReceiver`; `reserve` (admission by free pages) / `abort` / `step() ->

@@ -12,7 +12,7 @@ Descriptions (`--workload`):
         uniform in [L*(1-range), L*(1+range)]; `dist=lognormal,sigma=0.5` draws lognormal lengths with
         median L instead. Arrivals: gamma gaps with shape `burstiness` (CV = 1/sqrt(burstiness); 1 is
         Poisson, < 1 burstier; `cv=2` is the same as burstiness=0.25). Seeded by `--seed`.
-    azure-code | azure-conv | mooncake   the traces in ../shared/workloads (README there), or a path to an
+    azure-code | azure-conv | mooncake   the traces in data/workloads (README there), or a path to an
         Azure 2023 CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or a Mooncake JSONL (timestamp in ms,
         input_length, output_length). Rows `start`, `start + stride`, ... (`--trace-start`, `--trace-stride`),
         `num_requests` of them. Stride 1 replays a contiguous slice: a few dozen requests then cover
@@ -180,7 +180,7 @@ def synthetic(options: dict[str, str], num_requests: int, seed: int) -> Workload
 # ---- traces -----------------------------------------------------------------------------------
 def workloads_dir() -> Path:
     env = os.environ.get("PDSERVE_WORKLOADS")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "workloads"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "workloads"
 
 
 def _azure_rows(path: Path, start: int, n: int, stride: int) -> list[tuple[float, int, int]]:

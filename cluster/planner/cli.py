@@ -1,7 +1,7 @@
 """`pdserve plan`, `pdserve profile` and `pdserve fit-gpu` (registered by cluster/cli.py; handlers import the work lazily).
 
     pdserve plan --model llama-3-8b --hardware h100 --nodes 4 --gpus-per-node 8 \\
-        --workload ../shared/workloads/azure_llm_2023_conv.csv --rate 40 --ttft-ms 250 --tpot-ms 100 \\
+        --workload data/workloads/azure_llm_2023_conv.csv --rate 40 --ttft-ms 250 --tpot-ms 100 \\
         --out cluster.yaml --report plan-report/
     pdserve profile deploy/local.yaml --out deploy/profiles/cpu-local-smollm2.json
     pdserve fit-gpu my-a100/mlp.csv my-a100/attention.csv my-a100/all_reduce.csv --hardware a100 \\

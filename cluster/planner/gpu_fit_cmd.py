@@ -1,7 +1,7 @@
 """`pdserve fit-gpu TABLES... --hardware NAME`: fit the GPU step model's constants to measured tables.
 
-    pdserve fit-gpu ../shared/gpu_profiles/vidur/a100_meta-llama_Meta-Llama-3-8B_mlp.csv \\
-        ../shared/gpu_profiles/vidur/a100_dgx_all_reduce.csv --hardware a100 --out deploy/profiles/my-a100.json
+    pdserve fit-gpu data/gpu_profiles/vidur/a100_meta-llama_Meta-Llama-3-8B_mlp.csv \\
+        data/gpu_profiles/vidur/a100_dgx_all_reduce.csv --hardware a100 --out deploy/profiles/my-a100.json
 
 Reads Vidur-layout tables (`vidur_tables`: compute, attention, all-reduce; files or directories of one
 GPU kind), fits them (`gpu_fit`: groups the tables lack keep the hardware entry's constants), prints each

@@ -11,7 +11,7 @@ A table's kind is told by its columns (Vidur's profiler writes them; times are i
               sequence), n_q_head, n_kv_head, n_embd, num_tensor_parallel_workers and
               time_stats.attn_prefill / attn_decode (/ attn_kv_cache_save, optional).median
   all_reduce  network all_reduce.csv: size (bytes), num_workers, devices_per_node, time_stats.all_reduce.median
-  points      JSON extract of an attention.csv (../shared/gpu_profiles/vidur/*_attention_points.json): its
+  points      JSON extract of an attention.csv (data/gpu_profiles/vidur/*_attention_points.json): its
               key "<gpu>/<model>" names the model; its shape comes from a compute table of that model
               loaded with it (the model name in the table's file name)
 Duplicate keys are averaged. All files of one call are taken as measured on one kind of GPU.

@@ -35,7 +35,7 @@ def trace_lengths(path: str | Path) -> list[tuple[int, int]]:
     Mooncake JSONL (input_length, output_length)."""
     path = Path(path)
     if not path.is_file():
-        raise PlannerError(f"workload {path}: no such file (traces live in ../shared/workloads/)")
+        raise PlannerError(f"workload {path}: no such file (the repository's traces are in data/workloads/)")
     pairs: list[tuple[int, int]] = []
     with path.open() as f:
         if path.suffix == ".jsonl":

@@ -11,7 +11,7 @@ from cluster.bench.mooncake import block_hit_rate
 from cluster.bench.prompts import PromptSource
 from cluster.bench.workload import TRACES, TraceScaling, WorkloadError, load_workload, workloads_dir
 
-SLICES = Path(__file__).resolve().parents[1] / "data" / "workloads"
+DATA = Path(__file__).resolve().parents[2] / "data" / "workloads"  # the repository's traces
 
 
 class WordTokenizer:
@@ -24,8 +24,8 @@ class WordTokenizer:
 
 @pytest.fixture(autouse=True)
 def traces(monkeypatch):
-    if not all((workloads_dir() / f).is_file() for f in TRACES.values()):
-        monkeypatch.setenv("PDSERVE_WORKLOADS", str(SLICES))
+    monkeypatch.delenv("PDSERVE_WORKLOADS", raising=False)
+    assert workloads_dir() == DATA and all((DATA / f).is_file() for f in TRACES.values())
 
 
 def _trace(tmp_path, rows) -> Path:
@@ -85,7 +85,7 @@ def test_mooncake_trace_sessions_and_errors(tmp_path):
     w = load_workload("mooncake:sessions=3", 50)
     assert len(w) >= 6 and w.block_ids is not None and len(w.block_ids) == len(w)
     # conversations repeat their earlier turns: several times the reuse of a contiguous slice as long
-    # (full trace: 0.34 vs 0.04; the 200-row slice under tests/data: 0.27 vs 0.07)
+    # (full trace: 0.34 vs 0.04)
     assert block_hit_rate(w.block_ids) > 3 * block_hit_rate(load_workload("mooncake", len(w)).block_ids)
     plain = load_workload("mooncake", 20)
     assert plain.block_ids is not None and plain.at_rate(1.0)[0].block_ids[0] == 0

@@ -12,14 +12,14 @@ from cluster.bench.prompts import PromptSource
 from cluster.bench.server import parse_sets, spec_variants
 from cluster.bench.workload import TRACES, TraceScaling, WorkloadError, load_workload, workloads_dir
 
-SLICES = Path(__file__).resolve().parents[1] / "data" / "workloads"  # first 200 rows of each trace
+DATA = Path(__file__).resolve().parents[2] / "data" / "workloads"  # the repository's traces
 
 
 @pytest.fixture(autouse=True)
 def traces(monkeypatch):
-    """The full traces when ../shared/workloads has them, else the slices committed under tests/data."""
-    if not all((workloads_dir() / f).is_file() for f in TRACES.values()):
-        monkeypatch.setenv("PDSERVE_WORKLOADS", str(SLICES))
+    """The traces under data/workloads, whatever PDSERVE_WORKLOADS says in the caller's environment."""
+    monkeypatch.delenv("PDSERVE_WORKLOADS", raising=False)
+    assert workloads_dir() == DATA and all((DATA / f).is_file() for f in TRACES.values())
 
 
 

@@ -1,6 +1,6 @@
 """Measured GPU tables (Vidur's layout) -> fitted step constants -> `pdserve fit-gpu` / `pdserve plan
---profile TABLES`; bad tables refused by file, row and column; the GPU check on the shared tables
-(../shared/gpu_profiles/vidur, beside the repository as in CI) meets the issue's bands on the fitted set."""
+--profile TABLES`; bad tables refused by file, row and column; the GPU check on the repository's tables
+(data/gpu_profiles/vidur) meets the issue's bands on the fitted set."""
 from __future__ import annotations
 
 import json
