@@ -2,7 +2,7 @@
 
 Who calls it: `cluster/serving/actors.py` runs it on one thread of a Ray actor (tests run it in-process); every
 method runs on that thread, while the receiver's transport threads accept pushes beside it. Life of a
-request here (DESIGN.md "Life of a request", steps 3 and 6):
+request here (docs/design.md "Life of a request", steps 3 and 6):
 
     reserve(rid, prompt_ids, params, lease_s) -> TransferDescriptor, or None ("no pages now": the router
         tries another worker or waits). Admission by free pages: refused while preempted requests wait

@@ -1,6 +1,6 @@
 """The KV-transfer contract: descriptors, polled state, typed errors, the source/sink/transport protocols.
 
-Life of a transfer (DESIGN.md "Life of a request", steps 3-6):
+Life of a transfer (docs/design.md "Life of a request", steps 3-6):
   1. The decode side's `KVSink.reserve()` holds pages under a lease and returns a `TransferDescriptor`
      (request id, reservation id, nonce, model fingerprint, layout signature, token count, and `kv_start`:
      with prefix caching the decode side already holds the KV of tokens [0, kv_start), so only the rest

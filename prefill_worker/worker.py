@@ -1,7 +1,7 @@
 """`PrefillWorker`: one prefill engine (`engine.LLM`) and its `KVSender`, driven by a plain step loop.
 
 Who calls it: `cluster/serving/actors.py` runs it on one thread of a Ray actor (tests run it in-process); every
-method runs on that thread. Life of a request here (DESIGN.md "Life of a request", steps 4-5):
+method runs on that thread. Life of a request here (docs/design.md "Life of a request", steps 4-5):
 
     submit(rid, prompt_ids, params, descriptor, decode_address)
         -> llm.add_request(prefill_only=True); sender.send(): each layer's KV is published as it is computed

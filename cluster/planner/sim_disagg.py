@@ -1,6 +1,6 @@
 """Discrete-event simulation of the disaggregated mode: prefill pool -> KV transfer -> decode pool.
 
-Life of a request (mirrors DESIGN.md's "Life of a request"):
+Life of a request (mirrors docs/design.md's "Life of a request"):
   1. arrives; the router queues it on the prefill instance with the fewest prompt tokens submitted and not
      yet done (queued or in a running batch: the real router's `queued_tokens`, cluster/serving);
   2. the instance forms FCFS batches under a token budget (and a sequence cap; a prompt longer than the

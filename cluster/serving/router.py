@@ -12,7 +12,7 @@ hold for a flight), `admission` (`Admission`: placement), `recovery` (`Recovery`
 re-placement, rejoin), `prefix` (`PrefixPlacer`), `tasks` (`Tasks`: what runs beside the callers) and the
 `ledger`. This module keeps the request's own life: intake, worker events -> deltas, the end.
 
-Life of a request (disaggregated; DESIGN.md "Life of a request"):
+Life of a request (disaggregated; docs/design.md "Life of a request"):
   1. `generate()` validates and tokenizes (typed 400s), fixes a seed, checks the queue limit (requests
      without a first token yet; beyond `max_queued_requests` -> `OverloadedError`, 429) and joins the FIFO.
   2. The admission loop (`admission.py`) takes the head: decode worker with the most free pages,

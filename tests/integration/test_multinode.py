@@ -1,6 +1,6 @@
 """Acceptance: a multi-node Ray cluster on one machine (`ray.cluster_utils.Cluster`: a head with no pool
 resources, a node carrying `{prefill: 1}` and one carrying `{decode: 1}`, each its own raylet, all on
-127.0.0.1, Ray token auth on with one token file that every node reads, as README "Running Ray safely" asks
+127.0.0.1, Ray token auth on with one token file that every node reads, as docs/security.md asks
 of a multi-node cluster). A spec shaped like deploy/multinode.yaml (custom resources per pool, a KV auth
 token from the environment of every node; loopback, so no TLS) joins it by its GCS address, with the
 cluster's token from the environment. Checked:

@@ -95,7 +95,7 @@ def _listeners() -> list[tuple[psutil.Process, str, int]]:
 
 
 def _audit(listeners, token: str, kv_ports: set[int]) -> list[str]:
-    """One line per listener (the table the README states); fails on the first exposed one."""
+    """One line per listener (the table docs/security.md states); fails on the first exposed one."""
     rows, metrics = [], []
     for proc, ip, port in sorted(listeners, key=lambda x: (x[0].pid, x[2])):
         name, cmd = proc.name(), " ".join(proc.cmdline())
