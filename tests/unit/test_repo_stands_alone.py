@@ -19,9 +19,9 @@ SKIP_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "bu
 # The folder that held the traces, the GPU tables and the old design map, outside the repository. The
 # pattern is assembled from parts so that this file does not match it.
 _S = "shared"
-OUTSIDE = re.compile(r"\.\./" + _S + r"\b"                                   # ../shared, ../../shared/...
-                     + r"|\b" + _S + r"/(?:workloads|gpu_profiles|DESIGN)"   # /work/shared/workloads, ...
-                     + r"|[\"']" + _S + r"[\"']\s*/\s*[\"'](?:workloads|gpu_profiles)")  # Path / "shared" / "workloads"
+OUTSIDE = re.compile(r"\.\./" + _S + r"\b"                                   # a relative path up to it
+                     + r"|\b" + _S + r"/(?:workloads|gpu_profiles|DESIGN)"   # an absolute path into it
+                     + r"|[\"']" + _S + r"[\"']\s*/\s*[\"'](?:workloads|gpu_profiles)")  # a pathlib join
 # Files of other rooms still being moved off the old folder by their owners (issue 33); remove a name
 # once its file is clean: the test below fails while a listed file no longer needs its place here.
 PENDING = {"bench/autoscale_local.py", "bench/autoscale_sim.py"}
