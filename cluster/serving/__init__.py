@@ -45,6 +45,7 @@ Who owns what:
     scaling      Scaler, ScaleError: live resizing of a pool
     autoscaler   Autoscaler, RequestLog: the SLO autoscaler's loop     autoscale_policy  Policy: its decisions
     autoscale_capacity  PlannerCapacity: replicas per pool from the planner's latency model and simulator
+    autoscale_evidence  LoadBands, Demonstrated: the correction per load band, the rate a replica carried
     prefix_routing  PrefixIndex, PrefixPlacer: KV-aware choices
     worker_loop  WorkerLoop (a worker's step loop on a thread, its step watchdog), LocalHandle and
                  LocalPools (in-process workers and their spawner)
@@ -57,7 +58,7 @@ Who owns what:
 
 Import arrows (one direction; tests/unit/test_imports.py checks them): ray_pools -> router, actors, placement;
 router -> admission, scaling -> recovery -> holdings -> flight, membership, tasks; actors -> worker_loop;
-router -> autoscaler -> autoscale_capacity -> autoscale_policy; ray_pools -> autoscaler. Only
-actors, placement and ray_pools import ray, the router imports none of them, and outside this room only
+router -> autoscaler -> autoscale_capacity -> autoscale_policy -> autoscale_evidence; ray_pools -> autoscaler.
+Only actors, placement and ray_pools import ray, the router imports none of them, and outside this room only
 the launcher (`cluster/launch.py`) imports them. This package's `__init__` imports nothing.
 """

@@ -9,29 +9,41 @@ Each `Policy.step(window, replicas)`, per autoscaled pool:
      extrapolated chance runs into scale-ups); never above twice the busiest interval -- and the length
      mix (finished requests' (input, output) lengths; arrivals' (input, max_tokens) while too few have
      finished);
-  2. the correction factor (Dynamo's SLA planner idea): measured mean latency / the capacity model's
+  2. the evidence of the window since the pool's last resize finished (`Window.unsettled`: a replica still
+     starting or draining): its attainment (`missed`: below target), whether its latencies near the targets
+     (`near`: p90 beyond `pressure` x a target, autoscale_evidence.near_targets) and the rate per replica it
+     carried (`served`, over at least half a window). Missed or near, the records of what the pool carried
+     at or above that rate are dropped (`Demonstrated.refute`: the machine got slower);
+  3. the correction factor (Dynamo's SLA planner idea): measured mean latency / the capacity model's
      prediction for the same load on the current replicas -- TTFT for a prefill pool, TPOT for decode,
-     both (geometric mean) for colocated -- from requests that arrived after the pool's last resize had
-     finished only (`Window.unsettled`: a replica still starting or draining),
-     and only where the pool meets the SLO and the model predicts it does (in overload the latencies grow
-     with the backlog, not with the model's error: a ratio there ran the factor to its bound at once);
-     smoothed (`correction_smoothing`), bounded to [1/4, 4]; the model then plans with its step times
-     scaled by it, but never by less than 1: here a factor of ~0.4 learnt at low load (the profile's fixed
-     costs overstated) did not hold at 6x the rate and kept the pool at one replica through a step up;
-  3. `CapacityModel.needed`: the fewest replicas meeting the SLO at the forecast rate (`up`), and at the
+     both (geometric mean) for colocated -- from those requests only, and only where the pool meets the SLO
+     and the model predicts it does (in overload the latencies grow with the backlog, not with the model's
+     error: a ratio there ran the factor to its bound at once); smoothed (`correction_smoothing`), bounded
+     to [1/4, 4], per band of the rate per replica it was measured at (`LoadBands`); a decision plans with
+     the factor at the load per replica it asks about (the forecast over the current count for `up`; the
+     down rate over one fewer for `down`), interpolated between learnt bands and never below 1 above
+     them: a single factor of ~0.4 learnt at low load (the profile's fixed costs overstated) did not hold
+     at 6x the rate, and clamping it at 1 everywhere made the model 4x pessimistic at low load, where it
+     brought a second replica back for 0.48 req/s that one replica had carried twice over;
+  4. `CapacityModel.needed`: the fewest replicas meeting the SLO at the forecast rate (`up`), and at the
      larger of max(forecast, observed) x (1 + scale_down_headroom) and the busiest interval seen in the
      last `scale_down_cooldown_s` (`down`: the hysteresis band; like Kubernetes' downscale stabilization,
-     a pool shrinks only when even the recent peak fits fewer replicas), with the largest correction
-     factor of that time (the factor a pool learns at ease after a scale-up is smaller than the one
-     that drove it: without this the two alternated, up and down every cooldown);
-  4. the decision: up at once to `up` (clamped to max) after `scale_up_cooldown_s`, unless the forecast
-     less `scale_up_tolerance` (10%) still fits the current count (Kubernetes' HPA tolerance: a burst just
-     over a replica's modelled capacity is noise; here such a burst in a low phase, 0.48 req/s against
-     ~0.45, brought a second replica back 64 s after it left and kept it to the end); if the model says
-     enough but the window's own SLO attainment (since the last resize finished) is below target, up by one
-     ("slo_miss"); down one replica at a time, only after `down` stayed below the count for
-     `scale_down_stable_intervals` decisions in a row and `scale_down_cooldown_s` passed; never outside
-     [min, max]. Every decision -- holds too -- carries its reason.
+     a pool shrinks only when even the recent peak fits fewer replicas); the demonstrated capacity
+     (`Demonstrated.per_replica`: the best rate per replica carried within the SLO in the last
+     `demonstrated_horizon_s`, scaled to the mix) bounds both from above: ceil(rate / demonstrated)
+     replicas have served that rate (for `down`, only while latencies are clear of the targets);
+  5. the decision, up only for a reason the SLO gives: "forecast" (the model asks for more than the current
+     count and the forecast is beyond what the current count has carried within the SLO: up at once to
+     the smaller of the two needs, after `scale_up_cooldown_s`, unless the forecast less `scale_up_tolerance`
+     (10%) still fits the current count and the latencies are clear: "tolerance", Kubernetes' HPA tolerance);
+     "slo_miss" (the window's
+     attainment is below target: up by one); "latency" (the model asks for more, the demonstrated capacity
+     says no, and the latencies near the targets: up by one); the model asking for more within what was
+     carried is a hold ("demonstrated"). Down one replica at a time, only after `down` stayed below the
+     count for `scale_down_stable_intervals` decisions in a row and `scale_down_cooldown_s` passed; never
+     outside [min, max]. Every decision -- holds too -- carries its reason. Last, the window's `served`
+     rate is recorded (`Demonstrated.record`) when the SLO held with latencies clear: later decisions, not
+     this one, rest on it.
 """
 from __future__ import annotations
 
@@ -39,9 +51,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from cluster.serving.autoscale_evidence import Demonstrated, LoadBands, near_targets
+
 DIRECTIONS = ("up", "down", "hold")
-REASONS = ("below_min", "above_max", "forecast", "slo_miss", "low_load", "steady", "at_max", "cooldown",
-           "hysteresis", "tolerance", "no_data")
+REASONS = ("below_min", "above_max", "forecast", "slo_miss", "latency", "low_load", "steady", "at_max", "cooldown",
+           "hysteresis", "tolerance", "demonstrated", "no_data")
 CORRECTION_BOUNDS = (0.25, 4.0)
 MIX_SIZE = 200  # (input, output) pairs handed to the capacity model, evenly spaced over the window
 DEFAULT_MIX = ((256, 64),)  # before any request was seen
@@ -63,6 +77,8 @@ class AutoscaleConfig:
     ttft_s: float = 2.0  # the SLO's targets
     tpot_s: float = 0.15
     up_tolerance: float = 0.1  # a forecast within this fraction of what the current count serves: no scale-up
+    pressure: float = 0.8  # latencies "near the targets": the attainment quantile beyond this x a target
+    demonstrated_horizon_s: float = 1800.0  # how long what a replica carried within the SLO counts
 
     def metrics(self, pool: str) -> tuple[str, ...]:
         """What a pool's replicas decide: prefill the TTFT, decode the TPOT, colocated both."""
@@ -98,6 +114,7 @@ class Load:
     observed: float  # req/s over the window
     peak: float = 0.0  # req/s of the window's busiest interval
     pairs: tuple = DEFAULT_MIX  # (input, output) lengths
+    surge: float = 0.0  # req/s of the last interval less two Poisson standard deviations (a step, at once)
 
     def at(self, rate: float) -> "Load":
         return replace(self, rate=rate)
@@ -112,11 +129,13 @@ class Decision:
     reason: str
     need: int  # replicas the model asked for at the forecast (max + 1: more than max would be needed)
     rate: float
-    correction: float
+    correction: float  # the factor the decision planned with (at the forecast's load per replica)
+    demonstrated: float = 0.0  # req/s one replica has carried within the SLO at this mix (0: none yet)
 
     def log_line(self) -> str:
         return (f"autoscaler: pool {self.pool} {self.direction} {self.current} -> {self.target} ({self.reason}; "
-                f"forecast {self.rate:.3g} req/s needs {self.need}, correction x{self.correction:.2f})")
+                f"forecast {self.rate:.3g} req/s needs {self.need}, correction x{self.correction:.2f}, "
+                f"demonstrated {self.demonstrated:.3g} req/s per replica)")
 
 
 class CapacityModel(Protocol):
@@ -150,7 +169,8 @@ def estimate_load(w: Window, cfg: AutoscaleConfig, last_pairs: tuple = DEFAULT_M
     else:
         pairs = last_pairs
     step = max(1, len(pairs) // MIX_SIZE)
-    return Load(forecast, observed, max(rates), pairs[::step])
+    surge = max(0.0, (counts[-1] - 2 * math.sqrt(counts[-1])) / width)
+    return Load(forecast, observed, max(rates), pairs[::step], surge)
 
 
 def measured_latency(finished, metrics: tuple[str, ...] = ("ttft", "tpot")) -> dict[str, float]:
@@ -173,8 +193,19 @@ class _PoolState:
     last_change: float = -math.inf
     settled: float = -math.inf  # requests arriving from then on met the pool at its current size (inf: not yet)
     low_streak: int = 0
-    correction: float = 1.0
-    history: list = field(default_factory=list)  # (time, correction, peak rate) over the last scale_down_cooldown_s
+    correction: float = 1.0  # the factor over all loads (smoothed, bounded): what /metrics shows; plans use bands
+    history: list = field(default_factory=list)  # (time, peak rate) over the last scale_down_cooldown_s
+    bands: LoadBands = field(default_factory=lambda: LoadBands(bounds=CORRECTION_BOUNDS))
+    shown: Demonstrated = field(default_factory=Demonstrated)
+
+
+@dataclass(frozen=True)
+class _Evidence:
+    """What the window says about the pool at its current size (requests since its last resize finished)."""
+    since: tuple  # Finished
+    served: float  # req/s per replica over them (0: too short a stretch to count)
+    missed: bool  # attainment below target
+    near: bool  # latencies approaching the targets
 
 
 @dataclass
@@ -185,7 +216,7 @@ class Policy:
     pairs: tuple = DEFAULT_MIX
 
     def state(self, pool: str) -> _PoolState:
-        return self.pools.setdefault(pool, _PoolState())
+        return self.pools.setdefault(pool, _PoolState(shown=Demonstrated(self.cfg.demonstrated_horizon_s)))
 
     def step(self, w: Window, replicas: dict[str, int]) -> list[Decision]:
         load = estimate_load(w, self.cfg, self.pairs)
@@ -193,11 +224,26 @@ class Policy:
         return [self._decide(pool, w, load, replicas[pool], bounds) for pool, bounds in self.cfg.bounds.items()
                 if pool in replicas]
 
-    def correct(self, pool: str, w: Window, load: Load, current: int) -> None:
-        """Fold the window's measured / predicted latency ratio (requests since the pool's last change) in."""
+    def evidence(self, pool: str, w: Window, cur: int) -> _Evidence:
+        s, cfg = self.state(pool), self.cfg
+        since = tuple(f for f in w.finished if f.arrival >= s.settled)
+        if len(since) < cfg.min_samples:
+            return _Evidence(since, 0.0, False, False)
+        metrics = cfg.metrics(pool)
+        missed = sum(cfg.met(f, metrics) for f in since) / len(since) < cfg.attainment
+        near = near_targets(since, metrics, {"ttft": cfg.ttft_s, "tpot": cfg.tpot_s}, cfg.attainment, cfg.pressure)
+        span = w.now - max(w.start, s.settled)
+        # (a stretch shorter than half a window can be a burst a queue absorbed, not a rate carried)
+        served = sum(1 for t, _, _ in w.arrivals if t >= s.settled) / span / max(cur, 1) \
+            if span >= cfg.window_s / 2 else 0.0
+        return _Evidence(since, served, missed, near)
+
+    def correct(self, pool: str, w: Window, load: Load, current: int, ev: _Evidence) -> None:
+        """Fold the window's measured / predicted latency ratio (requests since the pool's last change) into
+        the band of the rate per replica it was measured at."""
         s = self.state(pool)
-        since = [f for f in w.finished if f.arrival >= s.settled]
-        if len(since) < self.cfg.min_samples or load.observed <= 0 or self._slo_missed(pool, w):
+        since = ev.since
+        if len(since) < self.cfg.min_samples or load.observed <= 0 or ev.missed:
             return  # (missing the SLO: latencies measure a backlog; the "slo_miss" rule acts instead)
         span = max(w.now - max(w.start, s.settled), 1e-9)
         rate = sum(1 for t, _, _ in w.arrivals if t >= s.settled) / span
@@ -211,28 +257,55 @@ class Policy:
         lo, hi = CORRECTION_BOUNDS
         a = self.cfg.smoothing
         s.correction = min(hi, max(lo, math.exp(a * math.log(ratio) + (1 - a) * math.log(s.correction))))
+        s.bands.learn(max(rate, 1e-6) / max(current, 1), ratio, a)
 
     def _decide(self, pool: str, w: Window, load: Load, cur: int, bounds: tuple[int, int]) -> Decision:
         lo, hi = bounds
         s = self.state(pool)
         if s.settled == math.inf and pool not in w.unsettled:
             s.settled = w.now  # the last resize has finished: from now on the pool is its new size
-        self.correct(pool, w, load, cur)
-        c = max(1.0, s.correction)  # plans never assume the machine faster than the model (see the map)
-        s.history = [h for h in s.history if h[0] >= w.now - self.cfg.down_cooldown_s] + [(w.now, c, load.peak)]
+        ev = self.evidence(pool, w, cur)
+        self.correct(pool, w, load, cur, ev)
+        d = self._choose(pool, w, load, cur, bounds, ev)
+        if (ev.missed or ev.near) and ev.served > 0:
+            s.shown.refute(ev.served)  # carried before, not now: the machine got slower (after the decision:
+            # this one names "latency", the next ones rest on the model)
+        elif ev.served > 0:
+            s.shown.record(w.now, ev.served, [(f.input_len, f.output_len) for f in ev.since])
+        return d
+
+    def _choose(self, pool: str, w: Window, load: Load, cur: int, bounds: tuple[int, int], ev: _Evidence):
+        lo, hi = bounds
+        s = self.state(pool)
+        c = s.bands.factor_at(load.rate / max(cur, 1))  # the factor learnt at the load cur would carry
+        s.history = [h for h in s.history if h[0] >= w.now - self.cfg.down_cooldown_s] + [(w.now, load.peak)]
         up = self.capacity.needed(pool, load, c, bounds) if load.rate > 0 else lo
-        out = lambda target, direction, reason: self._emit(pool, cur, target, direction, reason, up, load, w.now)
+        demo = s.shown.per_replica(load.pairs, w.now)
+        # what the replicas carried bounds the need from above; a step shows against it in its first interval
+        # (the forecast's two intervals would halve it: a step to 2.6 req/s read 0.99, under the 1 carried)
+        lead = max(load.rate, load.surge)
+        demo_need = math.ceil(lead / demo - 1e-9) if demo > 0 else hi + 1
+        out = lambda target, direction, reason: self._emit(pool, cur, target, direction, reason, up, load, w.now,
+                                                           c, demo)
         if cur < lo:
             return out(lo, "up", "below_min")
         if cur > hi:
             return out(hi, "down", "above_max")
-        reason, want, missed = "forecast", up, self._slo_missed(pool, w)
-        if want > cur and not missed and self.cfg.up_tolerance > 0 and \
+        beyond = up > cur and demo_need > cur  # the model asks for more, and no replica has carried this much
+        if beyond and not (ev.missed or ev.near) and self.cfg.up_tolerance > 0 and \
                 self.capacity.needed(pool, load.at(load.rate / (1 + self.cfg.up_tolerance)), c, bounds) <= cur:
             s.low_streak = 0
             return out(cur, "hold", "tolerance")  # the forecast is within the tolerance of what cur serves
-        if want <= cur and missed:
+        want, reason = cur, ""
+        if beyond:
+            want, reason = min(up, demo_need), "forecast"
+        elif ev.missed:
             want, reason = cur + 1, "slo_miss"
+        elif up > cur and ev.near:  # the evidence holding the model back is wearing thin
+            want, reason = cur + 1, "latency"
+        elif up > cur:
+            s.low_streak = 0
+            return out(cur, "hold", "demonstrated")  # the replicas have carried this load within the SLO
         if want > cur:
             s.low_streak = 0
             if cur >= hi:
@@ -240,10 +313,13 @@ class Policy:
             if w.now - s.last_change < self.cfg.up_cooldown_s:
                 return out(cur, "hold", "cooldown")
             return out(min(want, hi), "up", reason)
-        peak = max(h[2] for h in s.history)
+        peak = max(h[1] for h in s.history)
         down_rate = max(peak, max(load.rate, load.observed) * (1 + self.cfg.down_headroom))
-        c_down = max(h[1] for h in s.history)  # a factor learnt at ease must not undo one learnt under load
+        # the factor learnt at the load one replica fewer would carry (none learnt there: the model's own)
+        c_down = s.bands.factor_at(down_rate / max(cur - 1, 1))
         down = self.capacity.needed(pool, load.at(down_rate), c_down, bounds) if down_rate > 0 else lo
+        if demo > 0 and not ev.near:  # (what was carried counts for a shrink only while latencies are clear)
+            down = min(down, max(lo, math.ceil(down_rate / demo - 1e-9)))
         if down >= cur or cur <= lo:
             s.low_streak = 0
             return out(cur, "hold", "steady")
@@ -255,13 +331,7 @@ class Policy:
         s.low_streak = 0
         return out(max(cur - 1, down, lo), "down", "low_load")
 
-    def _slo_missed(self, pool: str, w: Window) -> bool:
-        since = [f for f in w.finished if f.arrival >= self.state(pool).settled]
-        metrics = self.cfg.metrics(pool)
-        return len(since) >= self.cfg.min_samples and \
-            sum(self.cfg.met(f, metrics) for f in since) / len(since) < self.cfg.attainment
-
-    def _emit(self, pool, cur, target, direction, reason, need, load, now) -> Decision:
+    def _emit(self, pool, cur, target, direction, reason, need, load, now, correction, demo) -> Decision:
         if direction != "hold":
             self.state(pool).last_change, self.state(pool).settled = now, math.inf
-        return Decision(pool, cur, target, direction, reason, need, load.rate, self.state(pool).correction)
+        return Decision(pool, cur, target, direction, reason, need, load.rate, correction, demo)

@@ -212,7 +212,8 @@ def test_unit_tests_import_no_ray():
 # Its modules in layers: each may import only modules of earlier layers (so the imports run one way, with
 # no cycle); only `actors`, `placement` and `ray_pools` import ray, and the router imports none of them;
 # outside the room only the launcher imports them (`ray_pools`: the Ray assembly).
-SERVING_LAYERS = (("tasks", "flight", "membership", "intake", "prefix_routing", "worker_loop", "placement",
+SERVING_LAYERS = (("autoscale_evidence",),
+                  ("tasks", "flight", "membership", "intake", "prefix_routing", "worker_loop", "placement",
                    "autoscale_policy"),
                   ("holdings", "actors", "autoscale_capacity", "autoscaler"), ("recovery",), ("admission", "scaling"),
                   ("router",), ("ray_pools",))
