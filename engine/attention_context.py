@@ -43,6 +43,8 @@ class AttnGroup:
     _host: tuple | None = field(default=None, repr=False)  # see host_rows
     sparse_plan: dict = field(default_factory=dict, repr=False)  # sparse attention's per-step masks (kv_cache/sparse)
     sparse_rows: list | None = None  # per row: its own sparse config or None (full); None: the backend's for all
+    lens: torch.Tensor | None = None  # [batch] int32 ctx_lens on the device (CUDA kernels; see device_lens)
+    splits: int = 0  # KV splits per row of the CUDA paged kernel; 0: chosen at first use (a graph fixes it)
 
     def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The page table [batch, pages] and slot counts [batch] as int64 numpy arrays (CPU kernels),
@@ -50,6 +52,13 @@ class AttnGroup:
         if self._host is None:
             self._host = (self.page_index.numpy(), np.asarray(self.ctx_lens, dtype=np.int64))
         return self._host
+
+    def device_lens(self) -> torch.Tensor:
+        """`ctx_lens` as an int32 tensor beside the page table, made once per step (a captured CUDA graph
+        hands in its static buffer instead)."""
+        if self.lens is None:
+            self.lens = torch.tensor(self.ctx_lens, dtype=torch.int32, device=self.page_index.device)
+        return self.lens
 
     def mask_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
         """`mask` as an additive float mask (0 where allowed, -inf elsewhere) in `dtype`, made once per

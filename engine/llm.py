@@ -12,6 +12,7 @@ prefill_only=True)` ends HELD with its pages kept until `release_held()`; `reser
 (`engine/kv_cache/prefix_cache.py`); `prefix_stats()`, `reset_prefix_cache()`. `sparse_attention={"method":
 "quest", "budget": 1024, ...}` lets decode steps read only the pages Quest picks (`engine/kv_cache/sparse.py`);
 a request's `params.sparse_attention` ("off" or fields) changes it for its own rows (`sparse_config.py`).
+`decode_graphs`: "auto" (CUDA graphs for plain decode steps on a GPU), "static" (the same step eagerly), "off".
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 
 from engine.batch import SeqResult, SeqStep, StepBatch, StepOutput
 from engine.errors import InvalidRequestError
+from engine.kernels.cuda.graph_decode import attach as attach_graphs
 from engine.kv_cache.allocator import PageAllocator, Reservation
 from engine.kv_cache.backend import make_backend
 from engine.kv_cache.block_table import BlockTables, seq_owner
@@ -54,7 +56,8 @@ class LLM:
                  keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None,
                  kv_storage: str = "raw", kv_eviction: EvictionPolicy | dict | None = None,
                  enable_prefix_caching: bool = False, sparse_attention: dict | str | None = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, revision: str | None = None):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, revision: str | None = None,
+                 decode_graphs: str = "auto"):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_name = model  # as given: what the OpenAI API's `model` field names
@@ -94,6 +97,7 @@ class LLM:
             install_sparse(self.backend, self.allocator, self.tables, self.sparse_attention)
         self.runner = (ModelRunner(self.model, self.backend, page_size) if not parallel else
                        make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device))
+        self.decode_graphs = None if parallel else attach_graphs(self.runner, max_num_seqs, self.max_model_len, decode_graphs)
         eos = tuple(c.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                                    self.tables, eos)
@@ -323,10 +327,7 @@ class LLM:
 
     def generate_until_idle(self) -> list[RequestOutput]:
         """Step until nothing is queued or running; every output produced, in order."""
-        outs = []
-        while self.has_unfinished():
-            outs.extend(self.step())
-        return outs
+        return [o for _ in iter(self.has_unfinished, False) for o in self.step()]
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
@@ -392,7 +393,6 @@ class LLM:
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    except KeyError:
-        raise InvalidRequestError("dtype", f"{name!r} is not one of float32, bfloat16, float16") from None
+    if name not in ("float32", "bfloat16", "float16"):
+        raise InvalidRequestError("dtype", f"{name!r} is not one of float32, bfloat16, float16")
+    return getattr(torch, name)

@@ -27,6 +27,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = model.device
         self._layer_hooks: list[LayerHook] = []
+        self.graphs = None  # engine/kernels/cuda/graph_decode.GraphDecode: plain decode steps at static shapes
 
     def add_layer_hook(self, hook: LayerHook) -> None:
         self._layer_hooks.append(hook)
@@ -36,6 +37,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput:
+        if self.graphs is not None and not self._layer_hooks and self.graphs.takes(batch):
+            return self.graphs.execute(batch)
         return self.finish(batch, *self.run_layers(batch))
 
     @torch.inference_mode()
@@ -94,7 +97,7 @@ class ModelRunner:
         if sample_reqs:
             # every logits row sampled, in order (plain decode): no [n, vocab] copy (3 MB at batch 16)
             every = sample_rows == list(range(logits.shape[0]))
-            tokens = sample_batch((logits if every else logits[sample_rows]).cpu(), sample_reqs)
+            tokens = sample_batch(logits if every else logits[sample_rows], sample_reqs)  # greedy on its device
             for i, t in zip(sample_idx, tokens):
                 results[i].sampled = t
         return results

@@ -111,7 +111,9 @@ def sample_one(logits: torch.Tensor, req: SampleRequest) -> SampledToken:
 
 
 def sample_batch(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampledToken]:
-    """logits: [n, vocab]; greedy rows without penalties, logprobs or min_tokens masking share one argmax."""
+    """logits: [n, vocab] on any device; greedy rows without penalties, logprobs or min_tokens masking share
+    one argmax, on the logits' device (CUDA: only their B token ids cross to the host); the other rows are
+    sampled here on the CPU."""
     plain = [i for i, r in enumerate(reqs) if r.params.greedy and r.params.logprobs is None
              and r.params.repetition_penalty == 1.0 and not r.params.presence_penalty
              and not r.params.frequency_penalty and r.output_index >= r.params.min_tokens]
@@ -122,7 +124,9 @@ def sample_batch(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[Sample
         ids = torch.max(rows, dim=-1).indices.tolist()
         for i, t in zip(plain, ids):
             out[i] = SampledToken(t)
-    for i, r in enumerate(reqs):
-        if out[i] is None:
-            out[i] = sample_one(logits[i], r)
+    rest = [i for i in range(len(reqs)) if out[i] is None]
+    if rest:
+        host = logits[rest].cpu() if logits.device.type != "cpu" else None  # [len(rest), vocab]
+        for j, i in enumerate(rest):
+            out[i] = sample_one(logits[i] if host is None else host[j], reqs[i])
     return out

@@ -1,8 +1,13 @@
 """Test-wide fixtures: one torch thread per process (as workers run), leak checks, tiny models."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run under Triton's interpreter (read when triton.jit decorates)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import settings
 
 torch.set_num_threads(1)

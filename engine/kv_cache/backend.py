@@ -28,6 +28,7 @@ from engine.attention_context import AttentionContext, AttnGroup
 from engine import cpu_prefill_attention
 from engine.cpu_attention import attend_decode_bf16, native_library as native_decode_library
 from engine.cpu_kernels import bits, from_bits
+from engine import kernels
 from engine.kv_cache.dense_decode import DenseDecode
 from engine.kv_cache.spec import KVPageSpec
 from engine.kv_cache import sparse as sparse_attention
@@ -54,12 +55,20 @@ class RawKVBackend:
     _kernel_dtype = False  # bf16 pools on CPU (set in __init__; formats with their own init keep False)
     summaries: PageSummaries | None = None  # per-page key bounds, only while sparse attention is on
     sparse: SparseAttentionConfig | None = None  # decode groups read the pages `sparse.select` picks
+    triton_paged = False  # decode/verify groups by the Triton paged kernel (set in __init__: engine/kernels)
+    _sm_count = 4
+    scratch_slot: int | None = None
 
     def __init__(self, spec: KVPageSpec, num_pages: int, device: str | torch.device = "cpu"):
         self.spec = spec
         self.num_pages = num_pages
         dt = torch_dtype(spec.dtype)
-        shape = (num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        # decode and verify groups read pages in place through the Triton kernel (CUDA; engine/kernels)
+        self.triton_paged = kernels.triton_paged_attention(device)
+        self._sm_count = kernels.sm_count(torch.device(device))
+        # Triton path: one page past the pool, owned by no request: padding rows of a graph step write there
+        self.scratch_slot = num_pages * spec.page_size if self.triton_paged else None
+        shape = (num_pages + int(self.triton_paged), spec.page_size, spec.num_kv_heads, spec.head_dim)
         # Index by global layer id; layers outside this shard hold None.
         self.k: list[torch.Tensor | None] = [None] * spec.num_layers
         self.v: list[torch.Tensor | None] = [None] * spec.num_layers
@@ -135,7 +144,7 @@ class RawKVBackend:
         cells (int8, fp8) and one that overrides `_attend_group` never asks (KIVI seals pages later)."""
         if not self.dense_decode or type(self)._load is not RawKVBackend._load:
             return None
-        if self.paged_kernel and self._kernel_dtype:  # decode groups read the pages in place
+        if (self.paged_kernel and self._kernel_dtype) or self.triton_paged:  # decode reads the pages in place
             self._dense = None  # copies kept while the kernel was switched off would go stale
             return None
         if self._dense is None:
@@ -174,17 +183,32 @@ class RawKVBackend:
 
     @property
     def ragged_decode(self) -> bool:
-        """Decode groups go to the paged kernel, which reads raw bf16 cells of CPU pages exactly as this
-        class stores them (formats that store or load otherwise never qualify). Such groups cost no
+        """Decode groups go to a paged kernel (numba for bf16 CPU pages, Triton on CUDA), which reads raw
+        cells exactly as this class stores them (formats that store or load otherwise never qualify). Such groups cost no
         padding, so the context builder need not split them into length buckets."""
-        return (self.paged_kernel and self._kernel_dtype and self.storage_format == "raw"
-                and type(self)._load is RawKVBackend._load
+        return ((self.paged_kernel and self._kernel_dtype) or self.triton_paged) and self.storage_format == "raw" \
+            and (type(self)._load is RawKVBackend._load
                 and type(self)._attend_group is RawKVBackend._attend_group)
 
     def _takes_kernel(self, g: AttnGroup) -> bool:
         """A decode group of a kernel backend, unless observed (eviction statistics come from the SDPA
         path's probabilities) or windowed (the kernel attends every slot below the row's count)."""
-        return g.q_len == 1 and g.observe is None and not g.windowed and self.ragged_decode
+        return g.q_len == 1 and g.observe is None and not g.windowed and self.ragged_decode and not self.triton_paged
+
+    def _takes_triton(self, g: AttnGroup, q: torch.Tensor) -> bool:
+        """A decode or verify group (q_len x group <= 64 query rows per KV head) of raw pages on the Triton
+        path, neither observed nor windowed (as `_takes_kernel`)."""
+        return (self.triton_paged and g.observe is None and not g.windowed and self.storage_format == "raw"
+                and type(self)._load is RawKVBackend._load
+                and g.q_len * (q.shape[1] // self.spec.num_kv_heads) <= 64)
+
+    def _attend_triton(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor:
+        from engine.kernels.cuda.paged_attention import num_splits, paged_attention
+
+        if not g.splits:
+            g.splits = num_splits(g.batch, self.spec.num_kv_heads, max(g.ctx_lens), self._sm_count)
+        return paged_attention(q, self.k[layer], self.v[layer], g.page_index, g.device_lens(), scale, g.q_len,
+                               g.splits)
 
     def _takes_prefill_kernel(self, g: AttnGroup, q: torch.Tensor) -> bool:
         """A group of several queries per row (prefill chunk, verify step) of raw bf16 CPU pages, neither
@@ -232,6 +256,8 @@ class RawKVBackend:
                 return out
         if self._takes_kernel(g):
             return self._attend_kernel(layer, q, g, ctx.scale)
+        if self._takes_triton(g, q):
+            return self._attend_triton(layer, q, g, ctx.scale)
         if self._takes_prefill_kernel(g, q):
             page_index, ctx_lens = g.host_rows()
             out = cpu_prefill_attention.prefill_attention_bf16(q, self.k[layer], self.v[layer], page_index,

@@ -1,0 +1,31 @@
+"""Plain torch references for the engine's kernels: the oracles their tests compare against.
+
+`paged_attention`: what engine/kernels/cuda/paged_attention.py computes, one row at a time, in float32.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                    ctx_lens: torch.Tensor, scale: float, q_len: int = 1) -> torch.Tensor:
+    """q: [batch * q_len, q_heads, head_dim]; pools [num_pages, page_size, kv_heads, head_dim]; block_table
+    [batch, pages]; ctx_lens [batch] -> [batch * q_len, q_heads, head_dim] in q's dtype. Query qi of a row
+    sees keys [0, ctx_len - (q_len - 1 - qi)); a row with ctx_len 0 gives zeros."""
+    tokens, heads, dim = q.shape
+    _, ps, kv_heads, _ = k_pool.shape
+    group = heads // kv_heads
+    out = torch.zeros(tokens, heads, dim, dtype=torch.float32)
+    for b, n in enumerate(ctx_lens.tolist()):
+        if n == 0:
+            continue
+        pages = block_table[b, :-(-n // ps)].long().cpu()
+        k = k_pool.cpu()[pages].reshape(-1, kv_heads, dim)[:n].float()  # [n, kv_heads, dim]
+        v = v_pool.cpu()[pages].reshape(-1, kv_heads, dim)[:n].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [n, heads, dim]
+        qs = q[b * q_len:(b + 1) * q_len].cpu().float()  # [q_len, heads, dim]
+        scores = torch.einsum("qhd,nhd->hqn", qs, k) * scale
+        seen = torch.arange(n)[None, :] < (n - (q_len - 1 - torch.arange(q_len)))[:, None]  # [q_len, n]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        out[b * q_len:(b + 1) * q_len] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v)
+    return out.to(q.dtype)
