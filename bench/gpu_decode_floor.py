@@ -1,0 +1,182 @@
+"""Decode step vs the memory floor on one GPU, three engine paths side by side in one run (issue 32).
+
+Per model and batch size: B requests are prefilled to --context tokens once, then the same running batch is
+stepped --steps times under each mode in turn:
+  graphs  the default: CUDA-graph decode (engine/kernels/cuda/graph_decode.py) over Triton paged attention;
+  triton  the same kernels launched eagerly (decode_graphs off);
+  torch   the path before issue 32: SDPA over gathered pages (PDSERVE_ATTENTION=torch), eager.
+The floor: (weight bytes + K/V bytes the step reads) / the device-to-device copy bandwidth measured at the
+start of the run (bytes read + written per second), so ratio = step / floor. Steps are whole `LLM.step()`
+calls (scheduling, sampling and detokenizing included), synchronised before and after.
+
+Run:  python bench/gpu_decode_floor.py --model random:llama-3-8b --context 2048 --batches 1,16,64,128 --out DIR
+      (CPU, tiny: --device cpu --model random:tiny --context 64 --batches 1,4 --steps 3; Triton's interpreter)
+Writes DIR/floor_<model>.json and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.gpu_step_power import RandomWeights, random_model_dir  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+MODES = ("graphs", "triton", "torch")
+
+
+def copy_bandwidth(device: str, gib: float = 2.0) -> float:
+    """Bytes read + written per second by a device-to-device copy of `gib` GiB (median of 10)."""
+    if not device.startswith("cuda"):
+        return 20e9  # a nominal figure for CPU dry runs
+    n = int(gib * (1 << 30)) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n * 2 / statistics.median(times[3:])
+
+
+def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp: Path) -> LLM:
+    ps = 16
+    per_row = -(-(context + 4 * steps + 16) // ps)
+    kw = dict(dtype="bfloat16", device=device, num_pages=max_batch * per_row + 8, max_num_seqs=max_batch,
+              max_num_batched_tokens=8192 if device.startswith("cuda") else 256, num_threads=None, page_size=ps,
+              max_model_len=context + 4 * steps + 16)
+    if not model.startswith("random:"):
+        return LLM(model=model, **kw)
+    import engine.llm as engine_llm
+
+    name = model.split(":", 1)[1]
+    if name == "tiny":
+        from tests.tiny_models import write_tiny
+        model_dir = write_tiny("llama", tmp / "tiny", num_attention_heads=8, num_key_value_heads=2)
+        return LLM(model=str(model_dir), **kw)
+    model_dir, shapes = random_model_dir(name, tmp / "model")
+    real = engine_llm.load_weights
+    engine_llm.load_weights = lambda _dir: RandomWeights(shapes, device, torch.bfloat16)
+    try:
+        return LLM(model=str(model_dir), **kw)
+    finally:
+        engine_llm.load_weights = real
+
+
+def set_mode(llm: LLM, mode: str, graphs) -> None:
+    llm.runner.graphs = graphs if mode == "graphs" else None
+    llm.backend.triton_paged = mode != "torch"
+    llm.backend._dense = None  # the torch path's dense copies start afresh
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_steps(llm: LLM, device: str, steps: int) -> list[float]:
+    out = []
+    for i in range(steps + 3):
+        sync(device)
+        t = time.perf_counter()
+        llm.step()
+        sync(device)
+        if i >= 3:  # warm-up: a mode's first steps compile or refill
+            out.append(time.perf_counter() - t)
+    return out
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    c = llm.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2  # K and V, bf16
+
+
+def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes, graphs, bw: float) -> list[dict]:
+    vocab = llm.config.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=(steps + 3) * len(modes) + 4, temperature=0.0, ignore_eos=True)
+    rids = [llm.add_request(torch.randint(3, vocab, (context,), generator=g).tolist(), params) for _ in range(batch)]
+    set_mode(llm, "triton", graphs)
+    while any(llm.requests[r].num_computed < context for r in rids):
+        llm.step()  # every prompt prefilled; decoding starts below
+    rows, weights = [], llm.model.weight_bytes()
+    for mode in modes:
+        set_mode(llm, mode, graphs)
+        ctx0 = statistics.mean(llm.requests[r].num_computed for r in rids)
+        times = time_steps(llm, device, steps)
+        ctx1 = statistics.mean(llm.requests[r].num_computed for r in rids)
+        floor = (weights + batch * (ctx0 + ctx1) / 2 * kv_bytes_per_token(llm)) / bw
+        med = statistics.median(times)
+        rows.append({"batch": batch, "mode": mode, "context": round((ctx0 + ctx1) / 2), "steps": len(times),
+                     "median_ms": round(med * 1e3, 3), "p90_ms": round(sorted(times)[int(0.9 * len(times))] * 1e3, 3),
+                     "floor_ms": round(floor * 1e3, 3), "ratio": round(med / floor, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    for r in rids:
+        llm.abort(r)
+    set_mode(llm, "graphs", graphs)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="random:llama-3-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--batches", default="1,16,64,128")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in a.batches.split(",")]
+    modes = [m for m in a.modes.split(",") if m]
+    bw = copy_bandwidth(a.device)
+    result = {"model": a.model, "device": a.device, "torch": torch.__version__, "copy_bytes_per_s": bw,
+              "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None, "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.monotonic()
+        llm = build(a.model, a.device, max(batches), a.context, a.steps * len(modes), Path(tmp))
+        result["load_s"] = round(time.monotonic() - t, 1)
+        graphs = llm.decode_graphs
+        result["capture_s"] = round(graphs.capture_s, 2) if graphs else None
+        if graphs is None and "graphs" in modes:
+            from engine.kernels.cuda.graph_decode import GraphDecode  # CPU dry run: the static step, eagerly
+            graphs = GraphDecode(llm.model, llm.backend, 16, max(batches), llm.max_model_len, use_graphs=False)
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s; load {result['load_s']} s; capture {result['capture_s']} s",
+              flush=True)
+        for b in batches:
+            result["rows"].extend(run_batch(llm, a.device, b, a.context, a.steps, modes, graphs, bw))
+    tag = a.model.replace(":", "_").replace("/", "_")
+    (a.out / f"floor_{tag}.json").write_text(json.dumps(result, indent=1))
+    print(table(result))
+    return 0
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['model']} on {result['gpu'] or result['device']}, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+             f"graph capture {result['capture_s']} s",
+             "| batch | context | mode | step ms | floor ms | step / floor |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['batch']} | {r['context']} | {r['mode']} | {r['median_ms']} | {r['floor_ms']} | {r['ratio']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())
