@@ -11,7 +11,7 @@ if not torch.cuda.is_available():  # Triton kernels run under Triton's interpret
 from hypothesis import settings
 
 torch.set_num_threads(1)
-# No test asserts on wall-clock time (DESIGN.md, Style 8): hypothesis' default 200 ms deadline per example
+# No test asserts on wall-clock time (docs/design.md, Style 8): hypothesis' default 200 ms deadline per example
 # failed a pure codec property on a loaded 2-core machine (460 ms once, 0.2 ms on the replay).
 settings.register_profile("pdserve", deadline=None)
 settings.load_profile("pdserve")

@@ -1,6 +1,6 @@
 """The serving path: from a spec to running pools of workers, and a request's life across them.
 
-Life of a request (disaggregated; DESIGN.md "Life of a request"), module by module:
+Life of a request (disaggregated; docs/design.md "Life of a request"), module by module:
 
     ray_pools.start_cluster(spec)     Ray (ray_session.init_ray), placement groups, one actors.WorkerActor per
                                       replica slot (its worker on a worker_loop.WorkerLoop thread, with a

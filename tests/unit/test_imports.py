@@ -1,4 +1,4 @@
-"""DESIGN.md's import arrows, read from the source with `ast` (nothing is imported).
+"""docs/design.md's import arrows, read from the source with `ast` (nothing is imported).
 
 - workers (prefill_worker, decode_worker) never import each other, `cluster`, or ray;
 - engine imports none of kv_transfer / prefill_worker / decode_worker / cluster / ray / grpc;
