@@ -1,5 +1,5 @@
 """The repository stands on its own: no file refers to a folder beside it, and every relative link in
-README.md and docs/*.md reaches a file of the repository (and, with a #fragment into a Markdown file, one
+README.md, docs/*.md and data/**/README.md reaches a file of the repository (and, with a #fragment into a Markdown file, one
 of its headings).
 
 Tracked files are what `git ls-files` lists; without git (an exported tree) every file under the root
@@ -80,7 +80,7 @@ SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
 
 def doc_pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "data").rglob("README.md"))]
 
 
 def links(text: str) -> list[str]:
