@@ -1,6 +1,6 @@
 """The repository stands on its own: no file refers to a folder beside it, and every relative link in
-README.md, docs/*.md and data/**/README.md reaches a file of the repository (and, with a #fragment into a Markdown file, one
-of its headings).
+README.md, docs/*.md and data/**/README.md reaches a file of the repository (and, with a #fragment into a
+Markdown file, one of its headings).
 
 Tracked files are what `git ls-files` lists; without git (an exported tree) every file under the root
 except the ignored build and cache folders. Data files are read as text where they decode.
