@@ -3,7 +3,8 @@ from the repository root, on the repository's own data: `validate` (and every sp
 `plan` and `fit-gpu`. Only `--out`/`--report` move to a temporary folder (the docs write into the checkout),
 a placeholder folder of your own tables becomes the shipped A100 tables, and single-type plans search a
 narrowed space (one token budget, one verified plan per mode, as tests/integration/test_plan_validates.py):
-the same command line, a smaller search.
+the same command line, a smaller search. `bench` commands are run up to the point where they would start
+a server: flags parsed, the workload loaded from data/, the spec variants written and validated.
 
 Every `.venv/bin/pdserve ...` line of the docs is either walked here or named in NOT_WALKED with the reason,
 so a command added to the docs is walked or explicitly left out.
@@ -30,7 +31,8 @@ NOT_WALKED = {
     "serve": "serves until stopped (tests/integration/test_bench_local.py starts `pdserve serve` itself)",
     "generate": "--spec starts a Ray cluster and loads the model in it",
     "scale": "needs a running server (tests/integration/test_scale_ray_tiny.py resizes through the same path)",
-    "bench": "starts a server and probes it for minutes (tests/integration/test_bench_local.py: a short --spec run)",
+    "bench": "starts a server and probes it for minutes: here parsed, its workload loaded and its spec variants "
+             "written and validated (a live --spec run: tests/integration/test_bench_local.py)",
     "profile": "times the engine for minutes",
 }
 A100_TABLES = ("a100_meta-llama_Meta-Llama-3-8B_mlp.csv", "a100_dgx_all_reduce.csv")
@@ -124,3 +126,21 @@ def test_doc_command_runs_as_written(page, argv, at_root, narrow, tmp_path, caps
     if args[0] == "fit-gpu":
         assert "step:" in out and Path(args[args.index("--out") + 1]).is_file()
     assert not list(ROOT.glob("cluster.yaml")) and not list(ROOT.glob("plan-local.yaml"))  # nothing in the checkout
+
+
+BENCH = [c for c in doc_commands() if c[1][0] == "bench"]
+
+
+@pytest.mark.parametrize("page, argv", BENCH, ids=[f"{p}:bench:{i}" for i, (p, a) in enumerate(BENCH)])
+def test_doc_bench_command_loads_its_workload_and_specs(page, argv, at_root, tmp_path, capsys):
+    from cluster.bench.server import spec_variants
+    from cluster.bench.workload import TraceScaling, load_workload
+
+    args = cli.build_parser().parse_args(argv)
+    scaling = TraceScaling(args.input_scale, args.output_scale, max_input=args.max_input, max_output=args.max_output)
+    w = load_workload(args.workload, 5, args.seed, scaling, args.trace_start, args.trace_stride)
+    assert len(w) == 5
+    paths = [args.spec] if args.spec else list(args.compare or [])
+    for variants in spec_variants(paths, args.set, tmp_path):
+        for v in variants:
+            assert cli.main(["validate", v.path]) == 0, capsys.readouterr().err
