@@ -9,6 +9,9 @@ it into the frozen `AutoscaleConfig` the pure policy (`cluster/serving/autoscale
       scale_up_cooldown_s: 30    # after any change of a pool, no scale-up for this long...
       scale_down_cooldown_s: 120 # ...and no scale-down for this long (shrinking too soon is what flaps)
       scale_up_tolerance: 0.1    # no scale-up while the forecast rate / 1.1 still fits the current replicas
+      latency_pressure: 0.8      # latencies "near the targets": p90 beyond 0.8 x a target (a scale-up reason
+                                 # where the replicas have carried the forecast before; no shrink on it)
+      demonstrated_horizon_s: 1800   # how long a rate a replica carried within the SLO bounds the need (0: off)
       scale_down_headroom: 0.2   # hysteresis: shrink only if the forecast rate x 1.2 still fits fewer replicas
       scale_down_stable_intervals: 3   # ...in this many decisions in a row
       min_samples: 10            # finished requests a window needs before latencies correct the model
@@ -53,6 +56,8 @@ class AutoscalingSpec(_Section):
     scale_up_cooldown_s: float = Field(30.0, ge=0, le=86400)
     scale_down_cooldown_s: float = Field(120.0, ge=0, le=86400)
     scale_up_tolerance: float = Field(0.1, ge=0, le=1)
+    latency_pressure: float = Field(0.8, gt=0, le=1)
+    demonstrated_horizon_s: float = Field(1800.0, ge=0, le=7 * 86400)
     scale_down_headroom: float = Field(0.2, ge=0, le=10)
     scale_down_stable_intervals: int = Field(3, ge=1, le=1000)
     min_samples: int = Field(10, ge=1, le=100000)

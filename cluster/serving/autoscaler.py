@@ -67,7 +67,8 @@ def autoscale_config(spec) -> AutoscaleConfig:
     return AutoscaleConfig(pool_bounds(spec), a.interval_s, a.window_s, a.scale_up_cooldown_s,
                            a.scale_down_cooldown_s, a.scale_down_headroom, a.scale_down_stable_intervals,
                            a.min_samples, a.correction_smoothing, 0.9,
-                           spec.slo.ttft_ms / 1000, spec.slo.tpot_ms / 1000, a.scale_up_tolerance)
+                           spec.slo.ttft_ms / 1000, spec.slo.tpot_ms / 1000, a.scale_up_tolerance,
+                           a.latency_pressure, a.demonstrated_horizon_s)
 
 
 def resource_bundles(spec, targets: dict[str, int]) -> list[dict[str, float]]:

@@ -111,3 +111,15 @@ def test_latencies_nearing_the_targets_scale_up_where_the_pool_carried_more():
     assert all(d.target == 2 for t, d in log if t > ups[0][0]), "no flap back while latencies stay near"
     assert p.state("colocated").shown.per_replica(((100, 20),), 1000.0) < 0.6
     assert {"latency", "demonstrated"} <= set(REASONS)
+
+
+def test_the_spec_sets_the_pressure_and_the_horizon():
+    from cluster.serving.autoscaler import autoscale_config
+    from cluster.spec import parse_spec
+
+    data = {"model": "smollm2-135m", "mode": "colocated", "pools": {"colocated": {"replicas": 1, "max_replicas": 2}},
+            "autoscaling": {"enabled": True, "latency_pressure": 0.7, "demonstrated_horizon_s": 0}}
+    c = autoscale_config(parse_spec(data))
+    assert (c.pressure, c.demonstrated_horizon_s) == (0.7, 0.0)
+    off = drive(Policy(cfg(smoothing=0.0, demonstrated_horizon_s=0.0), PessimisticModel()), bench_rates, 1000)
+    assert all(d.demonstrated == 0.0 for _, d in off)  # horizon 0: nothing carried counts
