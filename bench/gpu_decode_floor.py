@@ -55,12 +55,18 @@ def copy_bandwidth(device: str, gib: float = 2.0) -> float:
     return 2 * n * 2 / statistics.median(times[3:])
 
 
+def headroom(max_batch: int, steps: int) -> int:
+    """Tokens a row may generate: the timed steps, warm-ups, and the steps early rows decode while later
+    prompts are still prefilling (4 prompts a step)."""
+    return 2 * steps + max_batch // 2 + 64
+
+
 def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp: Path) -> LLM:
     ps = 16
-    per_row = -(-(context + 4 * steps + 16) // ps)
+    per_row = -(-(context + headroom(max_batch, steps) + 16) // ps)
     kw = dict(dtype="bfloat16", device=device, num_pages=max_batch * per_row + 8, max_num_seqs=max_batch,
               max_num_batched_tokens=8192 if device.startswith("cuda") else 256, num_threads=None, page_size=ps,
-              max_model_len=context + 4 * steps + 16)
+              max_model_len=context + headroom(max_batch, steps) + 16)
     if not model.startswith("random:"):
         return LLM(model=model, **kw)
     import engine.llm as engine_llm
@@ -110,7 +116,7 @@ def kv_bytes_per_token(llm: LLM) -> int:
 def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes, graphs, bw: float) -> list[dict]:
     vocab = llm.config.vocab_size
     g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=(steps + 3) * len(modes) + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=headroom(batch, (steps + 3) * len(modes)), temperature=0.0, ignore_eos=True)
     rids = [llm.add_request(torch.randint(3, vocab, (context,), generator=g).tolist(), params) for _ in range(batch)]
     set_mode(llm, "triton", graphs)
     while any(llm.requests[r].num_computed < context for r in rids):
@@ -151,7 +157,7 @@ def main(argv=None) -> int:
               "gpu": torch.cuda.get_device_name() if a.device.startswith("cuda") else None, "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         t = time.monotonic()
-        llm = build(a.model, a.device, max(batches), a.context, a.steps * len(modes), Path(tmp))
+        llm = build(a.model, a.device, max(batches), a.context, (a.steps + 3) * len(modes), Path(tmp))
         result["load_s"] = round(time.monotonic() - t, 1)
         graphs = llm.decode_graphs
         result["capture_s"] = round(graphs.capture_s, 2) if graphs else None

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu_decode_floor import build, set_mode, sync  # noqa: E402
+from bench.gpu_decode_floor import build, headroom, set_mode, sync  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         graphs = llm.decode_graphs
         vocab = llm.config.vocab_size
         g = torch.Generator().manual_seed(0)
-        params = SamplingParams(max_tokens=(a.steps + 2) * len(modes) + 2, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=headroom(a.batch, (a.steps + 2) * len(modes)), temperature=0.0, ignore_eos=True)
         rids = [llm.add_request(torch.randint(3, vocab, (a.context,), generator=g).tolist(), params)
                 for _ in range(a.batch)]
         while any(llm.requests[r].num_computed < a.context for r in rids):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext
 from engine.config import ModelConfig
-from engine import cpu_activations
+from engine import cpu_activations, kernels
 from engine.cpu_activations import swiglu
 from engine.cpu_kernels import bits, from_bits, rms_norm_bf16
 from engine.linear import Linear
@@ -69,6 +69,7 @@ class LlamaForward:
         self.layers: list[LayerWeights] = [self._layer(w, i) for i in self.layer_ids]
         self.rotary = RotaryTable(cfg.head_dim, cfg.rope, cfg.max_position, dtype, device)
         self.scale = cfg.head_dim ** -0.5
+        self.fused = kernels.triton_paged_attention(self.device)  # the Triton forward (kernels/cuda/fused_forward)
         # bf16 on CPU: RMSNorm by the numba kernel (norm weight id -> its bits); float32 keeps F.rms_norm
         self._norm_bits: dict[int, object] | None = None
         if dtype == torch.bfloat16 and self.device.type == "cpu":
@@ -112,6 +113,11 @@ class LlamaForward:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]. A pipeline
         stage after the first gets the previous stage's `hidden` [num_tokens, hidden] instead of
         embedding the ids; a stage before the last returns its hidden states un-normed."""
+        if self.fused:  # CUDA: fewer, fused kernels (imports triton, so only where it was chosen)
+            from engine.kernels.cuda.fused_forward import fused_forward, fused_forward_ok
+
+            if fused_forward_ok(self, backend, layer_hook, hidden):
+                return fused_forward(self, input_ids, positions, ctx, backend)
         cfg = self.cfg
         t = input_ids.shape[0]
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim

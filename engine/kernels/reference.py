@@ -29,3 +29,25 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         scores = scores.masked_fill(~seen, float("-inf"))
         out[b * q_len:(b + 1) * q_len] = torch.einsum("hqn,nhd->qhd", scores.softmax(-1), v)
     return out.to(q.dtype)
+
+
+def rope_write(qkv, cos, sin_signed, k_pool, v_pool, slots, q_heads: int, kv_heads: int) -> torch.Tensor:
+    """What the model's torch path does (engine/rope.apply_rotary, then the backend's write)."""
+    t, dim = qkv.shape[0], cos.shape[-1]
+    qk = qkv[:, :(q_heads + kv_heads) * dim].view(t, q_heads + kv_heads, dim)
+    qk = qk * cos[:, None] + qk.roll(dim // 2, dims=-1) * sin_signed[:, None]
+    k_pool.view(-1, kv_heads, dim).index_copy_(0, slots, qk[:, q_heads:].to(k_pool.dtype))
+    v = qkv[:, (q_heads + kv_heads) * dim:].reshape(t, kv_heads, dim)
+    v_pool.view(-1, kv_heads, dim).index_copy_(0, slots, v.to(v_pool.dtype))
+    return qk[:, :q_heads].contiguous()
+
+
+def add_rms_norm(x, delta, weight, eps: float):
+    """(rms_norm(x + delta) * weight, x + delta), as the torch path's residual add then F.rms_norm."""
+    res = x if delta is None else x + delta
+    return torch.nn.functional.rms_norm(res, (res.shape[-1],), weight, eps), res
+
+
+def silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

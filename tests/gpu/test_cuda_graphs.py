@@ -78,3 +78,19 @@ def test_no_host_sync_in_static_step(gqa):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_engine_empty(llm)
+
+
+def test_compiled_fused_ops_match_reference():
+    """Compiled, the fused kernels round like torch: the residual add bit-exact in bfloat16."""
+    from engine.kernels import reference as ref
+    from engine.kernels.cuda import fused_ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, delta = (torch.randn(7, 4096, device="cuda", generator=g).bfloat16() for _ in range(2))
+    w = torch.randn(4096, device="cuda", generator=g).bfloat16()
+    out, res = fused_ops.add_rms_norm(x, delta, w, 1e-5)
+    want_out, want_res = ref.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(res, want_res)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=6e-2, rtol=6e-2)
+    gu = torch.randn(7, 2 * 14336, device="cuda", generator=g).bfloat16()
+    torch.testing.assert_close(fused_ops.silu_mul(gu).float(), ref.silu_mul(gu).float(), atol=6e-2, rtol=6e-2)
