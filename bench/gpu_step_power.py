@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from cluster.planner.random_model import RandomWeights, random_model_dir  # noqa: E402,F401 (gpu_decode_floor imports them here)
 from engine import LLM, SamplingParams  # noqa: E402
 
 FIELDS = ("power.draw", "power.draw.instant", "clocks.sm", "utilization.gpu", "temperature.gpu")
@@ -77,58 +78,6 @@ class PowerSampler:
 
     def stop(self) -> None:
         self.proc.terminate()
-
-
-class RandomWeights:
-    """A mapping that makes each weight the engine asks for on the GPU, at random (nothing kept here)."""
-
-    def __init__(self, shapes: dict[str, tuple[int, ...]], device: str, dtype: torch.dtype):
-        self.shapes, self.device, self.dtype = shapes, device, dtype
-        self.gen = torch.Generator(device=device).manual_seed(0)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.shapes
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        shape = self.shapes[name]
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, device=self.device, dtype=self.dtype)
-        t = torch.empty(shape, device=self.device, dtype=self.dtype)
-        return t.normal_(0.0, 0.02, generator=self.gen)
-
-
-def random_model_dir(name: str, out: Path) -> tuple[Path, dict[str, tuple[int, ...]]]:
-    """config.json + a word-level tokenizer for deploy/models/<name>.yaml; the weight shapes it implies."""
-    import yaml
-
-    from tests.tiny_models import write_tiny_tokenizer
-
-    m = yaml.safe_load((ROOT / "deploy" / "models" / f"{name}.yaml").read_text())
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m["hidden"],
-           "intermediate_size": m["ffn"], "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
-           "num_key_value_heads": m["kv_heads"], "head_dim": m["head_dim"], "vocab_size": m["vocab"],
-           "max_position_embeddings": m["max_positions"], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-           "tie_word_embeddings": bool(m["tied_embeddings"]), "bos_token_id": 1, "eos_token_id": 2}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg))
-    from safetensors.torch import save_file
-
-    save_file({"placeholder": torch.zeros(1)}, str(out / "model.safetensors"))  # the loader wants one file
-    write_tiny_tokenizer(out, m["vocab"])
-    h, hd, L = m["hidden"], m["head_dim"], m["layers"]
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (m["vocab"], h), "model.norm.weight": (h,)}
-    if not m["tied_embeddings"]:
-        shapes["lm_head.weight"] = (m["vocab"], h)
-    for i in range(L):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (m["heads"] * hd, h),
-                       p + "self_attn.k_proj.weight": (m["kv_heads"] * hd, h),
-                       p + "self_attn.v_proj.weight": (m["kv_heads"] * hd, h),
-                       p + "self_attn.o_proj.weight": (h, m["heads"] * hd),
-                       p + "mlp.gate_proj.weight": (m["ffn"], h), p + "mlp.up_proj.weight": (m["ffn"], h),
-                       p + "mlp.down_proj.weight": (h, m["ffn"])})
-    return out, shapes
 
 
 def make_llm(model: str, device: str, dtype: str, num_pages: int, tmp: Path) -> LLM:
