@@ -9,7 +9,8 @@ Order of use (engine thread):
 
 `send()` registers a layer hook on the engine's runner (once). After every layer of every step, the
 hook copies the stored K/V of the tokens that step just computed for a sending request (read by the
-request's own slots) into that transfer's queue -- a memcpy on the engine thread -- so layer i is on the
+request's own slots) into that transfer's queue -- a memcpy on the engine thread (device pages: queued
+non-blocking copies into pinned host memory, which the push thread waits for) -- so layer i is on the
 wire while layers i+1.. and later prefill chunks compute. A request already HELD when `send()` is called
 is read by the push side instead, layer by layer: its pages cannot change until we release them.
 Prefix caching: a descriptor with `kv_start` > 0 (the decode side shared that many tokens of cached prefix
@@ -43,7 +44,7 @@ import queue
 import threading
 from collections import OrderedDict
 
-from engine.kv_cache.page_io import export_kv, stored_token_head_bytes
+from engine.kv_cache.page_io import export_kv, export_kv_async, stored_token_head_bytes
 from engine.parallel.kv_io import export_heads
 from engine.request import RequestStatus
 from kv_transfer import codec
@@ -76,10 +77,11 @@ class Outbound:
 
     # engine thread
     def publish(self, layer: int, start: int, stop: int, k: memoryview, v: memoryview,
-                heads: range | None = None) -> None:
+                heads: range | None = None, ready=None) -> None:
         """Queue copies of the stored K/V of tokens [start, stop) of one layer (all heads, or the global
-        KV heads `heads` only: one rank's part of a parallel replica)."""
-        self._q.put(("kv", layer, start, stop, k, v, heads))
+        KV heads `heads` only: one rank's part of a parallel replica). `ready`: from `export_kv_async`
+        (device pages: the copy to host may still be running; the push thread waits on it, not us)."""
+        self._q.put(("kv", layer, start, stop, k, v, heads, ready))
         self.published[layer - self.layout.layer_start] = stop
         self.ready.set()
 
@@ -120,7 +122,9 @@ class Outbound:
             if item[0] == "abort":
                 return
             if item[0] == "kv":
-                yield from self._chunks(*item[1:])
+                if item[7] is not None:
+                    item[7]()  # device pages: their copy into pinned host memory has landed
+                yield from self._chunks(*item[1:7])
                 continue
             _, backend, pages, a, n = item
             for layer in range(self.layout.layer_start, self.layout.layer_end):
@@ -284,8 +288,9 @@ class KVSender:
             stop = s.num_cached + len(s.token_ids)
             if self.llm.kv_spec.storage_format == "kivi4":  # a page leaves once sealed (its last slot written)
                 stop -= stop % self.llm.kv_spec.page_size
-            if stop > start:
-                ob.publish(layer, start, stop, *export_kv(self.llm.backend, layer, s.pages, start, stop))
+            if stop > start:  # (device pages: queued copies to host; the engine thread does not wait)
+                k, v, ready = export_kv_async(self.llm.backend, layer, s.pages, start, stop)
+                ob.publish(layer, start, stop, k, v, ready=ready)
 
     def _publish_cached(self, ob: Outbound, held: bool) -> None:
         table = self.llm.tables.get(ob.request_id)
@@ -301,7 +306,8 @@ class KVSender:
             ob.publish_held(self.llm.backend, list(table.pages), n, a)
             return
         for layer in self.llm.kv_spec.local_layers:  # still running (chunked prefill): copy now
-            ob.publish(layer, a, n, *export_kv(self.llm.backend, layer, table.pages, a, n))
+            k, v, ready = export_kv_async(self.llm.backend, layer, table.pages, a, n)
+            ob.publish(layer, a, n, k, v, ready=ready)
 
     def _publish_ranks(self, ob: Outbound, stop: int) -> None:
         """Parallel prefill: tokens [queued so far, stop) of every layer, read out of the ranks here, on the

@@ -19,6 +19,15 @@ does not depend on how fragmented the free list was. Moves go through numpy view
 cells as integer words (`_pools`): plain memcpy, several times faster than torch's copy kernels.
 Only the engine thread may call these on a live engine (they touch cache tensors), except that
 `export_kv(copy=False)` may read pages nobody can write meanwhile (a HELD request's).
+
+Device (CUDA) pools cannot be viewed from the host: their bytes cross once each way through pinned host
+memory. Export: runs of slots (or one gather of whole pages) are copied device -> a pinned staging buffer
+with non-blocking copies, and the views handed out are of that buffer; `export_kv_async` returns a
+`ready()` to call before reading them (the sender's layer hook uses it, so the prefill step never waits on
+the GPU; the push thread waits), `export_kv` waits itself. Import: the payload goes into a pinned buffer
+(the one host copy), then host -> device once, then device-side slice/page copies into the pools; the call
+returns when the write has landed (an event), so "no write in flight" means the same on every device.
+All CUDA work runs on the caller's current stream (the default stream on every thread here).
 """
 from __future__ import annotations
 
@@ -68,7 +77,12 @@ def export_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int,
 
     copy=True snapshots them (the pool may change afterwards); copy=False returns views of the pool
     itself when the slots are consecutive -- only for pages nobody writes while the views are in use.
-    Scattered pages are gathered whole, in one op (a page is a contiguous block of the pool)."""
+    Scattered pages are gathered whole, in one op (a page is a contiguous block of the pool).
+    A device pool is always copied (into pinned host memory; this waits for the copy)."""
+    if not _on_host(backend, layer):
+        k, v, ready = _export_device(backend, layer, pages, start, stop)
+        ready()
+        return k, v
     spec: KVPageSpec = backend.spec
     ps, runs = spec.page_size, slot_runs(pages, spec.page_size, start, stop)
     p0, p1 = start // ps, -(-stop // ps)
@@ -86,6 +100,15 @@ def export_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int,
     return out[0], out[1]
 
 
+def export_kv_async(backend, layer: int, pages: Sequence[int], start: int, stop: int):
+    """`export_kv(copy=True)` without waiting: (k, v, ready). On a device pool the bytes are still on their
+    way into pinned host memory: call `ready()` (it blocks until they landed) before reading k or v. On a
+    CPU pool they are there already and `ready` is None."""
+    if _on_host(backend, layer):
+        return (*export_kv(backend, layer, pages, start, stop), None)
+    return _export_device(backend, layer, pages, start, stop)
+
+
 def import_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int, payload,
               head_start: int = 0, head_end: int | None = None) -> None:
     """Write K-then-V `payload` (bytes-like, [stop - start, head_end - head_start, cell] each) into
@@ -94,26 +117,110 @@ def import_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int, 
     spec: KVPageSpec = backend.spec
     head_end = spec.num_kv_heads if head_end is None else head_end
     ps, n, heads = spec.page_size, stop - start, head_end - head_start
-    pools = _pools(backend, layer)  # [num_pages, page_size, kv_heads, words]
+    host = _on_host(backend, layer)
+    pools = _pools(backend, layer) if host else _device_pools(backend, layer)  # [num_pages, page_size, kv_heads, words]
     cell = pools[0].shape[-1]
-    kv = np.frombuffer(payload, dtype=pools[0].dtype).reshape(2, n, heads, cell)  # [K|V, tokens, heads, words]
     runs = slot_runs(pages, ps, start, stop)
     first_full, end_full = -(-start // ps), stop // ps  # pages wholly inside [start, stop)
-    scatter = len(runs) > 2 and heads == spec.num_kv_heads and end_full - first_full >= 2
-    for pool, src in zip(pools, kv):
-        flat = pool.reshape(-1, spec.num_kv_heads, cell)
-        if scatter:
-            lo, hi = first_full * ps - start, end_full * ps - start  # src rows of the whole pages
-            pool[list(pages[first_full:end_full])] = src[lo:hi].reshape(end_full - first_full, ps, heads, cell)
-            todo = _clip_edges(runs, lo, hi)
-        else:
+    full = None  # (src rows of the whole pages, those pages): one scatter, then the partial edge pages
+    if len(runs) > 2 and heads == spec.num_kv_heads and end_full - first_full >= 2:
+        full = (first_full * ps - start, end_full * ps - start, list(pages[first_full:end_full]))
+    if host:
+        kv = np.frombuffer(payload, dtype=pools[0].dtype).reshape(2, n, heads, cell)  # [K|V, tokens, heads, words]
+        for pool, src in zip(pools, kv):
+            flat = pool.reshape(-1, spec.num_kv_heads, cell)
             todo = runs
-        for first, at, length in todo:
-            flat[first:first + length, head_start:head_end] = src[at:at + length]
+            if full is not None:
+                lo, hi, whole = full
+                pool[whole] = src[lo:hi].reshape(len(whole), ps, heads, cell)
+                todo = _clip_edges(runs, lo, hi)
+            for first, at, length in todo:
+                flat[first:first + length, head_start:head_end] = src[at:at + length]
+    else:
+        _import_device(pools, spec, runs, full, payload, (n, heads, cell), head_start, head_end)
     if getattr(backend, "summaries", None) is not None:  # sparse attention: rebuilt from the imported keys
         backend.summaries.update_range(layer, pages, start, stop)
     if hasattr(backend, "mark_imported"):  # kivi4: the cells are a sealed page's (the sender checked)
         backend.mark_imported(pages[start // ps:-(-stop // ps)])
+
+
+def _on_host(backend, layer: int) -> bool:
+    """The pools of `layer` live in host memory (numpy views); otherwise they are device tensors."""
+    return backend.k[layer].device.type == "cpu"
+
+
+_RUN_COPIES = 4  # up to this many runs of slots are copied one by one; more: one gather of whole pages
+
+
+def _export_device(backend, layer: int, pages: Sequence[int], start: int, stop: int):
+    """Device pools -> one pinned host buffer [K|V, n, kv_heads, words] by non-blocking copies (a run of
+    slots is contiguous in the pool: copied straight across; many runs: whole pages gathered on the
+    device first). (k, v, ready): byte views of the buffer and the wait for the copies."""
+    spec: KVPageSpec = backend.spec
+    ps, runs = spec.page_size, slot_runs(pages, spec.page_size, start, stop)
+    p0, p1 = start // ps, -(-stop // ps)
+    if hasattr(backend, "sealed"):
+        _check_sealed(backend, pages[p0:p1])
+    pools = _device_pools(backend, layer)  # [num_pages, page_size, kv_heads, words] each
+    heads, words, dev = spec.num_kv_heads, pools[0].shape[-1], pools[0].device
+    cuda = dev.type == "cuda"
+    with torch.inference_mode():
+        host = torch.empty((2, stop - start, heads, words), dtype=pools[0].dtype, pin_memory=cuda)
+        index = torch.tensor(list(pages[p0:p1]), dtype=torch.long).to(dev) if len(runs) > _RUN_COPIES else None
+        for i, pool in enumerate(pools):
+            if index is None:
+                flat = pool.view(-1, heads, words)
+                for first, at, length in runs:
+                    host[i, at:at + length].copy_(flat[first:first + length], non_blocking=True)
+            else:
+                rows = pool.index_select(0, index).view(-1, heads, words)[start - p0 * ps:stop - p0 * ps]
+                host[i].copy_(rows, non_blocking=True)
+        ready = _event(dev).synchronize if cuda else (lambda: None)
+    raw = host.numpy().reshape(2, -1).view(np.uint8)  # (the views keep the pinned buffer alive)
+    return memoryview(raw[0]), memoryview(raw[1]), ready
+
+
+def _import_device(pools, spec: KVPageSpec, runs: Runs, full, payload, shape: tuple[int, int, int],
+                   head_start: int, head_end: int) -> None:
+    """Payload -> pinned host buffer (the one host copy) -> device once -> slices/pages of the pools;
+    returns once the writes have landed (the receiver frees pages only when no write is in flight)."""
+    n, heads, words = shape
+    dev = pools[0].device
+    cuda = dev.type == "cuda"
+    with torch.inference_mode():
+        src = np.frombuffer(payload, dtype=np.uint8)
+        host = torch.empty(src.size, dtype=torch.uint8, pin_memory=cuda)
+        host.numpy()[:] = src
+        kv = host.to(dev, non_blocking=True).view(pools[0].dtype).view(2, n, heads, words)  # [K|V, tokens, heads, words]
+        index = torch.tensor(full[2], dtype=torch.long).to(dev) if full is not None else None
+        for pool, part in zip(pools, kv):
+            flat = pool.view(-1, spec.num_kv_heads, words)
+            todo = runs
+            if full is not None:
+                lo, hi, whole = full
+                pool.index_copy_(0, index, part[lo:hi].reshape(len(whole), spec.page_size, heads, words))
+                todo = _clip_edges(runs, lo, hi)
+            for first, at, length in todo:
+                flat[first:first + length, head_start:head_end].copy_(part[at:at + length])
+        if cuda:
+            _event(dev).synchronize()
+
+
+def _event(dev: torch.device):
+    """A CUDA event recorded now on the current stream of `dev`."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(dev))
+    return ev
+
+
+def _device_pools(backend, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V pools of one layer as torch views of the same words `_pools` uses (no copy)."""
+    out = []
+    for pool in (backend.k[layer], backend.v[layer]):
+        raw = pool.view(torch.uint8)  # [..., cell bytes]
+        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if raw.shape[-1] % w.itemsize == 0)
+        out.append(raw.view(word))
+    return out[0], out[1]
 
 
 def _pools(backend, layer: int) -> tuple[np.ndarray, np.ndarray]:
