@@ -4,6 +4,7 @@
         --workload data/workloads/azure_llm_2023_conv.csv --rate 40 --ttft-ms 250 --tpot-ms 100 \\
         --out cluster.yaml --report plan-report/
     pdserve profile deploy/local.yaml --out deploy/profiles/cpu-local-smollm2.json
+    pdserve profile deploy/local.yaml --device cuda --model random:llama-3-8b --hardware h100 --out h100-8b.json
     pdserve fit-gpu my-a100/mlp.csv my-a100/attention.csv my-a100/all_reduce.csv --hardware a100 \\
         --out deploy/profiles/my-a100.json
 """
@@ -100,11 +101,18 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("spec", help="a cluster spec: its model and dtype are profiled")
     p.add_argument("--out", required=True, help="profile JSON to write, e.g. deploy/profiles/NAME.json")
     p.add_argument("--hardware", default="cpu-local", help="the hardware name recorded in the profile")
-    p.add_argument("--grid", default="small", choices=["tiny", "small", "large"],
-                   help="tiny: seconds (tests); small: ~3-5 min on one core; large: ~15 min")
+    p.add_argument("--grid", choices=["tiny", "small", "large", "gpu", "gpu-tiny"],
+                   help="tiny: seconds (tests); small (the CPU's default): ~3-5 min on one core; large: ~15 min; "
+                        "gpu (the default on CUDA): prefill 512-8064 tokens, decode 1-128 rows at 512-4096; "
+                        "gpu-tiny: the GPU grid's path at tiny sizes (CPU dry runs)")
     p.add_argument("--repeats", type=int, default=2, help="timings per point (the median is kept)")
-    p.add_argument("--clock", default="cpu", choices=["cpu", "wall"],
-                   help="cpu: this process's CPU time (robust on a shared machine); wall: wall-clock")
+    p.add_argument("--clock", choices=["cpu", "wall"],
+                   help="cpu (the CPU's default): this process's CPU time (robust on a shared machine); wall: "
+                        "wall-clock (the only one on CUDA, synchronised around each step)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda[:N]: profile the engine on that GPU")
+    p.add_argument("--model", help="profile this model instead of the spec's (its dtype stays): a name or directory "
+                                   "`LLM` takes, or random:<deploy/models name> (that shape, random weights made "
+                                   "on the device: no model files needed)")
     p.add_argument("--name", help="profile name (default: the --out file's stem)")
     p.add_argument("--corun-rounds", type=int, default=5,
                    help="rounds of the co-run interference measurement (two processes, ~15-30 s a round; 0: skip)")

@@ -11,6 +11,17 @@ other core and records the slowdown factors under `corun` (`--corun-only`: just 
 profile, keeping its fit). Timings are this process's CPU time by default (`--clock cpu`: one torch thread, so CPU time is what
 the step would take on an idle core; wall-clock on a shared machine mostly measures the neighbours);
 `--clock wall` measures wall-clock instead. Either way the machine's other load adds noise (notes say so).
+
+On a GPU (`--device cuda`): the engine as it serves there (CUDA-graph decode, Triton attention: its
+defaults), wall-clock timing with `torch.cuda.synchronize()` before and after each step (CPU time means
+nothing there), the `gpu` grid (prefill steps of 512-8192 tokens, decode batches 1-128 at contexts
+512-4096, sized for an 8B model in ~80 GB), no co-run entry (each GPU has its own HBM: factor 1). GPU
+grids (`GPU_GRIDS`: the step's token budget) time each prefill point once untimed first (Triton and
+cuBLAS pick kernels per shape), prefill a decode point's prompts over as many steps as its budget takes,
+skip `DECODE_SKIP` decode steps, read each step's context from the engine's requests, and abort the rows
+after the timed steps. `--model random:<deploy/models name>` profiles that shape with random weights made
+on the device (`random_model.py`: a GPU machine without model files); `--model DIR` any model directory.
+`gpu-tiny` is the same path at tiny sizes (CPU dry runs, tests).
 """
 from __future__ import annotations
 
@@ -19,6 +30,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,23 +46,51 @@ GRIDS = {
     "large": ([[n] for n in (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072)] +
               [[n] * k for n in (32, 128, 512) for k in (2, 4, 8)],
               [(b, n) for b in (1, 2, 4, 8, 16, 32, 64) for n in (64, 256, 1024)]),
+    # GPU: one prompt of up to 8064 tokens (+1 output stays within an 8192-position model) and batches of
+    # prompts filling a step; decode up to 128 x 2048 (34 GB of an 8B model's KV) and 1-8 rows at 4096
+    "gpu": ([[512], [1024], [2048], [4096], [8064], [512] * 4, [1024] * 4, [2048] * 4, [512] * 16],
+            [(1, 512), (1, 2048), (1, 4096), (8, 1024), (8, 4096), (16, 512), (16, 2048), (32, 1024),
+             (64, 512), (64, 2048), (128, 512), (128, 2048)]),
+    "gpu-tiny": ([[16], [64], [32] * 4, [128], [256]], [(1, 64), (2, 128), (4, 32), (4, 256), (8, 64)]),
 }
+GPU_GRIDS = {"gpu": 8192, "gpu-tiny": 256}  # grid -> tokens per step (decode prompts may take several steps)
+DECODE_SKIP = 2  # GPU grids: untimed decode steps at each decode point
 
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
-def _run_batch(llm, lengths: list[int], decode_steps: int, rng: random.Random, clock=time.process_time):
-    """Time one prefill step of `lengths` and `decode_steps` decode steps; returns both measurements."""
+def cuda_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _timed_step(llm, clock, sync) -> float:
+    if sync:
+        sync()
+    t0 = clock()
+    llm.step()
+    if sync:
+        sync()
+    return clock() - t0
+
+
+def _run_batch(llm, lengths: list[int], decode_steps: int, rng: random.Random, clock=time.process_time,
+               sync=None, budget: int | None = None):
+    """Time one prefill step of `lengths` and `decode_steps` decode steps; returns both measurements.
+    `sync`: called before and after each timed step (`cuda_sync` on a GPU). `budget` (GPU grids): the
+    step's token budget; the prompts may then take several steps, `DECODE_SKIP` decode steps go untimed and
+    the rows are aborted after the timed ones (`_run_gpu_decodes`)."""
     from engine import SamplingParams
 
     vocab = llm.config.vocab_size
+    if budget is not None and decode_steps:
+        return _run_gpu_decodes(llm, lengths, decode_steps, rng, clock, sync, budget)
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
     for n in lengths:
         llm.add_request([rng.randrange(vocab) for _ in range(n)], params)
-    t0 = clock()
-    llm.step()
-    prefill = clock() - t0
+    prefill = _timed_step(llm, clock, sync)
     decodes, context = [], sum(lengths) + len(lengths)
     for _ in range(decode_steps):
         t0 = clock()
@@ -62,34 +102,77 @@ def _run_batch(llm, lengths: list[int], decode_steps: int, rng: random.Random, c
     return prefill, decodes
 
 
-def measure(llm, grid: str, repeats: int, clock=time.process_time, log=print) -> tuple[list, list]:
+def _run_gpu_decodes(llm, lengths: list[int], decode_steps: int, rng: random.Random, clock, sync, budget: int):
+    """Prefill `lengths` over as many steps as `budget` takes (early rows decode meanwhile), skip
+    `DECODE_SKIP` decode steps, time `decode_steps` more, each at the context the engine's rows hold."""
+    from engine import SamplingParams
+
+    vocab = llm.config.vocab_size
+    chunks = -(-sum(lengths) // budget) + 1  # steps an early row may decode while later prompts prefill
+    params = SamplingParams(max_tokens=decode_steps + DECODE_SKIP + chunks + 2, temperature=0.0, ignore_eos=True)
+    rids = [llm.add_request([rng.randrange(vocab) for _ in range(n)], params) for n in lengths]
+    while any(llm.requests[r].num_computed < n for r, n in zip(rids, lengths) if r in llm.requests):
+        llm.step()
+    for _ in range(DECODE_SKIP):
+        llm.step()
+    decodes = []
+    for _ in range(decode_steps):
+        rows = [llm.requests[r] for r in rids if r in llm.requests]
+        context = sum(len(q.token_ids) for q in rows)  # each row attends to its prompt + outputs so far
+        decodes.append((len(rows), context, _timed_step(llm, clock, sync)))
+    for r in rids:
+        if r in llm.requests:
+            llm.abort(r)
+    while llm.has_unfinished():
+        llm.step()
+    return None, decodes
+
+
+def measure(llm, grid: str, repeats: int, clock=time.process_time, log=print, sync=None) -> tuple[list, list]:
     prefill_grid, decode_grid = GRIDS[grid]
+    budget = GPU_GRIDS.get(grid)
+    warm = 1 if budget else 0  # GPU grids: each prefill shape once untimed (kernel choice per shape)
     rng = random.Random(0)
-    _run_batch(llm, [32], 2, rng, clock)  # warm-up: first-call allocations and kernels
+    _run_batch(llm, [32], 2, rng, clock, sync)  # warm-up: first-call allocations and kernels
     prefill_pts, decode_pts = [], []
     for lengths in prefill_grid:
-        times = [_run_batch(llm, lengths, 0, rng, clock)[0] for _ in range(repeats)]
+        times = [_run_batch(llm, lengths, 0, rng, clock, sync)[0] for _ in range(repeats + warm)][warm:]
         prefill_pts.append((sum(lengths), sum(n * n for n in lengths), statistics.median(times)))
         log(f"  prefill {len(lengths)} x {lengths[0]}: {prefill_pts[-1][2] * 1000:.1f} ms")
     for batch, n in decode_grid:
-        _, steps = _run_batch(llm, [n] * batch, DECODE_STEPS, rng, clock)
+        _, steps = _run_batch(llm, [n] * batch, DECODE_STEPS, rng, clock, sync, budget)
         decode_pts += steps
         log(f"  decode batch {batch} x {n}: {statistics.median(s for _, _, s in steps) * 1000:.1f} ms/step")
     return prefill_pts, decode_pts
 
 
-def _engine_for(spec_path: str, grid: str):
+def _engine_for(spec_path: str, grid: str, device: str = "cpu", model: str | None = None, tmp: str | None = None):
+    """The spec and an engine for `grid`: CPU grids fit every point in one step, one torch thread; GPU grids
+    (`GPU_GRIDS`) take their step budget, the engine's device defaults and pages for the largest batch."""
+    from cluster.planner.random_model import is_random, random_llm
     from cluster.spec import load_spec
     from engine import LLM
 
     spec = load_spec(spec_path)
     prefill_grid, decode_grid = GRIDS[grid]
-    budget = max(max(sum(b) for b in prefill_grid), max(b * n for b, n in decode_grid))
     seqs = max(max(len(b) for b in prefill_grid), max(b for b, _ in decode_grid))
-    pages = (budget + seqs * (DECODE_STEPS + 2)) // 16 + seqs + 8
-    llm = LLM(model=spec.model, revision=spec.revision, dtype=spec.dtype, num_pages=pages, max_num_seqs=seqs,
-              max_num_batched_tokens=budget, num_threads=1)
-    return spec, llm
+    if grid not in GPU_GRIDS:
+        budget = max(max(sum(b) for b in prefill_grid), max(b * n for b, n in decode_grid))
+        pages = (budget + seqs * (DECODE_STEPS + 2)) // 16 + seqs + 8
+        kw = dict(num_pages=pages, max_num_seqs=seqs, max_num_batched_tokens=budget, num_threads=1)
+    else:
+        budget = GPU_GRIDS[grid]
+        assert all(sum(b) <= budget and len(b) <= seqs for b in prefill_grid), "a prefill point must fit one step"
+        extra = DECODE_STEPS + DECODE_SKIP + 4 + max(b * n for b, n in decode_grid) // budget
+        pages = max(max(b * -(-(n + extra) // 16) for b, n in decode_grid),
+                    max(sum(-(-(n + 2) // 16) for n in b) for b in prefill_grid)) + seqs + 8
+        kw = dict(num_pages=pages, max_num_seqs=seqs, max_num_batched_tokens=budget,
+                  num_threads=1 if device == "cpu" else None)
+    model = model or spec.model
+    if is_random(model):
+        return spec, random_llm(model, Path(tmp or tempfile.mkdtemp()), device=device, dtype=spec.dtype, **kw)
+    revision = spec.revision if model == spec.model else None
+    return spec, LLM(model=model, revision=revision, dtype=spec.dtype, device=device, **kw)
 
 
 def _corun(spec, rounds: int) -> dict:
@@ -147,37 +230,85 @@ def run_serving_only(args: argparse.Namespace) -> int:
     return 0
 
 
+def resolve_options(args: argparse.Namespace) -> tuple[str, str, str, str | None]:
+    """(device, grid, clock, problem): the CPU keeps its defaults (grid small, CPU clock); a GPU takes the
+    `gpu` grid and the wall clock (its steps run on the device, not in this process's CPU time)."""
+    device = getattr(args, "device", None) or "cpu"
+    gpu = device.startswith("cuda")
+    grid = args.grid or ("gpu" if gpu else "small")
+    clock = args.clock or ("wall" if gpu else "cpu")
+    problem = None
+    if gpu and clock == "cpu":
+        problem = "--clock cpu on a GPU would time the host only; use --clock wall (the default there)"
+    elif gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            problem = f"--device {device}: torch sees no CUDA device here"
+    elif device != "cpu":
+        problem = f"--device {device!r}: cpu or cuda[:N]"
+    return device, grid, clock, problem
+
+
+def _notes(args, grid: str, clock: str, device: str, start: float) -> str:
+    when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    if not device.startswith("cuda"):  # the CPU profile's notes, as before
+        return (f"pdserve profile {args.spec} --grid {grid} --repeats {args.repeats} --clock {clock}; "
+                f"one torch thread; {when}; took {time.perf_counter() - start:.0f} s; {clock} clock on a machine "
+                f"shared with other processes (noisy)")
+    import torch
+
+    model = f" --model {args.model}" if getattr(args, "model", None) else ""
+    return (f"pdserve profile {args.spec}{model} --device {device} --grid {grid} --repeats {args.repeats}; "
+            f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; the engine's CUDA defaults (graph "
+            f"decode, Triton attention); wall clock with torch.cuda.synchronize() around each step; {when}; took "
+            f"{time.perf_counter() - start:.0f} s")
+
+
 def run_profile(args: argparse.Namespace) -> int:
+    from cluster.planner.errors import PlannerError
     from cluster.spec import SpecError
 
     if args.corun_only:
         return run_corun_only(args)
     if args.serving_from:
         return run_serving_only(args)
-    try:
-        spec, llm = _engine_for(args.spec, args.grid)
-    except SpecError as e:
-        for p in e.problems:
-            print(f"{args.spec}: {p}", file=sys.stderr)
+    device, grid, clock, problem = resolve_options(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
-    start = time.perf_counter()
-    print(f"profiling {spec.model} ({spec.dtype}), one torch thread, grid {args.grid}")
-    prefill_pts, decode_pts = measure(llm, args.grid, args.repeats, CLOCKS[args.clock])
+    gpu = device.startswith("cuda")
+    with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as tmp:
+        try:
+            spec, llm = _engine_for(args.spec, grid, device, getattr(args, "model", None), tmp)
+        except SpecError as e:
+            for p in e.problems:
+                print(f"{args.spec}: {p}", file=sys.stderr)
+            return 2
+        except PlannerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        model = getattr(args, "model", None) or spec.model
+        start = time.perf_counter()
+        print(f"profiling {model} ({spec.dtype}), " + (f"{device}, wall clock synchronised per step" if gpu else
+                                                       "one torch thread") + f", grid {grid}", flush=True)
+        prefill_pts, decode_pts = measure(llm, grid, args.repeats, CLOCKS[clock], sync=cuda_sync if gpu else None)
+        del llm
     pf, df = fit_prefill(prefill_pts), fit_decode(decode_pts)
     for name, f in (("prefill", pf), ("decode", df)):
         print(f"{name}: a={f.coeffs[0]:.4g} b={f.coeffs[1]:.4g} c={f.coeffs[2]:.4g}; relative error mean "
               f"{f.mean_rel_err:.1%}, max {f.max_rel_err:.1%} over {f.points} points")
+    if gpu and args.corun_rounds:
+        print("co-run: not measured on a GPU (each has its own memory; the planner keeps factor 1)")
     out = Path(args.out)
     profile = {
-        "name": args.name or out.stem, "model": spec.model, "dtype": spec.dtype, "hardware": args.hardware,
+        "name": args.name or out.stem, "model": model, "dtype": spec.dtype, "hardware": args.hardware,
+        **({"device": device} if gpu else {}),
         "tp": {"1": {"prefill": list(pf.coeffs), "decode": list(df.coeffs),
                      "fit": {"prefill": pf.as_dict(), "decode": df.as_dict()}}},
         "measurements": {"prefill": [list(p) for p in prefill_pts], "decode": [list(p) for p in decode_pts]},
-        **({"corun": _corun(spec, args.corun_rounds)} if args.corun_rounds else {}),
-        "notes": (f"pdserve profile {args.spec} --grid {args.grid} --repeats {args.repeats} --clock {args.clock}; "
-                  f"one torch thread; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; took "
-                  f"{time.perf_counter() - start:.0f} s; {args.clock} clock on a machine shared with other "
-                  f"processes (noisy)"),
+        **({"corun": _corun(spec, args.corun_rounds)} if args.corun_rounds and not gpu else {}),
+        "notes": _notes(args, grid, clock, device, start),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=1) + "\n")

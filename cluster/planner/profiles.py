@@ -4,7 +4,7 @@ A profile is what `pdserve profile` writes (or a published profile of the same f
 machine lacks): DistServe's fitted coefficients per TP degree, their fit error, optionally roofline
 efficiency factors, and the raw measurements. Shape:
 
-    {"name": ..., "model": "smollm2-135m", "dtype": "bfloat16", "hardware": "cpu-local",
+    {"name": ..., "model": "smollm2-135m", "dtype": "bfloat16", "hardware": "cpu-local", "device": "cuda" (GPU only),
      "tp": {"1": {"prefill": [a, b, c], "decode": [a, b, c], "fit": {...}}},
      "calibration": {"compute_eff": .., "memory_eff": .., "overhead_s": ..},   (optional)
      "corun": {"slowdown": {"decode_beside_prefill": 1.1, ...}, ...},          (optional, `corun.py`)
@@ -121,6 +121,7 @@ class _ProfileFile(BaseModel):
     model: str = ""  # "" for a GPU operator profile: its constants hold for any model
     dtype: str = "bfloat16"
     hardware: str
+    device: str = ""  # `pdserve profile --device cuda` writes it; CPU profiles leave it out
     tp: dict[int, _TPEntry] = {}
     calibration: _CalibrationEntry | None = None
     step: StepEntry | None = None

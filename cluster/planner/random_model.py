@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cluster.planner.errors import UnknownModelError
+from cluster.planner.errors import BadConfigError
 from cluster.planner.paths import deploy_dir, read_data
 
 PREFIX = "random:"
@@ -35,11 +35,12 @@ def is_random(model: str) -> bool:
 
 
 def model_entry(name: str) -> dict[str, Any]:
-    """deploy/models/<name>.yaml as a dict; `UnknownModelError` listing the known names otherwise."""
+    """deploy/models/<name>.yaml as a dict; `BadConfigError` listing the known names otherwise."""
     path = deploy_dir() / "models" / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in (deploy_dir() / "models").glob("*.yaml"))
-        raise UnknownModelError(f"{PREFIX}{name}", [PREFIX + k for k in known], [])
+        raise BadConfigError(f"{PREFIX}{name}: no {path}; known: {', '.join(known)} (Llama-shaped ones: the "
+                             f"engine runs them as LlamaForCausalLM)")
     return read_data(path)
 
 
