@@ -14,6 +14,12 @@ vs 14.7-15.8 s. float32 keeps SDPA.
     attend_decode_bf16(q_bits, k_pool_bits, v_pool_bits, page_index, ctx_lens, scale) -> out bits
     # q [B, q_heads, head_dim]; pools [num_pages, page_size, kv_heads, head_dim]; page_index [B, >= pages]
     # (int64, padded); ctx_lens [B] (slots [0, n) of row b are attended); out [B, q_heads, head_dim]
+    # or one table per (row, KV head): page_index [B, kv_heads, >= pages], ctx_lens [B, kv_heads]
+    attend_decode_reference(q, k_pool, v_pool, page_index, ctx_lens, scale)  # torch, float64: the oracle
+
+A table per (row, KV head) is what sparse attention's per-KV-head page choice (`kv_cache/sparse.py`) hands
+in: each KV head reads its own chosen pages in place (numba: `_decode_heads_kernel`, one KV head's slice
+of each slot row at a time; C: the same call with `tables` = kv_heads).
 
 Math: scores, softmax and the weighted sum in float32; exp is a polynomial (`_exp`, relative error
 < 5e-6, far under bf16's 4e-3) so LLVM can vectorize it (numba calls libm's expf one value at a time);
@@ -32,6 +38,7 @@ import functools
 import math
 
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -136,19 +143,79 @@ def _decode_kernel(dim: int, group: int):
     return kernel
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_heads_kernel(dim: int, group: int):
+    """`_decode_kernel` with a page table per (row, KV head): page_index [B, kv_heads, P], ctx_lens
+    [B, kv_heads]. One KV head at a time: its `group` query heads against that head's slice of each slot."""
+
+    @_jit(fastmath=True)
+    def kernel(q, k_pool, v_pool, page_index, ctx_lens, scale, out):
+        rows, kv_heads = page_index.shape[0], page_index.shape[1]
+        page_size = k_pool.shape[1]
+        longest = 1
+        for b in range(rows):
+            for g in range(kv_heads):
+                longest = max(longest, ctx_lens[b, g])
+        s = np.empty((group, longest), np.float32)
+        qf = np.empty((group, dim), np.float32)
+        row = np.empty(dim, np.float32)
+        acc = np.empty((group, dim), np.float32)
+        inv = np.empty(group, np.float32)
+        for b in range(rows):
+            for g in range(kv_heads):
+                n = ctx_lens[b, g]
+                for i in range(group):
+                    for d in range(dim):
+                        qf[i, d] = _bf16_to_f32(q[b, g * group + i, d]) * scale
+                for t in range(n):  # scores: the group's heads against slot t of this KV head
+                    _widen(k_pool[page_index[b, g, t // page_size], t % page_size, g], row)
+                    for i in range(group):
+                        a = np.float32(0.0)
+                        for d in range(dim):
+                            a += qf[i, d] * row[d]
+                        s[i, t] = a
+                for i in range(group):
+                    m = s[i, 0]
+                    for t in range(1, n):
+                        m = max(m, s[i, t])
+                    total = np.float32(0.0)
+                    for t in range(n):
+                        e = _exp(s[i, t] - m)
+                        s[i, t] = e
+                        total += e
+                    inv[i] = np.float32(1.0) / total
+                    for d in range(dim):
+                        acc[i, d] = 0.0
+                for t in range(n):  # weighted sum of this KV head's V rows
+                    _widen(v_pool[page_index[b, g, t // page_size], t % page_size, g], row)
+                    for i in range(group):
+                        p = s[i, t]
+                        for d in range(dim):
+                            acc[i, d] += p * row[d]
+                for i in range(group):
+                    for d in range(dim):
+                        out[b, g * group + i, d] = _round_bf16(acc[i, d] * inv[i])
+
+    return kernel
+
+
 def attend_decode_bf16(q_bits: np.ndarray, k_pool_bits: np.ndarray, v_pool_bits: np.ndarray,
                        page_index: np.ndarray, ctx_lens: np.ndarray, scale: float) -> np.ndarray:
     """Attention of one query per row over slots [0, ctx_lens[b]) of its pages (bf16 bits in and out; see
-    the module map for shapes). ValueError when a row attends no slot or more than its pages hold (the
-    kernel itself does not check bounds)."""
-    if ctx_lens.shape[0] != q_bits.shape[0] or page_index.shape[0] != q_bits.shape[0]:
-        raise ValueError(f"{q_bits.shape[0]} query rows, {page_index.shape[0]} page rows, {ctx_lens.shape[0]} lengths")
-    if ctx_lens.shape[0] and (ctx_lens.min() < 1 or ctx_lens.max() > page_index.shape[1] * k_pool_bits.shape[1]):
-        raise ValueError(f"slot counts {ctx_lens.min()}..{ctx_lens.max()} outside [1, {page_index.shape[1]} pages "
+    the module map for shapes: one table per row, or per (row, KV head)). ValueError when a table attends
+    no slot or more than its pages hold, or the shapes disagree (the kernels themselves check no bounds)."""
+    rows, heads = q_bits.shape[:2]
+    kv_heads = k_pool_bits.shape[2]
+    per_head = page_index.ndim == 3
+    want = (rows, kv_heads) if per_head else (rows,)
+    if ctx_lens.shape != want or page_index.shape[:-1] != want:
+        raise ValueError(f"{rows} query rows x {kv_heads} KV heads: page tables {page_index.shape[:-1]}, "
+                         f"lengths {ctx_lens.shape}")
+    if ctx_lens.size and (ctx_lens.min() < 1 or ctx_lens.max() > page_index.shape[-1] * k_pool_bits.shape[1]):
+        raise ValueError(f"slot counts {ctx_lens.min()}..{ctx_lens.max()} outside [1, {page_index.shape[-1]} pages "
                          f"x {k_pool_bits.shape[1]} slots]")
     out = np.empty(q_bits.shape, np.uint16)
     lib = native_library()
-    rows, heads = q_bits.shape[:2]
     if lib is not None and rows >= NATIVE_MIN_ROWS and q_bits.shape[2] == 64 and k_pool_bits.flags.c_contiguous \
             and v_pool_bits.flags.c_contiguous:
         q_bits = np.ascontiguousarray(q_bits)
@@ -156,12 +223,36 @@ def attend_decode_bf16(q_bits: np.ndarray, k_pool_bits: np.ndarray, v_pool_bits:
         ctx_lens = np.ascontiguousarray(ctx_lens, dtype=np.int64)
         work = _WORK.get(lib.pd_decode_work_bytes(int(ctx_lens.max()), heads))
         lib.pd_decode_attention_bf16(q_bits.ctypes.data, k_pool_bits.ctypes.data, v_pool_bits.ctypes.data,
-                                     k_pool_bits.shape[1], page_index.ctypes.data, page_index.shape[1],
-                                     ctx_lens.ctypes.data, rows, heads, k_pool_bits.shape[2], float(scale),
-                                     out.ctypes.data, work)
+                                     k_pool_bits.shape[1], page_index.ctypes.data, page_index.shape[-1],
+                                     ctx_lens.ctypes.data, kv_heads if per_head else 1, rows, heads, kv_heads,
+                                     float(scale), out.ctypes.data, work)
         return out
-    kernel = _decode_kernel(q_bits.shape[2], q_bits.shape[1] // k_pool_bits.shape[2])
+    make = _decode_heads_kernel if per_head else _decode_kernel
+    kernel = make(q_bits.shape[2], heads // kv_heads)
     kernel(q_bits, k_pool_bits, v_pool_bits, page_index, ctx_lens, np.float32(scale), out)
+    return out
+
+
+def attend_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_index: torch.Tensor,
+                            ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """What `attend_decode_bf16` computes, in float64 torch, one (row, KV head) at a time: q [B, q_heads, D];
+    pools [num_pages, page_size, kv_heads, D]; page_index [B, P] or [B, kv_heads, P]; ctx_lens [B] or
+    [B, kv_heads] -> [B, q_heads, D] float64. Query head i reads KV head i // (q_heads // kv_heads)."""
+    b, q_heads, d = q.shape
+    ps, kv_heads = k_pool.shape[1], k_pool.shape[2]
+    group = q_heads // kv_heads
+    if page_index.dim() == 2:  # one table per row: the same table for every KV head
+        page_index = page_index.unsqueeze(1).expand(b, kv_heads, page_index.shape[1])
+        ctx_lens = ctx_lens.view(b, 1).expand(b, kv_heads)
+    out = torch.empty(b, q_heads, d, dtype=torch.float64)
+    for r in range(b):
+        for g in range(kv_heads):
+            n = int(ctx_lens[r, g])
+            pages = page_index[r, g, :-(-n // ps)].long()
+            k = k_pool[pages, :, g].reshape(-1, d)[:n].double()  # [n, D]
+            v = v_pool[pages, :, g].reshape(-1, d)[:n].double()
+            qs = q[r, g * group:(g + 1) * group].double()  # [group, D]
+            out[r, g * group:(g + 1) * group] = ((qs @ k.T) * scale).softmax(-1) @ v
     return out
 
 

@@ -14,8 +14,12 @@
  *           that stay in registers for up to 4 query heads of the KV head; lanes come out in a permuted
  *           dim order, put back by one permute per 16 dims before the bf16 store
  * Layouts (uint16 = bf16 bits): q [rows][heads][64] contiguous; pools [num_pages][page_size][kv_heads][64];
- * page_index [rows][page_cols]; ctx_lens [rows] (slots [0, n) attended); out [rows][heads][64];
- * work: pd_decode_work_bytes(max ctx_len, heads) bytes, 64-byte aligned.
+ * page tables: `tables` per row, 1 (shared by the row's KV heads) or kv_heads (one per KV head: sparse
+ * attention's per-KV-head page choice, engine/kv_cache/sparse.py, read in place like the shared one):
+ * page_index [rows][tables][page_cols]; ctx_lens [rows][tables] (slots [0, n) of a table attended);
+ * out [rows][heads][64]; work: pd_decode_work_bytes(max ctx_len, heads) bytes, 64-byte aligned.
+ * Each KV head is read on its own anyway (its 128 bytes of a slot), so a table per KV head costs only
+ * the slot offsets, recomputed per KV head instead of per row.
  */
 #include "bf16_common.h"
 
@@ -120,10 +124,10 @@ static inline __attribute__((always_inline)) void weighted_sum(
 
 void pd_decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool,
                               int64_t page_size, const int64_t *page_index, int64_t page_cols,
-                              const int64_t *ctx_lens, int64_t rows, int64_t heads, int64_t kv_heads,
-                              float scale, uint16_t *out, void *work) {
+                              const int64_t *ctx_lens, int64_t tables, int64_t rows, int64_t heads,
+                              int64_t kv_heads, float scale, uint16_t *out, void *work) {
     int64_t group = heads / kv_heads, max_ctx = 1;
-    for (int64_t b = 0; b < rows; b++) max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
+    for (int64_t i = 0; i < rows * tables; i++) max_ctx = ctx_lens[i] > max_ctx ? ctx_lens[i] : max_ctx;
     int64_t stride = round_up(max_ctx, 16);
     uint8_t *w = (uint8_t *)work;
     int64_t *slot_off = (int64_t *)w; w += round_up(stride * 8, 64);
@@ -131,12 +135,17 @@ void pd_decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const u
     uint16_t *prob = (uint16_t *)w; w += round_up(heads * stride * 2, 64);
     uint16_t *prob_lo = (uint16_t *)w;
     for (int64_t b = 0; b < rows; b++) {
-        int64_t n = ctx_lens[b], keys = round_up(n, 16);
-        const int64_t *pages = page_index + b * page_cols;
-        for (int64_t t = 0; t < n; t++)  /* element offset of slot t's row in a pool */
-            slot_off[t] = (pages[t / page_size] * page_size + t % page_size) * kv_heads * DIM;
-        float inv[4];
+        int64_t n = 0, keys = 0;
         for (int64_t g = 0; g < kv_heads; g++) {
+            if (g == 0 || tables > 1) {  /* this KV head's table: element offset of slot t's row in a pool */
+                int64_t tab = b * tables + (tables > 1 ? g : 0);
+                const int64_t *pages = page_index + tab * page_cols;
+                n = ctx_lens[tab];
+                keys = round_up(n, 16);
+                for (int64_t t = 0; t < n; t++)
+                    slot_off[t] = (pages[t / page_size] * page_size + t % page_size) * kv_heads * DIM;
+            }
+            float inv[4];
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {
                 int nh = (int)((g + 1) * group - h0 < 4 ? (g + 1) * group - h0 : 4);
                 const uint16_t *pr[4], *pl[4];

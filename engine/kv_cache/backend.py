@@ -238,8 +238,8 @@ class RawKVBackend:
                                       g.ctx_lens, self.spec.page_size, plan, layer)
         if sel is None:
             return None
-        if plan["all_row"] and self._takes_kernel(g):  # the chosen pages, read in place
-            return self._attend_kernel(layer, q, g, scale, sparse_attention.kernel_rows(sel))
+        if self._takes_kernel(g):  # the chosen pages read in place: a table per row, or per (row, KV head)
+            return self._attend_kernel(layer, q, g, scale, sparse_attention.kernel_rows(sel, plan["all_row"]))
         k, v = self._page_heads(layer, sel.pages)  # [B, kv_heads, S, page_size, head_dim] each
         return sparse_attention.attend_torch(k, v, q, sel, scale)
 

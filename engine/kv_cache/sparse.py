@@ -11,16 +11,15 @@ layer and group:
      With `selection_layers` (TidalDecode's idea, with Quest's bounds in place of its full-attention
      scores), only those layers choose; every other layer reuses the latest choice of the step (a layer
      before the first selection layer chooses for itself). The first `dense_layers` layers read everything.
-  2. `attend_torch(...)`: gather the chosen pages per (row, KV head) and run one SDPA with a slot mask; or,
-     with `select_per="row"` on bf16 CPU pages, the numba/C paged kernel reads the chosen pages in place
-     through a shorter page table (`attend_kernel`). The kernel takes one page table per row for all its KV
-     heads, so per-KV-head selection (the default) runs on the torch path; a per-(row, head) table would
-     need a kernel change (not done).
+  2. bf16 pages on CPU: the numba/C paged kernel reads the chosen pages in place through shorter page
+     tables (`kernel_rows`): one per row with select_per="row", one per (row, KV head) otherwise (the
+     default). Elsewhere (float32, int8/fp8 pages, CUDA) `attend_torch(...)` gathers the chosen pages per
+     (row, KV head) and runs one SDPA with a slot mask.
 Per request: a group may carry each row's own config (`AttnGroup.sparse_rows`, from `StepBatch.sparse`,
 resolved in `sparse_config.py`; None for a row = full attention): budgets, sinks, windows and thresholds
 apply row by row (a row of a smaller budget keeps only its best pages of the group's top-k), rows differing
 in select_per / gqa are scored each its own way, and `choose` lets each row reuse or choose per its own
-selection_layers. The in-place kernel read needs every row on select_per="row".
+selection_layers; the kernel reads mixed groups through per-(row, KV head) tables.
 Off (full attention, unchanged) for groups of several queries per row (prefill chunks, verify steps),
 observed or windowed groups, rows below `min_context` slots, and whenever every row's pages fit the
 selection anyway -- so a budget >= the context gives full attention exactly. Selection never changes
@@ -210,9 +209,11 @@ def attend_torch(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, sel: Selecti
     return o.view(b, hq, d)
 
 
-def kernel_rows(sel: Selection) -> tuple[np.ndarray, np.ndarray]:
-    """A row-shared selection as the paged kernel's inputs: page table [B, S] and slot counts [B]. The
-    chosen pages are in page order and only a row's last page is partly filled, so slots [0, n) of the
-    shorter table are exactly the chosen slots."""
-    pages = sel.pages[:, 0].contiguous().numpy()
-    return pages, sel.slots[:, 0].sum(-1).numpy().astype(np.int64)
+def kernel_rows(sel: Selection, shared: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A selection as the paged kernel's inputs (`cpu_attention.attend_decode_bf16`): page tables and slot
+    counts, [B, S] and [B] where every row's KV heads share one choice (`shared`: select_per="row"), else
+    one table per (row, KV head), [B, kv_heads, S] and [B, kv_heads]. The chosen pages are in page order
+    and only a row's last page is partly filled, so slots [0, n) of a shorter table are exactly the chosen
+    slots (padding, page 0 with 0 slots, sorts after them)."""
+    pages, slots = (sel.pages[:, 0], sel.slots[:, 0]) if shared else (sel.pages, sel.slots)
+    return pages.contiguous().numpy(), slots.sum(-1).numpy().astype(np.int64)

@@ -1,6 +1,6 @@
 """engine.cpu_attention: the paged decode attention (numba, and the AVX512-BF16 C kernel for head_dim 64
 where it runs) against float64 attention over the same pages (grouped-query ratios, page sizes,
-scattered and padded page tables), numba's polynomial exp, and the backend's choice of it (bf16 decode
+scattered and padded page tables, one table per row or per (row, KV head)), numba's polynomial exp, and the backend's choice of it (bf16 decode
 groups on CPU; float32, observed and windowed groups keep SDPA)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine import SamplingParams
 from engine.attention_context import ObserveSpec, SeqLayout, build_context
 from engine import cpu_attention, cpu_prefill_attention
-from engine.cpu_attention import _exp, attend_decode_bf16
+from engine.cpu_attention import _exp, attend_decode_bf16, attend_decode_reference
 from engine.cpu_kernels import _jit, bits, from_bits
 from engine.kv_cache.backend import RawKVBackend, make_backend
 from engine.kv_cache.spec import KVPageSpec
@@ -24,19 +24,7 @@ from tests.tiny_models import write_tiny
 
 
 def _reference(q, k_pool, v_pool, page_index, lens, scale):
-    """float64 attention of each row over slots [0, lens[b]) of its pages: [B, q_heads, head_dim]."""
-    b, q_heads, d = q.shape
-    ps, kv_heads = k_pool.shape[1], k_pool.shape[2]
-    out = torch.empty(b, q_heads, d, dtype=torch.float64)
-    for r in range(b):
-        n = lens[r]
-        k = k_pool[page_index[r]].reshape(-1, kv_heads, d)[:n].double()  # [n, kv_heads, d]
-        v = v_pool[page_index[r]].reshape(-1, kv_heads, d)[:n].double()
-        rep = q_heads // kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [n, q_heads, d]
-        w = torch.einsum("hd,nhd->hn", q[r].double(), k) * scale
-        out[r] = torch.einsum("hn,nhd->hd", w.softmax(-1), v)
-    return out
+    return attend_decode_reference(q, k_pool, v_pool, page_index, torch.tensor(lens), scale)
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,native", [
@@ -70,6 +58,40 @@ def test_paged_kernel_matches_float64_attention(q_heads, kv_heads, head_dim, pag
     # float32 math rounded once to bf16: within one bf16 step of the float64 result
     assert ((got.double() - want).abs() <= want.abs() * 2 ** -7 + 1e-3).all()
     assert got[0].double().sub(v_pool[table[0][0], 0].double().repeat_interleave(q_heads // kv_heads, 0)).abs().max() == 0
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,native", [
+    (9, 3, 64, "on"), (10, 2, 64, "on"), (9, 3, 64, "off"), (8, 2, 32, "off")])
+def test_a_page_table_per_kv_head_reads_each_heads_own_pages(q_heads, kv_heads, head_dim, native, monkeypatch):
+    """Sparse attention's per-KV-head choice: each KV head of a row has its own pages and slot count
+    (tables [B, kv_heads, P]); C (native "on") and numba against the torch reference, and identical
+    tables per head give the bits of the one-table-per-row call."""
+    if native == "on" and cpu_attention.native_library() is None:
+        pytest.skip("the C decode kernel does not run here (no compiler or no AVX512-BF16)")
+    monkeypatch.setenv("PDSERVE_NATIVE", "1" if native == "on" else "0")
+    ps, rows, width = 4, 3, 12
+    g = torch.Generator().manual_seed(q_heads + head_dim)
+    k_pool = torch.randn(60, ps, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v_pool = torch.randn(60, ps, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    table = torch.stack([torch.randperm(59, generator=g)[:width] + 1 for _ in range(rows * kv_heads)])
+    table = table.view(rows, kv_heads, width)  # distinct scattered pages per (row, KV head)
+    lens = torch.randint(1, width * ps + 1, (rows, kv_heads), generator=g)
+    lens[0, 0], lens[-1, -1] = 1, width * ps  # one slot; every slot of the table
+    q = (2 * torch.randn(rows, q_heads, head_dim, generator=g)).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    got = from_bits(attend_decode_bf16(bits(q), bits(k_pool), bits(v_pool), table.numpy(), lens.numpy(), scale))
+    want = attend_decode_reference(q, k_pool, v_pool, table, lens, scale)
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -7 + 1e-3).all()
+    per_row = attend_decode_reference(q, k_pool, v_pool, table[:, 0], lens[:, 0], scale)
+    assert (want - per_row).abs().max() > 0.1  # the other heads' own pages did change their outputs
+    shared = table[:, :1].expand(rows, kv_heads, width).contiguous()
+    same = attend_decode_bf16(bits(q), bits(k_pool), bits(v_pool), shared.numpy(),
+                              lens[:, :1].expand(rows, kv_heads).contiguous().numpy(), scale)
+    one = attend_decode_bf16(bits(q), bits(k_pool), bits(v_pool), table[:, 0].contiguous().numpy(),
+                             lens[:, 0].contiguous().numpy(), scale)
+    assert np.array_equal(same, one)
+    with pytest.raises(ValueError, match="lengths"):
+        attend_decode_bf16(bits(q), bits(k_pool), bits(v_pool), table.numpy(), lens[:, 0].contiguous().numpy(), scale)
 
 
 def test_exp_polynomial_is_close_to_exp_and_flushes_below_the_float32_range():

@@ -1,6 +1,6 @@
 """Sparse decode attention (engine/kv_cache/sparse.py): the pages chosen always include the sinks and the
 recent window and fit the budget; attention over them equals full attention with every other page masked
-out (torch path, and the bf16 paged kernel reading the chosen pages in place); a budget >= the context is
+out (torch path, and the bf16 paged kernel reading the chosen pages in place, per row or per KV head); a budget >= the context is
 full attention exactly in the engine; a small budget runs without leaking pages; bad configs raise typed
 errors naming the key."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from engine import SamplingParams
 from engine.attention_context import SeqLayout, build_context
 from engine.errors import InvalidRequestError
+from engine.cpu_attention import attend_decode_bf16 as _kernel
 from engine.kv_cache.backend import make_backend
 from engine.kv_cache.sparse import SparseAttentionConfig, select
 from engine.kv_cache.spec import KVPageSpec
@@ -94,12 +95,21 @@ def test_sparse_attention_equals_masked_full_attention(fmt):
     torch.testing.assert_close(out.float(), _reference(be, g, q, sel), atol=2e-5, rtol=1e-4)
 
 
-def test_bf16_kernel_reads_the_chosen_pages_in_place():
-    cfg = SparseAttentionConfig(budget=8, sink_pages=1, recent=6, min_context=12, select_per="row")
+@pytest.mark.parametrize("select_per", ["kv_head", "row"])
+def test_bf16_kernel_reads_the_chosen_pages_in_place(select_per, monkeypatch):
+    """Both choices go to the paged kernel (a table per row, or per (row, KV head)), never the gather."""
+    import engine.kv_cache.backend as kb
+
+    cfg = SparseAttentionConfig(budget=8, sink_pages=1, recent=6, min_context=12, select_per=select_per)
     be, g, q = _pool("bfloat16", cfg=cfg)
     assert be._takes_kernel(g)
     sel = select(cfg, be.summaries.lo[0], be.summaries.hi[0], q, g.page_index, g.ctx_lens, PS)
-    out = be._attend_sparse(0, q, g, DIM ** -0.5)  # the paged kernel with a shorter page table
+    assert torch.equal(sel.pages[:, 0], sel.pages[:, 1]) is (select_per == "row")  # the heads chose apart
+    tables = []
+    monkeypatch.setattr(kb, "attend_decode_bf16", lambda *a: tables.append(a[3].shape) or _kernel(*a))
+    monkeypatch.setattr(be, "_page_heads", None)  # the gather path would fail
+    out = be._attend_sparse(0, q, g, DIM ** -0.5)  # the paged kernel with shorter page tables
+    assert tables == [sel.pages[:, 0].shape if select_per == "row" else sel.pages.shape]
     torch.testing.assert_close(out.float(), _reference(be, g, q, sel), atol=2e-2, rtol=2e-2)
 
 
