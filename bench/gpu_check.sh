@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
 if [ "${TINY:-0}" = 1 ]; then
   export TRITON_INTERPRET=1 PDSERVE_ATTENTION=triton
-  $PY bench/gpu_decode_floor.py --device cpu --model random:tiny --context 64 --batches 1,4 --steps 2 --out "$OUT" \
+  $PY bench/gpu_decode_floor.py --device cpu --model random:tiny --context 64 --batches 1,4 --steps 2 --kv int8 --out "$OUT" \
     2>&1 | tee "$OUT/floor_tiny.log"
   $PY bench/gpu_profile_step.py --device cpu --model random:tiny --context 64 --batch 4 --steps 2 --out "$OUT" \
     2>&1 | tail -5

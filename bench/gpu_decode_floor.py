@@ -5,6 +5,9 @@ stepped --steps times under each mode in turn:
   graphs  the default: CUDA-graph decode (engine/kernels/cuda/graph_decode.py) over Triton paged attention;
   triton  the same kernels launched eagerly (decode_graphs off);
   torch   the path before issue 32: SDPA over gathered pages (PDSERVE_ATTENTION=torch), eager.
+For graphs, the GPU time of each replay (CUDA events around it) is reported too: step - GPU is the host's
+part (scheduling, inputs, sampling, detokenizing), which nothing overlaps with the GPU yet.
+`--kv int8` adds int8-page rows (a second engine, the first freed): graphs mode, ratio to bf16 graphs.
 The floor: (weight bytes + K/V bytes the step reads) / the device-to-device copy bandwidth measured at the
 start of the run (bytes read + written per second), so ratio = step / floor. Steps are whole `LLM.step()`
 calls (scheduling, sampling and detokenizing included), synchronised before and after.
@@ -61,12 +64,12 @@ def headroom(max_batch: int, steps: int) -> int:
     return 2 * steps + max_batch // 2 + 64
 
 
-def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp: Path) -> LLM:
+def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp: Path, kv: str = "raw") -> LLM:
     ps = 16
     per_row = -(-(context + headroom(max_batch, steps) + 16) // ps)
     kw = dict(dtype="bfloat16", device=device, num_pages=max_batch * per_row + 8, max_num_seqs=max_batch,
               max_num_batched_tokens=8192 if device.startswith("cuda") else 256, num_threads=None, page_size=ps,
-              max_model_len=context + headroom(max_batch, steps) + 16)
+              max_model_len=context + headroom(max_batch, steps) + 16, kv_storage=kv)
     if not model.startswith("random:"):
         return LLM(model=model, **kw)
     import engine.llm as engine_llm
@@ -110,7 +113,30 @@ def time_steps(llm: LLM, device: str, steps: int) -> list[float]:
 
 def kv_bytes_per_token(llm: LLM) -> int:
     c = llm.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2  # K and V, bf16
+    cell = c.head_dim * 2 if llm.kv_spec.storage_format == "raw" else c.head_dim + 2  # bf16, or int8 + scale
+    return 2 * c.num_layers * c.num_kv_heads * cell  # K and V
+
+
+class TimedGraph:
+    """A bucket's CUDA graph with CUDA events around each replay (the GPU's share of a step)."""
+
+    def __init__(self, graph, times: list):
+        self.graph, self.times = graph, times
+
+    def replay(self) -> None:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        self.graph.replay()
+        e.record()
+        self.times.append((s, e))
+
+
+def time_graphs(graphs) -> list:
+    times: list = []
+    for bk in graphs.buckets.values():
+        if bk.graph is not None:
+            bk.graph = TimedGraph(getattr(bk.graph, "graph", bk.graph), times)
+    return times
 
 
 def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes, graphs, bw: float) -> list[dict]:
@@ -125,13 +151,18 @@ def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes
     for mode in modes:
         set_mode(llm, mode, graphs)
         ctx0 = statistics.mean(llm.requests[r].num_computed for r in rids)
+        replays = time_graphs(graphs) if mode == "graphs" and graphs is not None and graphs.use_graphs else None
         times = time_steps(llm, device, steps)
         ctx1 = statistics.mean(llm.requests[r].num_computed for r in rids)
         floor = (weights + batch * (ctx0 + ctx1) / 2 * kv_bytes_per_token(llm)) / bw
         med = statistics.median(times)
         rows.append({"batch": batch, "mode": mode, "context": round((ctx0 + ctx1) / 2), "steps": len(times),
                      "median_ms": round(med * 1e3, 3), "p90_ms": round(sorted(times)[int(0.9 * len(times))] * 1e3, 3),
-                     "floor_ms": round(floor * 1e3, 3), "ratio": round(med / floor, 2)})
+                     "floor_ms": round(floor * 1e3, 3), "ratio": round(med / floor, 2),
+                     "kv": llm.kv_spec.storage_format})
+        if replays:
+            gpu = statistics.median(s.elapsed_time(e) for s, e in replays[-steps:])
+            rows[-1].update(gpu_ms=round(gpu, 3), host_ms=round(med * 1e3 - gpu, 3))
         print(json.dumps(rows[-1]), flush=True)
     for r in rids:
         llm.abort(r)
@@ -147,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16,64,128")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kv", default="", help="int8: also int8-page rows at the largest batch (graphs mode)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +200,13 @@ def main(argv=None) -> int:
               flush=True)
         for b in batches:
             result["rows"].extend(run_batch(llm, a.device, b, a.context, a.steps, modes, graphs, bw))
+        if a.kv:
+            del llm, graphs
+            if a.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            llm = build(a.model, a.device, max(batches), a.context, (a.steps + 3) * len(modes), Path(tmp), a.kv)
+            result["rows"].extend(run_batch(llm, a.device, max(batches), a.context, a.steps, ["graphs"],
+                                            llm.decode_graphs, bw))
     tag = a.model.replace(":", "_").replace("/", "_")
     (a.out / f"floor_{tag}.json").write_text(json.dumps(result, indent=1))
     print(table(result))
@@ -177,9 +216,11 @@ def main(argv=None) -> int:
 def table(result: dict) -> str:
     lines = [f"{result['model']} on {result['gpu'] or result['device']}, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
              f"graph capture {result['capture_s']} s",
-             "| batch | context | mode | step ms | floor ms | step / floor |", "|---|---|---|---|---|---|"]
+             "| batch | context | KV | mode | step ms | GPU ms | host ms | floor ms | step / floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['mode']} | {r['median_ms']} | {r['floor_ms']} | {r['ratio']} |")
+        lines.append(f"| {r['batch']} | {r['context']} | {r['kv']} | {r['mode']} | {r['median_ms']} | "
+                     f"{r.get('gpu_ms', '')} | {r.get('host_ms', '')} | {r['floor_ms']} | {r['ratio']} |")
     return "\n".join(lines)
 
 

@@ -183,12 +183,17 @@ class RawKVBackend:
 
     @property
     def ragged_decode(self) -> bool:
-        """Decode groups go to a paged kernel (numba for bf16 CPU pages, Triton on CUDA), which reads raw
-        cells exactly as this class stores them (formats that store or load otherwise never qualify). Such groups cost no
+        """Decode groups go to a paged kernel (numba for bf16 CPU pages, Triton on CUDA), which reads the
+        cells exactly as stored (formats that store or load otherwise never qualify). Such groups cost no
         padding, so the context builder need not split them into length buckets."""
-        return ((self.paged_kernel and self._kernel_dtype) or self.triton_paged) and self.storage_format == "raw" \
-            and (type(self)._load is RawKVBackend._load
-                and type(self)._attend_group is RawKVBackend._attend_group)
+        cpu = (self.paged_kernel and self._kernel_dtype and self.storage_format == "raw"
+               and type(self)._load is RawKVBackend._load and type(self)._attend_group is RawKVBackend._attend_group)
+        return cpu or (self.triton_paged and self._triton_cells())
+
+    def _triton_cells(self) -> bool:
+        """Whether the Triton kernel reads this pool's cells as stored (raw pages of this class's layout;
+        `QuantizedKVBackend` answers for int8)."""
+        return self.storage_format == "raw" and type(self)._load is RawKVBackend._load
 
     def _takes_kernel(self, g: AttnGroup) -> bool:
         """A decode group of a kernel backend, unless observed (eviction statistics come from the SDPA
@@ -196,10 +201,9 @@ class RawKVBackend:
         return g.q_len == 1 and g.observe is None and not g.windowed and self.ragged_decode and not self.triton_paged
 
     def _takes_triton(self, g: AttnGroup, q: torch.Tensor) -> bool:
-        """A decode or verify group (q_len x group <= 64 query rows per KV head) of raw pages on the Triton
-        path, neither observed nor windowed (as `_takes_kernel`)."""
-        return (self.triton_paged and g.observe is None and not g.windowed and self.storage_format == "raw"
-                and type(self)._load is RawKVBackend._load
+        """A decode or verify group (q_len x group <= 64 query rows per KV head) of raw or int8 pages on the
+        Triton path, neither observed nor windowed (as `_takes_kernel`)."""
+        return (self.triton_paged and g.observe is None and not g.windowed and self._triton_cells()
                 and g.q_len * (q.shape[1] // self.spec.num_kv_heads) <= 64)
 
     def _attend_triton(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import kernels
 from engine.attention_context import AttentionContext, AttnGroup
 from engine.kv_cache.backend import BACKENDS, RawKVBackend, torch_dtype
 from engine.kv_cache.spec import KVPageSpec
@@ -82,7 +83,12 @@ class QuantizedKVBackend(RawKVBackend):
         self.storage_format = spec.storage_format
         self.compute_dtype = torch_dtype(spec.dtype)
         self.h = hadamard(spec.head_dim).to(device)  # rotation of stored cells (see the module map)
-        shape = (num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim + SCALE_BYTES)
+        # int8 cells on the Triton path: decode/verify read them in place, dequantizing as they load (and a
+        # scratch page past the pool for CUDA-graph padding rows, as RawKVBackend)
+        self.triton_paged = spec.storage_format == "int8" and kernels.triton_paged_attention(device)
+        self._sm_count = kernels.sm_count(torch.device(device))
+        self.scratch_slot = num_pages * spec.page_size if self.triton_paged else None
+        shape = (num_pages + int(self.triton_paged), spec.page_size, spec.num_kv_heads, spec.head_dim + SCALE_BYTES)
         self.k: list[torch.Tensor | None] = [None] * spec.num_layers
         self.v: list[torch.Tensor | None] = [None] * spec.num_layers
         for layer in spec.local_layers:
@@ -98,6 +104,9 @@ class QuantizedKVBackend(RawKVBackend):
         self._flat(self.v[layer]).index_copy_(0, slots, quantize(v.float() @ self.h, self.storage_format))
         if self.summaries is not None:
             self.summaries.update(layer, slots)
+
+    def _triton_cells(self) -> bool:
+        return self.storage_format == "int8"
 
     def _summary_dtype(self) -> torch.dtype:
         return self.compute_dtype

@@ -119,3 +119,15 @@ def test_bad_mode_is_a_typed_error(gqa_dir, monkeypatch):
 
     with pytest.raises(InvalidRequestError, match="decode_graphs"):
         _engine(gqa_dir, monkeypatch, "triton", decode_graphs="always")
+
+
+def test_int8_pages_on_the_triton_path_equal_the_torch_path(gqa_dir, monkeypatch):
+    """int8 pages read in place by the Triton kernel (dequantized as they load) in the static step: the
+    same float32 greedy tokens as int8 pages through the torch path (same cells, same rotation)."""
+    want = _engine(gqa_dir, monkeypatch, "torch", kv_storage="int8", keep_logits=True)
+    ref = want.generate(_prompts(), GREEDY)
+    llm = _engine(gqa_dir, monkeypatch, "triton", kv_storage="int8", decode_graphs="static")
+    assert llm.backend.triton_paged and llm.decode_graphs is not None and llm.backend.ragged_decode
+    got = llm.generate(_prompts(), GREEDY)
+    assert_greedy_equal([o.token_ids for o in ref], [o.token_ids for o in got], [torch.stack(o.logits) for o in ref])
+    assert_engine_empty(llm)

@@ -73,3 +73,17 @@ def test_num_splits_fills_the_gpu_and_stays_a_power_of_two():
     for b in (1, 2, 3, 5, 7, 16):
         n = num_splits(b, 3, 8192, 132)
         assert n & (n - 1) == 0
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"b{c[0]}h{c[1]}/{c[2]}d{c[3]}q{c[5]}s{c[6]}")
+def test_int8_cells_match_reference_on_dequantized_pages(case, dtype, atol):
+    """int8 pages (engine/kv_cache/quantized.py cells: values + a float16 scale) dequantized as they load."""
+    from engine.kv_cache.quantized import dequantize, quantize
+
+    q, k, v, table, lens = _inputs(case, dtype, seed=5)
+    k_cells, v_cells = quantize(k, "int8"), quantize(v, "int8")  # [P, ps, kv_heads, head_dim + 2] uint8
+    got = paged_attention(q, k_cells, v_cells, table, lens, 0.2, case[5], case[6])
+    want = reference(q, dequantize(k_cells, "int8", dtype), dequantize(v_cells, "int8", dtype), table, lens, 0.2,
+                     case[5])
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)

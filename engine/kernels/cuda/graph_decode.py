@@ -168,12 +168,13 @@ def attach(runner, max_num_seqs: int, max_model_len: int, mode: str = "auto") ->
     step eager. Captures at once (the Triton compiles too) and records the seconds in `capture_s`."""
     from engine.errors import InvalidRequestError
     from engine.kv_cache.backend import RawKVBackend
+    from engine.kv_cache.quantized import QuantizedKVBackend
 
     if mode not in MODES:
         raise InvalidRequestError("decode_graphs", f"{mode!r} is not one of {', '.join(MODES)}")
     model, backend = runner.model, runner.backend
     whole = model.is_first and model.is_last and model.all_reduce is None
-    plain_pages = type(backend) is RawKVBackend and backend.triton_paged
+    plain_pages = type(backend) in (RawKVBackend, QuantizedKVBackend) and backend.triton_paged
     if mode == "off" or not whole or not plain_pages or model.cfg.sliding_window is not None:
         return None
     if mode == "auto" and model.device.type != "cuda":

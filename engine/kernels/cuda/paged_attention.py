@@ -32,8 +32,9 @@ MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the combine th
 
 
 @triton.jit
-def _block(q, K, V, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh, s_bt,
-           s_bc, d, d_ok, PS: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _block(q, Q, K, V, KS, VS, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh,
+           s_bt, s_bc, d, d_ok, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+           UPCAST: tl.constexpr, QUANT: tl.constexpr):
     """Keys [n0, n0 + BLOCK) of one row and KV head folded into the running softmax (m_i, l_i, acc)."""
     n = n0 + tl.arange(0, BLOCK)
     n_ok = n < end
@@ -42,6 +43,11 @@ def _block(q, K, V, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt, 
     v_off = page * s_vp + (n % PS) * s_vt + h * s_vh
     kv_ok = n_ok[:, None] & d_ok[None, :]
     k = tl.load(K + k_off[:, None] + d[None, :], mask=kv_ok, other=0.0)  # [BLOCK, D_PAD]
+    if QUANT:  # int8 cells: values, then a float16 scale per (token, head) at byte D of the cell
+        k_scale = tl.load(KS + (k_off + D) // 2, mask=n_ok, other=0.0).to(tl.float32)
+        k = k.to(tl.float32) * k_scale[:, None]
+        if not UPCAST:
+            k = k.to(Q.dtype.element_ty)
     if UPCAST:
         k = k.to(tl.float32)
     if IEEE:
@@ -57,7 +63,12 @@ def _block(q, K, V, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt, 
     p = tl.exp(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V + v_off[:, None] + d[None, :], mask=kv_ok, other=0.0)
-    pv = p.to(V.dtype.element_ty)  # rounded to the pages' dtype, as the tensor cores take it
+    if QUANT:
+        v_scale = tl.load(VS + (v_off + D) // 2, mask=n_ok, other=0.0).to(tl.float32)
+        v = v.to(tl.float32) * v_scale[:, None]
+        if not UPCAST:
+            v = v.to(Q.dtype.element_ty)
+    pv = p.to(Q.dtype.element_ty)  # rounded to the compute dtype, as the tensor cores take it
     if UPCAST:
         pv = pv.to(tl.float32)
         v = v.to(tl.float32)
@@ -69,11 +80,11 @@ def _block(q, K, V, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt, 
 
 
 @triton.jit
-def _split_kernel(Q, K, V, BT, LENS, OUT, OPART, LSE, scale,
+def _split_kernel(Q, K, V, KS, VS, BT, LENS, OUT, OPART, LSE, scale,
                   s_qt, s_qh, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh, s_bt, s_bc, s_ot, s_oh, s_pt, s_ph, s_ps,
                   GROUP: tl.constexpr, QLEN: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
                   D_PAD: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                  IEEE: tl.constexpr, FOR_LOOP: tl.constexpr, UPCAST: tl.constexpr):
+                  IEEE: tl.constexpr, FOR_LOOP: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -98,13 +109,13 @@ def _split_kernel(Q, K, V, BT, LENS, OUT, OPART, LSE, scale,
     acc = tl.zeros([M_PAD, D_PAD], tl.float32)
     if FOR_LOOP:  # compiled: a for loop the compiler can pipeline
         for n0 in range(start, end, BLOCK):
-            m_i, l_i, acc = _block(q, K, V, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt, s_kh,
-                                   s_vp, s_vt, s_vh, s_bt, s_bc, d, d_ok, PS, BLOCK, IEEE, UPCAST)
+            m_i, l_i, acc = _block(q, Q, K, V, KS, VS, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt,
+                                   s_kh, s_vp, s_vt, s_vh, s_bt, s_bc, d, d_ok, D, PS, BLOCK, IEEE, UPCAST, QUANT)
     else:  # the interpreter
         n0 = start
         while n0 < end:
-            m_i, l_i, acc = _block(q, K, V, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt, s_kh,
-                                   s_vp, s_vt, s_vh, s_bt, s_bc, d, d_ok, PS, BLOCK, IEEE, UPCAST)
+            m_i, l_i, acc = _block(q, Q, K, V, KS, VS, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt,
+                                   s_kh, s_vp, s_vt, s_vh, s_bt, s_bc, d, d_ok, D, PS, BLOCK, IEEE, UPCAST, QUANT)
             n0 += BLOCK
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -148,6 +159,8 @@ def num_splits(batch: int, kv_heads: int, max_ctx: int, sm_count: int) -> int:
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                     ctx_lens: torch.Tensor, scale: float, q_len: int = 1, splits: int = 1,
                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pools of uint8 cells [..., head_dim + 2] are int8 pages (engine/kv_cache/quantized.py's layout:
+    values, then a float16 scale per token and head), dequantized as they load."""
     """q: [batch * q_len, q_heads, head_dim] (row-major: a row's q_len queries together); k_pool, v_pool:
     [num_pages, page_size, kv_heads, head_dim]; block_table: [batch, max_pages] page ids (int32/int64, any strides: a graph's table is column-major);
     ctx_lens: [batch] slots each row attends to after this step's writes (0: a padding row) -> out, q's
@@ -157,6 +170,13 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     assert tokens == batch * q_len, (tokens, batch, q_len)
     _, ps, kv_heads, _ = k_pool.shape
     group = heads // kv_heads
+    quant = k_pool.dtype == torch.uint8
+    if quant:  # the same bytes as int8 values and as float16 scales (cells of an even byte count)
+        assert k_pool.shape[-1] == dim + 2, (k_pool.shape, dim)
+        k_pool, k_scales, v_pool, v_scales = (k_pool.view(torch.int8), k_pool.view(torch.float16),
+                                              v_pool.view(torch.int8), v_pool.view(torch.float16))
+    else:
+        k_scales, v_scales = k_pool, v_pool  # unused
     assert k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1 and q.stride(-1) == 1
     m_pad = max(16, triton.next_power_of_2(group * q_len))
     d_pad = max(16, triton.next_power_of_2(dim))
@@ -171,12 +191,12 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         sp = (0, 0, 0)
     ieee = q.dtype == torch.float32
     _split_kernel[(batch, kv_heads, splits)](
-        q, k_pool, v_pool, block_table, ctx_lens, out, part, lse, scale,
+        q, k_pool, v_pool, k_scales, v_scales, block_table, ctx_lens, out, part, lse, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_table.stride(0), block_table.stride(1), out.stride(0), out.stride(1),
         sp[0], sp[1], sp[2],
         GROUP=group, QLEN=q_len, M_PAD=m_pad, D=dim, D_PAD=d_pad, PS=ps, BLOCK=BLOCK_N, SPLITS=splits, IEEE=ieee,
-        FOR_LOOP=not INTERPRETED, UPCAST=INTERPRETED,
+        FOR_LOOP=not INTERPRETED, UPCAST=INTERPRETED, QUANT=quant,
         num_warps=4)
     if splits > 1:
         _combine_kernel[(tokens, heads)](part, lse, out, sp[0], sp[1], sp[2], out.stride(0), out.stride(1),
