@@ -214,7 +214,8 @@ def main(argv=None) -> int:
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['model']} on {result['gpu'] or result['device']}, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+    where = result['gpu'] or result['device']
+    lines = [f"{result['model']} on {where}, copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
              f"graph capture {result['capture_s']} s",
              "| batch | context | KV | mode | step ms | GPU ms | host ms | floor ms | step / floor |",
              "|---|---|---|---|---|---|---|---|---|"]

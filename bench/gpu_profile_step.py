@@ -41,7 +41,8 @@ def main(argv=None) -> int:
         graphs = llm.decode_graphs
         vocab = llm.config.vocab_size
         g = torch.Generator().manual_seed(0)
-        params = SamplingParams(max_tokens=headroom(a.batch, (a.steps + 2) * len(modes)), temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=headroom(a.batch, (a.steps + 2) * len(modes)), temperature=0.0,
+                                ignore_eos=True)
         rids = [llm.add_request(torch.randint(3, vocab, (a.context,), generator=g).tolist(), params)
                 for _ in range(a.batch)]
         while any(llm.requests[r].num_computed < a.context for r in rids):

@@ -87,3 +87,36 @@ def test_int8_cells_match_reference_on_dequantized_pages(case, dtype, atol):
     want = reference(q, dequantize(k_cells, "int8", dtype), dequantize(v_cells, "int8", dtype), table, lens, 0.2,
                      case[5])
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_quest_pages_per_kv_head_match_the_torch_sparse_path(dtype, atol, splits):
+    """Per-(row, KV head) page lists, as sparse attention chooses them (kv_cache/sparse.Selection: chosen
+    pages in page order, the row's partly filled last page among them, padding page 0 with 0 slots after),
+    against `sparse.attend_torch` over the same choice; a padding row (0 slots) gives zeros."""
+    from engine.kv_cache.sparse import Selection, attend_torch
+
+    g = torch.Generator().manual_seed(11)
+    b, hq, hkv, d, ps, chosen, pages = 3, 8, 2, 32, 16, 4, 64
+    k = torch.randn(pages, ps, hkv, d, generator=g).to(dtype)
+    v = torch.randn(pages, ps, hkv, d, generator=g).to(dtype)
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    lens = [150, 40, 0]  # rows of 10, 3 and 0 pages
+    sel_pages = torch.zeros(b, hkv, chosen, dtype=torch.long)
+    sel_slots = torch.zeros(b, hkv, chosen, dtype=torch.long)
+    for r, n in enumerate(lens):
+        if n == 0:
+            continue
+        table = torch.randperm(pages, generator=g)[:-(-n // ps)]
+        for h in range(hkv):
+            full = len(table) - 1
+            pick = sorted(torch.randperm(full, generator=g)[:min(chosen - 1, full)].tolist()) + [full]
+            sel_pages[r, h, :len(pick)] = table[pick]
+            sel_slots[r, h, :len(pick)] = torch.tensor([ps] * (len(pick) - 1) + [n - full * ps])
+    sel = Selection(sel_pages, sel_slots)
+    heads = torch.arange(hkv).view(1, -1, 1)
+    want = attend_torch(k[sel_pages, :, heads], v[sel_pages, :, heads], q, sel, 0.2)
+    want[2] = 0  # (SDPA over a fully masked row gives NaN; the kernel's padding row gives zeros)
+    got = paged_attention(q, k, v, sel_pages, sel_slots.sum(-1), 0.2, 1, splits)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)

@@ -65,7 +65,8 @@ def _add_rms_norm_kernel(X, DELTA, W, OUT, RES, s_x, s_d, s_o, s_r, eps, N: tl.c
     ok = c < N
     x = tl.load(X + r * s_x + c, mask=ok, other=0.0)
     if HAS_DELTA:
-        x = (x.to(tl.float32) + tl.load(DELTA + r * s_d + c, mask=ok, other=0.0).to(tl.float32)).to(RES.dtype.element_ty)
+        delta = tl.load(DELTA + r * s_d + c, mask=ok, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) + delta).to(RES.dtype.element_ty)
         tl.store(RES + r * s_r + c, x, mask=ok)
     xf = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(xf * xf, 0) / N + eps)

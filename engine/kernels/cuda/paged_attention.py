@@ -14,6 +14,9 @@ One program per (row, KV head, split):
   - pages are addressed through the block table, `BLOCK_N` tokens (several pages) per iteration; a query
     row at offset qi of q_len sees keys [0, ctx_len - (q_len - 1 - qi)) (causal within the new tokens).
   - rows with ctx_len 0 (padding rows of a graph bucket) write zeros and read nothing.
+Page formats: raw pages in the compute dtype; int8 cells (engine/kv_cache/quantized.py: values + a float16
+scale per token and head), dequantized as they load; per-(row, KV head) page lists (Quest's choice: a block
+table [batch, kv_heads, S] and lengths [batch, kv_heads]), so each KV head reads only its chosen pages.
 Shapes stay static for a given (batch, splits): CUDA graphs capture it once per batch bucket.
 """
 from __future__ import annotations
@@ -33,12 +36,12 @@ MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the combine th
 
 @triton.jit
 def _block(q, Q, K, V, KS, VS, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh,
-           s_bt, s_bc, d, d_ok, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
+           s_bt, s_bh, s_bc, d, d_ok, D: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
            UPCAST: tl.constexpr, QUANT: tl.constexpr):
     """Keys [n0, n0 + BLOCK) of one row and KV head folded into the running softmax (m_i, l_i, acc)."""
     n = n0 + tl.arange(0, BLOCK)
     n_ok = n < end
-    page = tl.load(BT + b.to(tl.int64) * s_bt + (n // PS) * s_bc, mask=n_ok, other=0).to(tl.int64)
+    page = tl.load(BT + b.to(tl.int64) * s_bt + h * s_bh + (n // PS) * s_bc, mask=n_ok, other=0).to(tl.int64)
     k_off = page * s_kp + (n % PS) * s_kt + h * s_kh
     v_off = page * s_vp + (n % PS) * s_vt + h * s_vh
     kv_ok = n_ok[:, None] & d_ok[None, :]
@@ -81,14 +84,15 @@ def _block(q, Q, K, V, KS, VS, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s
 
 @triton.jit
 def _split_kernel(Q, K, V, KS, VS, BT, LENS, OUT, OPART, LSE, scale,
-                  s_qt, s_qh, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh, s_bt, s_bc, s_ot, s_oh, s_pt, s_ph, s_ps,
+                  s_qt, s_qh, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh, s_bt, s_bh, s_bc, s_lb, s_lh, s_ot, s_oh,
+                  s_pt, s_ph, s_ps,
                   GROUP: tl.constexpr, QLEN: tl.constexpr, M_PAD: tl.constexpr, D: tl.constexpr,
                   D_PAD: tl.constexpr, PS: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
                   IEEE: tl.constexpr, FOR_LOOP: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    ctx = tl.load(LENS + b).to(tl.int32)
+    ctx = tl.load(LENS + b * s_lb + h * s_lh).to(tl.int32)
     m_idx = tl.arange(0, M_PAD)
     qi = m_idx // GROUP
     head = h * GROUP + m_idx % GROUP
@@ -110,12 +114,12 @@ def _split_kernel(Q, K, V, KS, VS, BT, LENS, OUT, OPART, LSE, scale,
     if FOR_LOOP:  # compiled: a for loop the compiler can pipeline
         for n0 in range(start, end, BLOCK):
             m_i, l_i, acc = _block(q, Q, K, V, KS, VS, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt,
-                                   s_kh, s_vp, s_vt, s_vh, s_bt, s_bc, d, d_ok, D, PS, BLOCK, IEEE, UPCAST, QUANT)
+                                   s_kh, s_vp, s_vt, s_vh, s_bt, s_bh, s_bc, d, d_ok, D, PS, BLOCK, IEEE, UPCAST, QUANT)
     else:  # the interpreter
         n0 = start
         while n0 < end:
             m_i, l_i, acc = _block(q, Q, K, V, KS, VS, BT, b, h, n0, end, limit, scale, m_i, l_i, acc, s_kp, s_kt,
-                                   s_kh, s_vp, s_vt, s_vh, s_bt, s_bc, d, d_ok, D, PS, BLOCK, IEEE, UPCAST, QUANT)
+                                   s_kh, s_vp, s_vt, s_vh, s_bt, s_bh, s_bc, d, d_ok, D, PS, BLOCK, IEEE, UPCAST, QUANT)
             n0 += BLOCK
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -162,12 +166,18 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """Pools of uint8 cells [..., head_dim + 2] are int8 pages (engine/kv_cache/quantized.py's layout:
     values, then a float16 scale per token and head), dequantized as they load."""
     """q: [batch * q_len, q_heads, head_dim] (row-major: a row's q_len queries together); k_pool, v_pool:
-    [num_pages, page_size, kv_heads, head_dim]; block_table: [batch, max_pages] page ids (int32/int64, any strides: a graph's table is column-major);
+    [num_pages, page_size, kv_heads, head_dim]; block_table: [batch, max_pages] page ids (int32/int64, any
+    strides: a graph's table is column-major);
     ctx_lens: [batch] slots each row attends to after this step's writes (0: a padding row) -> out, q's
-    shape and dtype."""
+    shape and dtype. Sparse (Quest) choices: block_table [batch, kv_heads, S] (each KV head's chosen pages in
+    page order, only the last one partly filled) and ctx_lens [batch, kv_heads] (their slots), one query a row."""
     tokens, heads, dim = q.shape
     batch = block_table.shape[0]
     assert tokens == batch * q_len, (tokens, batch, q_len)
+    per_head = block_table.dim() == 3  # a page table per (row, KV head): sparse attention's choice
+    assert not per_head or (q_len == 1 and ctx_lens.dim() == 2), "per-KV-head pages: one query a row"
+    s_bh = block_table.stride(1) if per_head else 0
+    s_lh = ctx_lens.stride(1) if ctx_lens.dim() == 2 else 0
     _, ps, kv_heads, _ = k_pool.shape
     group = heads // kv_heads
     quant = k_pool.dtype == torch.uint8
@@ -193,7 +203,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     _split_kernel[(batch, kv_heads, splits)](
         q, k_pool, v_pool, k_scales, v_scales, block_table, ctx_lens, out, part, lse, scale,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
-        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_table.stride(0), block_table.stride(1), out.stride(0), out.stride(1),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_table.stride(0), s_bh, block_table.stride(-1),
+        ctx_lens.stride(0), s_lh, out.stride(0), out.stride(1),
         sp[0], sp[1], sp[2],
         GROUP=group, QLEN=q_len, M_PAD=m_pad, D=dim, D_PAD=d_pad, PS=ps, BLOCK=BLOCK_N, SPLITS=splits, IEEE=ieee,
         FOR_LOOP=not INTERPRETED, UPCAST=INTERPRETED, QUANT=quant,
