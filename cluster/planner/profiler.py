@@ -93,9 +93,7 @@ def _run_batch(llm, lengths: list[int], decode_steps: int, rng: random.Random, c
     prefill = _timed_step(llm, clock, sync)
     decodes, context = [], sum(lengths) + len(lengths)
     for _ in range(decode_steps):
-        t0 = clock()
-        llm.step()
-        decodes.append((len(lengths), context, clock() - t0))
+        decodes.append((len(lengths), context, _timed_step(llm, clock, sync)))
         context += len(lengths)
     while llm.has_unfinished():
         llm.step()

@@ -1,0 +1,123 @@
+"""`pdserve profile`'s GPU path on CPU (the gpu-tiny grid), random:<name> models, the fit's forms on GPU-shaped
+steps, and bench/gpu_profile_check.py's predictions (issue 32's profile row). No wall-clock asserts."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.planner import profiler
+from cluster.planner.errors import BadConfigError
+from cluster.planner.fit import fit_decode, fit_prefill
+from cluster.planner.random_model import model_shapes, random_llm, random_model_dir
+from tests.conftest import assert_engine_empty
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(name="tiny", layers=2, hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=128, vocab=256,
+            max_positions=512, tied_embeddings=False)
+
+
+@pytest.fixture
+def tiny_deploy(tmp_path, monkeypatch):
+    """A deploy dir whose models/ holds `tiny`: random:tiny is a 2-layer Llama."""
+    (tmp_path / "deploy" / "models").mkdir(parents=True)
+    (tmp_path / "deploy" / "models" / "tiny.yaml").write_text(json.dumps(TINY))
+    monkeypatch.setenv("PDSERVE_DEPLOY_DIR", str(tmp_path / "deploy"))
+    return tmp_path
+
+
+def test_random_model_shapes_and_unknown_name(tiny_deploy):
+    shapes = model_shapes(TINY)
+    assert shapes["model.layers.1.self_attn.k_proj.weight"] == (16, 64) and shapes["lm_head.weight"] == (256, 64)
+    assert len(shapes) == 3 + 2 * 9
+    d, _ = random_model_dir("tiny", tiny_deploy / "m")
+    assert json.loads((d / "config.json").read_text())["num_key_value_heads"] == 2
+    with pytest.raises(BadConfigError, match="known: tiny"):
+        random_model_dir("nope", tiny_deploy / "n")
+
+
+def test_gpu_grid_path_on_cpu(tiny_deploy):
+    """The GPU grid's measurement with random weights: prefill points fit one step (timed after one untimed
+    repeat), decode prompts over several steps, contexts read from the engine, rows aborted, sync around
+    every timed step; the engine ends empty."""
+    import engine.llm as engine_llm
+
+    real = engine_llm.load_weights
+    spec, llm = profiler._engine_for(str(ROOT / "deploy" / "local.yaml"), "gpu-tiny", "cpu", "random:tiny",
+                                     str(tiny_deploy / "tmp"))
+    assert engine_llm.load_weights is real  # the swap is undone
+    assert llm.scheduler.cfg.max_num_batched_tokens == profiler.GPU_GRIDS["gpu-tiny"]
+    syncs = []
+    pre, dec = profiler.measure(llm, "gpu-tiny", 1, time.perf_counter, log=lambda *_: None,
+                                sync=lambda: syncs.append(1))
+    prefill_grid, decode_grid = profiler.GRIDS["gpu-tiny"]
+    assert [(t, sq) for t, sq, _ in pre] == [(sum(b), sum(n * n for n in b)) for b in prefill_grid]
+    assert len(dec) == len(decode_grid) * profiler.DECODE_STEPS
+    b, n = 4, 256  # 1024 prompt tokens over a 256-token budget: the chunked path
+    rows = [p for p in dec if p[0] == b and p[1] >= b * n]
+    assert len(rows) == profiler.DECODE_STEPS
+    assert rows[1][1] - rows[0][1] == b  # one token per row per step
+    assert rows[0][1] >= b * (n + 1 + profiler.DECODE_SKIP)
+    first = [p for p in dec if p[0] == 1][0]
+    assert first[1] == 64 + 1 + profiler.DECODE_SKIP  # (1, 64): prefilled in one step
+    timed = 1 + len(prefill_grid) * 2 + len(dec) + 2  # warm-up prefill, prefill points x (1 + warm), decodes
+    assert len(syncs) == 2 * timed
+    assert all(s > 0 for *_, s in pre + dec)
+    pf, df = fit_prefill(pre), fit_decode(dec)
+    assert pf.points == len(prefill_grid) and df.points == len(dec)
+    assert_engine_empty(llm)
+
+
+def test_options_keep_cpu_defaults():
+    ns = lambda **kw: argparse.Namespace(**{"grid": None, "clock": None, "device": "cpu", **kw})  # noqa: E731
+    assert profiler.resolve_options(ns()) == ("cpu", "small", "cpu", None)
+    assert profiler.resolve_options(ns(device="cuda", clock="cpu"))[3].startswith("--clock cpu")
+    assert profiler.resolve_options(ns(device="tpu"))[3]
+
+
+def test_fit_forms_hold_on_gpu_shaped_steps():
+    """The 3-term forms fit the planner's own H100 step model of Llama-3-8B over the gpu grid within 2%:
+    decode is weights (a) + KV bytes (b*C) + per-row work (c*B); prefill compute-bound (b*T) + attention."""
+    from cluster.planner.hardware import load_hardware
+    from cluster.planner.latency import Parallel
+    from cluster.planner.models import load_model
+    from cluster.planner.profiles import latency_model
+
+    lm = latency_model(load_model("llama-3-8b"), load_hardware("h100"), Parallel(1, 1))
+    prefill_grid, decode_grid = profiler.GRIDS["gpu"]
+    pre = [(sum(b), sum(n * n for n in b)) for b in prefill_grid]
+    pf = fit_prefill([(t, sq, lm.prefill(t, sq)) for t, sq in pre])
+    df = fit_decode([(b, b * n, lm.decode(b, b * n)) for b, n in decode_grid])
+    assert pf.max_rel_err < 0.02 and df.max_rel_err < 0.02
+
+
+def test_profile_check_predicts_each_row(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_profile_check as chk
+
+    coeffs = {"prefill": [0.005, 3e-5, 5e-10], "decode": [0.006, 4e-8, 2e-5]}
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"name": "p", "model": "random:llama-3-8b", "hardware": "h100", "device": "cuda",
+                                "tp": {"1": {**coeffs, "fit": {}}}}))
+    a, b, c = coeffs["decode"]
+    floor = tmp_path / "floor_x.json"
+    floor.write_text(json.dumps({"rows": [
+        {"batch": 16, "mode": "graphs", "context": 2047, "median_ms": (a + b * 16 * 2048 + c * 16) * 1e3},
+        {"batch": 64, "mode": "graphs", "context": 2047, "median_ms": 2 * (a + b * 64 * 2048 + c * 64) * 1e3},
+        {"batch": 64, "mode": "torch", "context": 2047, "median_ms": 99.0},
+        {"batch": 64, "mode": "graphs", "context": 2047, "median_ms": 1.0, "kv": "int8"}]}))
+    pa, pb, pc = coeffs["prefill"]
+    steps = tmp_path / "steps_x.json"
+    steps.write_text(json.dumps({"context": 1000, "cases": [
+        {"phase": "prefill", "size": 2048, "steps": 5, "median_ms": (pa + pb * 2048 + pc * 2048 ** 2) * 1e3},
+        {"phase": "decode", "size": 1, "steps": 12, "median_ms": (a + b * 1010 + c) * 1e3}]}))
+    r = chk.check(str(prof), [floor, steps])
+    assert [x["ratio"] for x in r["rows"]] == [1.0, 0.5, 1.0, 1.0] and not r["ok"]
+    assert "1 outside" in chk.table(r)
+    assert chk.main(["--profile", str(prof), "--steps", str(steps)]) == 0
+    assert chk.main(["--profile", str(prof), "--steps", str(floor)]) == 1
+    assert chk.main(["--profile", str(prof), "--steps", str(tmp_path / "missing.json")]) == 2
