@@ -7,7 +7,9 @@ layer and group:
      summaries (`summaries.py`): sum over channels of max(q * min, q * max) = q+ . max + q- . min (two
      small matmuls); grouped-query heads reduce their KV head's bounds by max (any head that may need the
      page keeps it) or sum (`gqa`). Keep the `sink_pages` first pages and the pages of the last `recent`
-     slots always, plus the best pages within `budget` tokens; sorted in page order.
+     slots always, plus the best pages within `budget` tokens; sorted in page order. bf16 summaries on
+     CPU: one numba call per layer does all of it (`sparse_kernels.py`); this module's torch path is its
+     reference (and the path of float32 / quantized pools and CUDA).
      With `selection_layers` (TidalDecode's idea, with Quest's bounds in place of its full-attention
      scores), only those layers choose; every other layer reuses the latest choice of the step (a layer
      before the first selection layer chooses for itself). The first `dense_layers` layers read everything.
@@ -27,14 +29,13 @@ what is stored: turning it off gives full attention back.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.cpu_kernels import _bf16_to_f32, _jit, bits
+from engine.kv_cache import sparse_kernels
 from engine.kv_cache.sparse_config import SparseAttentionConfig, check_page_size  # noqa: F401 (re-exported)
 
 
@@ -52,6 +53,7 @@ def install(backend, allocator, tables, cfg: SparseAttentionConfig) -> None:
 class Selection:
     pages: torch.Tensor  # [B, kv_heads, S] page ids chosen, in page order (padding: page 0 with 0 slots)
     slots: torch.Tensor  # [B, kv_heads, S] filled slots of each chosen page read (0 = padding)
+    lens: np.ndarray | None = None  # [B, kv_heads] slots.sum(-1) where the kernel made it (int64)
 
 
 Rows = list  # per row of a group: its SparseAttentionConfig, or None (full attention); None: all the engine's
@@ -79,15 +81,19 @@ def choose(cfg: SparseAttentionConfig, rows: Rows | None, lo: torch.Tensor, hi: 
 
 def select(cfg: SparseAttentionConfig, lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor,
            page_index: torch.Tensor, ctx_lens: list[int], page_size: int, plan: dict | None = None,
-           rows: Rows | None = None) -> Selection | None:
+           rows: Rows | None = None, kernel: bool = True) -> Selection | None:
     """lo/hi [num_pages, kv_heads, D] (one layer's summaries); q [B, q_heads, D]; page_index [B, P].
     None when every row reads all its pages anyway. `plan`: a dict kept for the step (`AttnGroup.sparse_plan`)
-    where what does not depend on the layer is made once. `rows`: each row's own config (None: full)."""
+    where what does not depend on the layer is made once. `rows`: each row's own config (None: full).
+    bf16 summaries on CPU: the numba kernel of `sparse_kernels.py` (kernel=False: the torch path, its
+    reference)."""
     plan = {} if plan is None else plan
     if "s" not in plan:
         plan.update(_plan(rows if rows is not None else [cfg] * len(ctx_lens), page_index, ctx_lens, page_size))
     if plan["s"] is None:
         return None
+    if kernel and lo.dtype == torch.bfloat16 and lo.device.type == "cpu" and q.dtype == torch.bfloat16:
+        return Selection(*sparse_kernels.select_pages(plan["rows_np"], plan["s"], lo, hi, q, page_index, page_size))
     b, p = page_index.shape
     h, s = lo.shape[1], plan["s"]
     if plan["gqa_sum"] is None:
@@ -137,6 +143,12 @@ def _plan(cfgs: Rows, page_index: torch.Tensor, ctx_lens: list[int], ps: int) ->
             "last": (npg - 1).view(b, 1, 1), "tail": (torch.tensor(ctx_lens).view(b, 1) - (npg - 1) * ps).view(b, 1, 1),
             "keep": None, "row_mode": None, "all_row": all(per_row),
             "gqa": _SUM if all(sums) else _MAX, "gqa_sum": None}
+    plan["rows_np"] = {  # the same per row for the CPU kernel (sparse_kernels.select_pages)
+        "n_pages": np.array(n_pages, np.int64), "s_row": np.array(s_row, np.int64),
+        "sinks": sinks.view(-1).numpy(), "first_recent": first_recent.view(-1).numpy(),
+        "tail": plan["tail"].view(-1).numpy(),
+        "row_mode": np.array([c is not None and c.select_per == "row" for c in cfgs]),
+        "gqa_sum": np.array([c is not None and c.gqa == "sum" for c in cfgs])}
     if any(sr < min(s, n) for sr, n in zip(s_row, n_pages)):
         plan["keep"] = torch.tensor(s_row).view(b, 1, 1)
     if any(per_row):
@@ -148,11 +160,6 @@ def _plan(cfgs: Rows, page_index: torch.Tensor, ctx_lens: list[int], ps: int) ->
 
 def _bounds(cfg, lo, hi, q, page_index) -> torch.Tensor:
     """Upper bound of q . k over each page, per row, page and KV head: [B, P, kv_heads] float32."""
-    if lo.dtype == torch.bfloat16 and lo.device.type == "cpu":  # numba: summaries read in place, no gather
-        kernel = _bounds_kernel(q.shape[-1], q.shape[1] // lo.shape[1], cfg.gqa == "max")
-        out = np.empty((*page_index.shape, lo.shape[1]), np.float32)
-        kernel(bits(q.contiguous()), bits(lo), bits(hi), page_index.numpy(), out)
-        return torch.from_numpy(out)
     b, hq, d = q.shape
     h = lo.shape[1]
     qf = q.float().view(b, h, hq // h, d)  # [B, kv_heads, group, D]
@@ -161,41 +168,6 @@ def _bounds(cfg, lo, hi, q, page_index) -> torch.Tensor:
                 + torch.einsum("bphd,bhgd->bphg", lo_p, qf.clamp(max=0)))  # [B, P, kv_heads, group]
     # An empty page (inf/-inf bounds, never a row's page) may give nan: those pages are masked after.
     return per_head.amax(-1) if cfg.gqa == "max" else per_head.sum(-1)
-
-
-@functools.lru_cache(maxsize=None)
-def _bounds_kernel(dim: int, group: int, use_max: bool):
-    """Quest bounds over bf16 summaries (bits), one (row, KV head) at a time: the group's queries split in
-    positive and negative parts once, then per page two dot products per query head. Padding pages of the
-    page table are scored too (masked by the caller)."""
-
-    @_jit(fastmath=True)
-    def kernel(q, lo, hi, page_index, out):  # q [B, q_heads, D]; lo/hi [pages, kv_heads, D]; out [B, P, kv_heads]
-        qp = np.empty((group, dim), np.float32)
-        qn = np.empty((group, dim), np.float32)
-        lrow = np.empty(dim, np.float32)
-        hrow = np.empty(dim, np.float32)
-        for b in range(q.shape[0]):
-            for h in range(lo.shape[1]):
-                for g in range(group):
-                    for d in range(dim):
-                        x = _bf16_to_f32(q[b, h * group + g, d])
-                        qp[g, d] = max(x, np.float32(0.0))
-                        qn[g, d] = min(x, np.float32(0.0))
-                for j in range(page_index.shape[1]):
-                    p = page_index[b, j]
-                    for d in range(dim):
-                        lrow[d] = _bf16_to_f32(lo[p, h, d])
-                        hrow[d] = _bf16_to_f32(hi[p, h, d])
-                    best = np.float32(-np.inf) if use_max else np.float32(0.0)
-                    for g in range(group):
-                        a = np.float32(0.0)
-                        for d in range(dim):
-                            a += qp[g, d] * hrow[d] + qn[g, d] * lrow[d]
-                        best = max(best, a) if use_max else best + a
-                    out[b, j, h] = best
-
-    return kernel
 
 
 def attend_torch(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, sel: Selection, scale: float) -> torch.Tensor:
@@ -216,4 +188,5 @@ def kernel_rows(sel: Selection, shared: bool) -> tuple[np.ndarray, np.ndarray]:
     and only a row's last page is partly filled, so slots [0, n) of a shorter table are exactly the chosen
     slots (padding, page 0 with 0 slots, sorts after them)."""
     pages, slots = (sel.pages[:, 0], sel.slots[:, 0]) if shared else (sel.pages, sel.slots)
-    return pages.contiguous().numpy(), slots.sum(-1).numpy().astype(np.int64)
+    lens = slots.sum(-1).numpy().astype(np.int64) if sel.lens is None else sel.lens[:, 0] if shared else sel.lens
+    return pages.contiguous().numpy(), np.ascontiguousarray(lens)

@@ -113,16 +113,33 @@ def test_bf16_kernel_reads_the_chosen_pages_in_place(select_per, monkeypatch):
     torch.testing.assert_close(out.float(), _reference(be, g, q, sel), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("gqa", ["max", "sum"])
-def test_bf16_bounds_kernel_equals_the_torch_bounds(gqa):
-    from engine.kv_cache import sparse as sp
+_C = SparseAttentionConfig
+ROWS = {"kv_head": [_C(budget=8, recent=6)] * 5, "row/sum": [_C(budget=8, select_per="row", gqa="sum")] * 5,
+        "mixed": [_C(budget=8, recent=6), None, _C(budget=16, select_per="row", gqa="sum"),
+                  _C(budget=4, sink_pages=0, recent=0), _C(budget=4, min_context=1000)]}
 
-    cfg = SparseAttentionConfig(budget=8, sink_pages=1, recent=6, min_context=12, gqa=gqa)
-    be, g, q = _pool("bfloat16", cfg=cfg)
-    lo, hi = be.summaries.lo[0], be.summaries.hi[0]
-    got = sp._bounds(cfg, lo, hi, q, g.page_index)  # the numba kernel (bf16 summaries on CPU)
-    want = sp._bounds(cfg, lo.float(), hi.float(), q, g.page_index)  # torch on the same values
-    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+@pytest.mark.parametrize("rows", list(ROWS))
+@pytest.mark.parametrize("kvh,qh,dim", [(3, 9, 64), (2, 4, 16)])
+def test_cpu_selection_kernel_chooses_what_the_torch_path_chooses(rows, kvh, qh, dim):
+    """bf16 summaries on CPU: sparse_kernels' one call per layer against `select(..., kernel=False)`:
+    the same pages and slots per (row, KV head), per-row budgets, full rows and padding included."""
+    g = torch.Generator().manual_seed(kvh + len(rows))
+    ctx, ps = [70, 33, 129, 61, 200], 4
+    lo = torch.randn(300, kvh, dim, generator=g)
+    hi = (lo + torch.rand(300, kvh, dim, generator=g) * 3).to(torch.bfloat16)
+    lo = lo.to(torch.bfloat16)
+    p = -(-max(ctx) // ps)
+    page_index = torch.stack([torch.randperm(299, generator=g)[:p] + 1 for _ in ctx])
+    q = torch.randn(len(ctx), qh, dim, generator=g).to(torch.bfloat16)
+    cfgs = ROWS[rows]
+    got = select(cfgs[0], lo, hi, q, page_index, ctx, ps, rows=cfgs)
+    want = select(cfgs[0], lo, hi, q, page_index, ctx, ps, rows=cfgs, kernel=False)
+    assert got.lens is not None and want.lens is None  # the kernel's result, then torch's
+    assert torch.equal(got.pages, want.pages) and torch.equal(got.slots, want.slots)
+    assert (got.lens == want.slots.sum(-1).numpy()).all()
+    n_read = want.slots.sum(-1)
+    assert (n_read < torch.tensor(ctx).view(-1, 1)).any()  # some rows did leave pages out
 
 
 def test_budget_covering_the_context_chooses_everything():
