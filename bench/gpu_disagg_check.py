@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 from bench.kv_transfer_bench import NullSink  # noqa: E402
 from decode_worker.worker import DecodeWorker  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from kv_transfer import kv_transfer_pb2 as pb  # noqa: E402
+from kv_transfer import codec, kv_transfer_pb2 as pb  # noqa: E402
 from kv_transfer.config import ReceiverConfig, SenderConfig  # noqa: E402
 from kv_transfer.contract import TransferState, make_transport  # noqa: E402
 from prefill_worker.worker import PrefillWorker  # noqa: E402
@@ -75,7 +75,9 @@ def make_llm(c: Check, tmp: Path, graphs: str, keep_logits: bool = False) -> LLM
         from tests.tiny_models import write_tiny
 
         d = tmp / "tiny"
-        return LLM(model=str(d if (d / "config.json").exists() else write_tiny("llama", d, initializer_range=0.1)), **kw)
+        if not (d / "config.json").exists():
+            write_tiny("llama", d, initializer_range=0.1)
+        return LLM(model=str(d), **kw)
     if not c.model.startswith("random:"):
         return LLM(model=c.model, **kw)
     import engine.llm as engine_llm
@@ -158,14 +160,17 @@ def handoff(pre: PrefillWorker, dec: DecodeWorker, prompts: list[list[int]], c: 
     return {"tokens": [got[r] for r in ids], "bytes": nbytes, "seconds": seconds}
 
 
-def bare_grpc(sizes: list[int], chunk: int) -> float:
-    """Wall seconds to push `sizes` bytes (one stream each, all at once) of chunk frames made before the clock."""
-    sink, transport = NullSink(), make_transport("grpc")
-    server = transport.serve(sink, ReceiverConfig(max_streams=max(8, len(sizes))))
-    frame = lambda n: pb.Frame(chunk=pb.Chunk(byte_length=n, payload=bytes(n))).SerializeToString()  # noqa: E731
-    full, ends = frame(chunk), [pb.Frame(open=pb.Open(reservation_id="bare")).SerializeToString(),
-                                pb.Frame(finish=pb.Finish()).SerializeToString()]
-    streams = [ends[:1] + [full] * (n // chunk) + [frame(n % chunk)] * bool(n % chunk) + ends[1:] for n in sizes]
+def bare_grpc(layout: codec.TransferLayout, prompts: list[list[int]], chunk: int) -> float:
+    """Wall seconds to push the held handoff's chunks (same sizes: codec's plan per layer; one stream per prompt,
+    all at once) as frames made before the clock, to a sink that only takes them."""
+    sink, transport, made = NullSink(), make_transport("grpc"), {}
+    server = transport.serve(sink, ReceiverConfig(max_streams=max(8, len(prompts))))
+    wire = lambda **kw: pb.Frame(**kw).SerializeToString()  # noqa: E731
+    frame = lambda n: made.setdefault(n, wire(chunk=pb.Chunk(byte_length=n, payload=bytes(n))))  # noqa: E731
+    ends = [wire(open=pb.Open(reservation_id="bare")), wire(finish=pb.Finish())]
+    streams = [ends[:1] + [frame(layout.payload_bytes(b - a, layout.num_heads))
+                           for a, b in codec.plan_token_ranges(0, len(p), layout, chunk)] * layout.num_local_layers
+               + ends[1:] for p in prompts]
     with ThreadPoolExecutor(len(streams)) as pool:
         t0 = time.perf_counter()
         list(pool.map(lambda f: transport.push(server.address, iter(f), SenderConfig(chunk_bytes=chunk)), streams))
@@ -180,14 +185,14 @@ def compare(c: Check, ref: list[list[int]], top2: list[torch.Tensor], got: list[
     if c.dtype == "float32":
         rep = assert_greedy_equal(ref, got, top2)  # raises unless every divergence is a near-tie
         return {"equal": True, "compared": rep.compared, "divergences": rep.divergences}
+    firsts = []  # per prompt, where its tokens first differ and how close the reference's choice was there
     for case, (a, b) in enumerate(zip(ref, got)):
-        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        if i is not None or len(a) != len(b):
-            i = min(len(a), len(b)) if i is None else i
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+        if i is not None:
             gap = float(top2[case][i, 0] - top2[case][i, 1]) if i < len(top2[case]) else None
-            return {"equal": False, "compared": sum(map(len, ref)),
-                    "first_divergence": {"prompt": case, "position": i, "top2_gap": gap}}
-    return {"equal": True, "compared": sum(map(len, ref))}
+            firsts.append({"prompt": case, "position": i, "top2_gap": gap})
+    out = {"equal": not firsts, "compared": sum(map(len, ref))}
+    return out | ({"first_divergence": firsts[0], "divergences": firsts} if firsts else {})
 
 
 def check(c: Check, tmp: Path, idle_check=None) -> dict:
@@ -198,9 +203,8 @@ def check(c: Check, tmp: Path, idle_check=None) -> dict:
     try:
         pre = PrefillWorker({}, SenderConfig(chunk_bytes=c.chunk_bytes), "grpc", llm=make_llm(c, tmp, "off"))
         dec = DecodeWorker({}, ReceiverConfig(max_streams=max(8, c.prompts)), "grpc", llm=make_llm(c, tmp, c.graphs))
-        runs = {"layer-wise": handoff(pre, dec, prompts, c, held=False), "held": handoff(pre, dec, prompts, c, held=True)}
-        per_token = runs["held"]["bytes"] // (c.prompts * c.prompt_len)
-        bare = min(bare_grpc([per_token * len(p) for p in prompts], c.chunk_bytes) for _ in range(2))
+        runs = {name: handoff(pre, dec, prompts, c, held=name == "held") for name in ("layer-wise", "held")}
+        bare = min(bare_grpc(pre.sender.layout, prompts, c.chunk_bytes) for _ in range(2))
         for llm in (pre.llm, dec.llm):
             (idle_check or assert_idle)(llm)
         capture = getattr(dec.llm.decode_graphs, "capture_s", None)
@@ -209,7 +213,7 @@ def check(c: Check, tmp: Path, idle_check=None) -> dict:
             if w is not None:
                 w.close()
     out = {"config": asdict(c), "device_name": device_name(c), "graphs_capture_s": capture,
-           "bare_grpc": {"bytes": per_token * c.prompts * c.prompt_len, "seconds": bare}}
+           "bare_grpc": {"bytes": runs["held"]["bytes"], "seconds": bare}}
     for name, r in runs.items():
         out[name] = {"bytes": r["bytes"], "seconds": r["seconds"], **compare(c, ref_tokens, top2, r["tokens"])}
     for r in (out["layer-wise"], out["held"], out["bare_grpc"]):
@@ -234,11 +238,11 @@ def table(r: dict) -> str:
     rows = [f"### {c['model']} on {r['device_name']}, {c['dtype']}: {c['prompts']} prompts x {c['prompt_len']} tokens, "
             f"{c['tokens']} greedy; decode graphs {c['graphs']} (capture {r['graphs_capture_s'] or 0:.2f} s) vs a "
             f"colocated reference, graphs {c['ref_graphs']}; whole check {r['seconds_total']:.1f} s", "",
-            "| path | tokens equal the reference | KV MB | wall ms | GB/s | vs bare gRPC |", "|---|---|---|---|---|---|"]
+            "| path | tokens equal the reference | KV MB | wall ms | GB/s | vs bare gRPC |", "|---" * 6 + "|"]
     for name, label in (("layer-wise", "layer-wise handoff (prefill + transfer)"), ("held", "held handoff (transfer)"),
                         ("bare_grpc", "bare gRPC, same bytes and streams")):
         x = r[name]
-        eq = "-" if "equal" not in x else f"yes ({x['compared']})" if x["equal"] else f"NO {x['first_divergence']}"
+        eq = "-" if "equal" not in x else f"yes ({x['compared']})" if x["equal"] else f"NO, {len(x['divergences'])} prompts; first {x['first_divergence']}"
         rows.append(f"| {label} | {eq} | {x['bytes'] / 1e6:.2f} | {x['seconds'] * 1e3:.1f} | {x['gb_s']:.3f} | "
                     f"{x['gb_s'] / bare:.2f}x |")
     return "\n".join(rows)

@@ -166,7 +166,7 @@ def _export_device(backend, layer: int, pages: Sequence[int], start: int, stop: 
     cuda = dev.type == "cuda"
     with torch.inference_mode():
         host = torch.empty((2, stop - start, heads, words), dtype=pools[0].dtype, pin_memory=cuda)
-        index = torch.tensor(list(pages[p0:p1]), dtype=torch.long).to(dev) if len(runs) > _RUN_COPIES else None
+        index = _upload(pages[p0:p1], dev) if len(runs) > _RUN_COPIES else None
         for i, pool in enumerate(pools):
             if index is None:
                 flat = pool.view(-1, heads, words)
@@ -191,8 +191,8 @@ def _import_device(pools, spec: KVPageSpec, runs: Runs, full, payload, shape: tu
         src = np.frombuffer(payload, dtype=np.uint8)
         host = torch.empty(src.size, dtype=torch.uint8, pin_memory=cuda)
         host.numpy()[:] = src
-        kv = host.to(dev, non_blocking=True).view(pools[0].dtype).view(2, n, heads, words)  # [K|V, tokens, heads, words]
-        index = torch.tensor(full[2], dtype=torch.long).to(dev) if full is not None else None
+        kv = host.to(dev, non_blocking=True).view(pools[0].dtype).view(2, n, heads, words)  # [K|V, n, heads, words]
+        index = _upload(full[2], dev) if full is not None else None
         for pool, part in zip(pools, kv):
             flat = pool.view(-1, spec.num_kv_heads, words)
             todo = runs
@@ -204,6 +204,12 @@ def _import_device(pools, spec: KVPageSpec, runs: Runs, full, payload, shape: tu
                 flat[first:first + length, head_start:head_end].copy_(part[at:at + length])
         if cuda:
             _event(dev).synchronize()
+
+
+def _upload(pages: Sequence[int], dev: torch.device) -> torch.Tensor:
+    """A page list as an index tensor on `dev` (CUDA: through pinned memory, so the copy never waits)."""
+    t = torch.tensor(list(pages), dtype=torch.long)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
 
 
 def _event(dev: torch.device):
