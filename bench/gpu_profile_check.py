@@ -17,7 +17,8 @@ Measured steps it reads (any mix, several files):
 
 Run:  python bench/gpu_profile_check.py --profile OUT/profile_llama-3-8b.json --steps OUT/floor_random_llama-3-8b.json
       [--json OUT/profile_check.json]     exit 0: every row within; 1: some row outside; 2: bad input
-CPU, pure Python (no torch): the checks run anywhere the files are.
+Pure Python (no torch, no pydantic: the GPU machine lacks it): it runs there right after the measurements,
+or here on the files they wrote. The profile is read as `pdserve plan --profile` reads its `tp.1` entry.
 """
 from __future__ import annotations
 
@@ -31,13 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cluster.planner.errors import PlannerError  # noqa: E402
-from cluster.planner.latency import FittedLatency, Parallel  # noqa: E402
-from cluster.planner.profiles import load_profile  # noqa: E402
+from cluster.planner.latency import Coeffs, FittedLatency, Parallel  # noqa: E402
 
 
 class StepsFileError(ValueError):
-    """A measured-steps file is none of the layouts above, or lacks a field."""
+    """A measured-steps or profile file is none of the layouts above, or lacks a field."""
 
 
 @dataclass(frozen=True)
@@ -97,13 +96,31 @@ def predict(model: FittedLatency, row: Row) -> float:
     return model.decode(row.batch, row.context)
 
 
+def read_profile(path: str) -> tuple[dict, Coeffs]:
+    """The profile's JSON and its TP 1 coefficients (the bare engine: no serving or co-run factors)."""
+    try:
+        d = json.loads(Path(path).read_text())
+        tp1 = d["tp"]["1"]
+        coeffs = Coeffs(*(tuple(float(x) for x in tp1[k]) for k in ("prefill", "decode")))
+    except (OSError, ValueError) as e:
+        raise StepsFileError(f"{path}: {e}") from None
+    except (KeyError, TypeError) as e:
+        raise StepsFileError(f"{path}: no TP 1 coefficients ({e}); not a `pdserve profile` output") from None
+    if any(len(c) != 3 for c in (coeffs.prefill, coeffs.decode)):
+        raise StepsFileError(f"{path}: tp.1 prefill and decode are three coefficients each")
+    return d, coeffs
+
+
 def check(profile_path: str, steps: list[Path], mode: str = "graphs", lo: float = 0.8, hi: float = 1.25) -> dict:
     """Every measured row beside its prediction; `ok`: all within [lo, hi]."""
-    profile = load_profile(profile_path, corun="off", serving=False)
-    if 1 not in profile.coeffs:
-        raise StepsFileError(f"{profile_path}: no TP 1 coefficients (not a `pdserve profile` output)")
-    model = FittedLatency(Parallel(1, 1), profile.coeffs[1])
+    profile, coeffs = read_profile(profile_path)
+    model = FittedLatency(Parallel(1, 1), coeffs)
     rows = [r for p in steps for r in read_steps(p, mode)]
+    warnings = []
+    for p in steps:
+        other = _model_of(p)
+        if other and profile.get("model") and other != profile["model"]:
+            warnings.append(f"{p.name} measured {other}, the profile {profile['model']}")
     if not rows:
         raise StepsFileError(f"no {mode} rows in {', '.join(map(str, steps))}")
     out = []
@@ -112,8 +129,16 @@ def check(profile_path: str, steps: list[Path], mode: str = "graphs", lo: float 
         ratio = pred_ms / r.measured_ms
         out.append({**asdict(r), "predicted_ms": round(pred_ms, 3), "ratio": round(ratio, 3),
                     "within": lo <= ratio <= hi})
-    return {"profile": profile_path, "profile_model": profile.model, "hardware": profile.hardware,
-            "fit": profile.fit.get(1, {}), "lo": lo, "hi": hi, "rows": out, "ok": all(r["within"] for r in out)}
+    return {"profile": profile_path, "profile_model": profile.get("model", ""), "hardware": profile.get("hardware", ""),
+            "fit": profile["tp"]["1"].get("fit", {}), "lo": lo, "hi": hi, "rows": out, "warnings": warnings,
+            "ok": all(r["within"] for r in out)}
+
+
+def _model_of(path: Path) -> str:
+    try:
+        return str(json.loads(path.read_text()).get("model", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def table(result: dict) -> str:
@@ -124,6 +149,7 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['source']} | {r['phase']} | {r['label']} | {r['measured_ms']:.3f} | {r['predicted_ms']:.3f} "
                      f"| {r['ratio']:.3f} | {'yes' if r['within'] else 'NO'} |")
+    lines += [f"warning: {w}" for w in result.get("warnings", [])]
     ratios = [r["ratio"] for r in result["rows"]]
     bad = sum(not r["within"] for r in result["rows"])
     lines.append(f"{len(ratios)} rows, ratio {min(ratios):.3f}-{max(ratios):.3f}: "
@@ -142,7 +168,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         result = check(a.profile, a.steps, a.mode, a.lo, a.hi)
-    except (StepsFileError, PlannerError) as e:
+    except StepsFileError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table(result))

@@ -4,7 +4,7 @@
         --workload data/workloads/azure_llm_2023_conv.csv --rate 40 --ttft-ms 250 --tpot-ms 100 \\
         --out cluster.yaml --report plan-report/
     pdserve profile deploy/local.yaml --out deploy/profiles/cpu-local-smollm2.json
-    pdserve profile deploy/local.yaml --device cuda --model random:llama-3-8b --hardware h100 --out h100-8b.json
+    pdserve profile --device cuda --model random:llama-3-8b --hardware h100 --out h100-8b.json
     pdserve fit-gpu my-a100/mlp.csv my-a100/attention.csv my-a100/all_reduce.csv --hardware a100 \\
         --out deploy/profiles/my-a100.json
 """
@@ -98,7 +98,7 @@ def _add_cost_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="time the real engine over a batch grid and fit the planner's latency model")
-    p.add_argument("spec", help="a cluster spec: its model and dtype are profiled")
+    p.add_argument("spec", nargs="?", help="a cluster spec: its model and dtype are profiled (optional with --model)")
     p.add_argument("--out", required=True, help="profile JSON to write, e.g. deploy/profiles/NAME.json")
     p.add_argument("--hardware", default="cpu-local", help="the hardware name recorded in the profile")
     p.add_argument("--grid", choices=["tiny", "small", "large", "gpu", "gpu-tiny"],
@@ -113,6 +113,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="profile this model instead of the spec's (its dtype stays): a name or directory "
                                    "`LLM` takes, or random:<deploy/models name> (that shape, random weights made "
                                    "on the device: no model files needed)")
+    p.add_argument("--dtype", help="weights and KV dtype (default: the spec's, else bfloat16)")
     p.add_argument("--name", help="profile name (default: the --out file's stem)")
     p.add_argument("--corun-rounds", type=int, default=5,
                    help="rounds of the co-run interference measurement (two processes, ~15-30 s a round; 0: skip)")

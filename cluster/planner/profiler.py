@@ -144,14 +144,24 @@ def measure(llm, grid: str, repeats: int, clock=time.process_time, log=print, sy
     return prefill_pts, decode_pts
 
 
-def _engine_for(spec_path: str, grid: str, device: str = "cpu", model: str | None = None, tmp: str | None = None):
+def _engine_for(spec_path: str | None, grid: str, device: str = "cpu", model: str | None = None,
+                tmp: str | None = None, dtype: str | None = None):
     """The spec and an engine for `grid`: CPU grids fit every point in one step, one torch thread; GPU grids
-    (`GPU_GRIDS`) take their step budget, the engine's device defaults and pages for the largest batch."""
+    (`GPU_GRIDS`) take their step budget, the engine's device defaults and pages for the largest batch.
+    Without a spec (`model` given: a GPU machine has no pydantic to read one), `dtype` or bfloat16."""
+    from types import SimpleNamespace
+
     from cluster.planner.random_model import is_random, random_llm
-    from cluster.spec import load_spec
     from engine import LLM
 
-    spec = load_spec(spec_path)
+    if spec_path:
+        from cluster.spec import load_spec
+
+        spec = load_spec(spec_path)
+    else:
+        spec = SimpleNamespace(model=model, revision=None, dtype="bfloat16")
+    if dtype:
+        spec = SimpleNamespace(model=spec.model, revision=spec.revision, dtype=dtype)
     prefill_grid, decode_grid = GRIDS[grid]
     seqs = max(max(len(b) for b in prefill_grid), max(b for b, _ in decode_grid))
     if grid not in GPU_GRIDS:
@@ -236,7 +246,9 @@ def resolve_options(args: argparse.Namespace) -> tuple[str, str, str, str | None
     grid = args.grid or ("gpu" if gpu else "small")
     clock = args.clock or ("wall" if gpu else "cpu")
     problem = None
-    if gpu and clock == "cpu":
+    if not getattr(args, "spec", None) and not getattr(args, "model", None):
+        problem = "give a spec (its model and dtype are profiled) or --model"
+    elif gpu and clock == "cpu":
         problem = "--clock cpu on a GPU would time the host only; use --clock wall (the default there)"
     elif gpu:
         import torch
@@ -249,15 +261,17 @@ def resolve_options(args: argparse.Namespace) -> tuple[str, str, str, str | None
 
 
 def _notes(args, grid: str, clock: str, device: str, start: float) -> str:
+    spec = f" {args.spec}" if args.spec else ""
     when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
     if not device.startswith("cuda"):  # the CPU profile's notes, as before
-        return (f"pdserve profile {args.spec} --grid {grid} --repeats {args.repeats} --clock {clock}; "
+        return (f"pdserve profile{spec} --grid {grid} --repeats {args.repeats} --clock {clock}; "
                 f"one torch thread; {when}; took {time.perf_counter() - start:.0f} s; {clock} clock on a machine "
                 f"shared with other processes (noisy)")
     import torch
 
     model = f" --model {args.model}" if getattr(args, "model", None) else ""
-    return (f"pdserve profile {args.spec}{model} --device {device} --grid {grid} --repeats {args.repeats}; "
+    dtype = f" --dtype {args.dtype}" if getattr(args, "dtype", None) else ""
+    return (f"pdserve profile{spec}{model}{dtype} --device {device} --grid {grid} --repeats {args.repeats}; "
             f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; the engine's CUDA defaults (graph "
             f"decode, Triton attention); wall clock with torch.cuda.synchronize() around each step; {when}; took "
             f"{time.perf_counter() - start:.0f} s")
@@ -265,8 +279,10 @@ def _notes(args, grid: str, clock: str, device: str, start: float) -> str:
 
 def run_profile(args: argparse.Namespace) -> int:
     from cluster.planner.errors import PlannerError
-    from cluster.spec import SpecError
 
+    if args.corun_only and not args.spec:
+        print("error: --corun-only profiles the spec's model: give the spec", file=sys.stderr)
+        return 2
     if args.corun_only:
         return run_corun_only(args)
     if args.serving_from:
@@ -276,10 +292,16 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     gpu = device.startswith("cuda")
+    spec_error: tuple = ()
+    if args.spec:
+        from cluster.spec import SpecError
+
+        spec_error = (SpecError,)
     with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as tmp:
         try:
-            spec, llm = _engine_for(args.spec, grid, device, getattr(args, "model", None), tmp)
-        except SpecError as e:
+            spec, llm = _engine_for(args.spec, grid, device, getattr(args, "model", None), tmp,
+                                    getattr(args, "dtype", None))
+        except spec_error as e:
             for p in e.problems:
                 print(f"{args.spec}: {p}", file=sys.stderr)
             return 2

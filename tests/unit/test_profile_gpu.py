@@ -73,10 +73,12 @@ def test_gpu_grid_path_on_cpu(tiny_deploy):
 
 
 def test_options_keep_cpu_defaults():
-    ns = lambda **kw: argparse.Namespace(**{"grid": None, "clock": None, "device": "cpu", **kw})  # noqa: E731
+    ns = lambda **kw: argparse.Namespace(**{"spec": "s.yaml", "grid": None, "clock": None, "device": "cpu", **kw})  # noqa: E731
     assert profiler.resolve_options(ns()) == ("cpu", "small", "cpu", None)
     assert profiler.resolve_options(ns(device="cuda", clock="cpu"))[3].startswith("--clock cpu")
     assert profiler.resolve_options(ns(device="tpu"))[3]
+    assert profiler.resolve_options(ns(spec=None, model=None))[3].startswith("give a spec")
+    assert profiler.resolve_options(ns(spec=None, model="random:x", device="cpu", grid="gpu-tiny"))[3] is None
 
 
 def test_fit_forms_hold_on_gpu_shaped_steps():
@@ -105,7 +107,7 @@ def test_profile_check_predicts_each_row(tmp_path):
                                 "tp": {"1": {**coeffs, "fit": {}}}}))
     a, b, c = coeffs["decode"]
     floor = tmp_path / "floor_x.json"
-    floor.write_text(json.dumps({"rows": [
+    floor.write_text(json.dumps({"model": "random:smollm2-135m", "rows": [
         {"batch": 16, "mode": "graphs", "context": 2047, "median_ms": (a + b * 16 * 2048 + c * 16) * 1e3},
         {"batch": 64, "mode": "graphs", "context": 2047, "median_ms": 2 * (a + b * 64 * 2048 + c * 64) * 1e3},
         {"batch": 64, "mode": "torch", "context": 2047, "median_ms": 99.0},
@@ -117,7 +119,22 @@ def test_profile_check_predicts_each_row(tmp_path):
         {"phase": "decode", "size": 1, "steps": 12, "median_ms": (a + b * 1010 + c) * 1e3}]}))
     r = chk.check(str(prof), [floor, steps])
     assert [x["ratio"] for x in r["rows"]] == [1.0, 0.5, 1.0, 1.0] and not r["ok"]
-    assert "1 outside" in chk.table(r)
+    assert "1 outside" in chk.table(r) and r["warnings"] == [
+        "floor_x.json measured random:smollm2-135m, the profile random:llama-3-8b"]
     assert chk.main(["--profile", str(prof), "--steps", str(steps)]) == 0
     assert chk.main(["--profile", str(prof), "--steps", str(floor)]) == 1
     assert chk.main(["--profile", str(prof), "--steps", str(tmp_path / "missing.json")]) == 2
+
+
+def test_profile_command_without_spec_writes_a_profile_the_planner_reads(tiny_deploy, capsys):
+    """`pdserve profile --model random:NAME` (no spec: the GPU machine has no pydantic) on the gpu-tiny grid."""
+    from cluster import cli
+    from cluster.planner.profiles import load_profile
+
+    out = tiny_deploy / "p.json"
+    assert cli.main(["profile", "--model", "random:tiny", "--grid", "gpu-tiny", "--repeats", "1", "--corun-rounds",
+                     "0", "--hardware", "cpu-dry", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["model"] == "random:tiny" and d["dtype"] == "bfloat16" and "device" not in d and "corun" not in d
+    assert d["notes"].startswith("pdserve profile --grid gpu-tiny")
+    assert load_profile(str(out)).coeffs[1].decode == tuple(d["tp"]["1"]["decode"])
