@@ -2,12 +2,13 @@
 from engine.errors import (GatedModelError, HubModelError, HubRepoNotFoundError, InvalidRequestError,
                            ModelNotCachedError, OutOfPagesError, PdserveError, ReservationError, UnknownModelError,
                            UnknownRevisionError, UnsupportedArchitectureError)
+from engine.engine_config import EngineConfig
 from engine.kv_cache.spec import KVPageSpec
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 
-__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "RequestOutput", "KVPageSpec", "PdserveError",
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "SpeculativeConfig", "RequestOutput", "KVPageSpec", "PdserveError",
            "InvalidRequestError", "UnknownModelError", "UnsupportedArchitectureError", "OutOfPagesError",
            "ReservationError", "HubModelError", "ModelNotCachedError", "GatedModelError", "HubRepoNotFoundError",
            "UnknownRevisionError"]

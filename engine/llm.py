@@ -13,17 +13,19 @@ prefill_only=True)` ends HELD with its pages kept until `release_held()`; `reser
 "quest", "budget": 1024, ...}` lets decode steps read only the pages Quest picks (`engine/kv_cache/sparse.py`);
 a request's `params.sparse_attention` ("off" or fields) changes it for its own rows (`sparse_config.py`).
 `decode_graphs`: "auto" (CUDA graphs for plain decode steps on a GPU), "static" (the same step eagerly), "off".
+Options are an `EngineConfig` (engine/engine_config.py): `LLM(model, **fields)` or `LLM(EngineConfig(...))`;
+request intake (prompt and parameter checks) lives in engine/intake.py.
 """
 from __future__ import annotations
 
-import itertools
-import random
 import time
 
 import torch
 
 from engine.batch import SeqResult, SeqStep, StepBatch, StepOutput
+from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.intake import RequestIntake
 from engine.kernels.cuda.graph_decode import attach as attach_graphs
 from engine.kv_cache.allocator import PageAllocator, Reservation
 from engine.kv_cache.backend import make_backend
@@ -32,7 +34,7 @@ from engine.kv_cache.prefix_cache import PrefixCache, PrefixSharing, prefix_salt
 from engine.evictor import Evictor
 from engine.kv_cache.eviction_policy import EvictionPolicy
 from engine.kv_cache.sparse import SparseAttentionConfig, install as install_sparse
-from engine.kv_cache.sparse_config import check_for_engine as check_sparse, step_rows as sparse_rows
+from engine.kv_cache.sparse_config import step_rows as sparse_rows
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
 from engine.model import LlamaForward
@@ -45,19 +47,19 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.spec_decode.config import SpeculativeConfig
 from engine.tokenizer import Tokenizer
 
-_ids = itertools.count()
-
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", dtype: str = "bfloat16", device: str = "cpu",
-                 page_size: int = 16, num_pages: int | None = None, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 enable_chunked_prefill: bool = True, num_threads: int | None = 1, clock=time.monotonic,
-                 keep_logits: bool = False, speculative: SpeculativeConfig | dict | None = None,
-                 kv_storage: str = "raw", kv_eviction: EvictionPolicy | dict | None = None,
-                 enable_prefix_caching: bool = False, sparse_attention: dict | str | None = None,
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, revision: str | None = None,
-                 decode_graphs: str = "auto"):
+    def __init__(self, model: "str | EngineConfig" = "smollm2-135m", *, clock=time.monotonic, **options):
+        cfg = model.with_options(**options) if isinstance(model, EngineConfig) else EngineConfig(model, **options)
+        self.engine_config = cfg
+        (model, dtype, device, page_size, num_pages, max_num_seqs, max_num_batched_tokens, max_model_len,
+         enable_chunked_prefill, num_threads, keep_logits, speculative, kv_storage, kv_eviction,
+         enable_prefix_caching, sparse_attention, tensor_parallel_size, pipeline_parallel_size, revision,
+         decode_graphs) = (
+            cfg.model, cfg.dtype, cfg.device, cfg.page_size, cfg.num_pages, cfg.max_num_seqs,
+            cfg.max_num_batched_tokens, cfg.max_model_len, cfg.enable_chunked_prefill, cfg.num_threads,
+            cfg.keep_logits, cfg.speculative, cfg.kv_storage, cfg.kv_eviction, cfg.enable_prefix_caching,
+            cfg.sparse_attention, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.revision, cfg.decode_graphs)
         if num_threads:
             torch.set_num_threads(num_threads)
         self.model_name = model  # as given: what the OpenAI API's `model` field names
@@ -115,64 +117,23 @@ class LLM:
         self.spec = None  # draft-verify decoding (engine/spec_decode), when configured
         spec_cfg = SpeculativeConfig.of(speculative)
         if spec_cfg is not None:
-            from engine.spec_decode.step import SpecDecoder
+            from engine.spec_decode.step import SpecDecoder, SpecHost
 
-            self.spec = SpecDecoder(self, spec_cfg)
+            host = SpecHost(c, self.model_dir, dtype, torch.device(device).type, self.runner, self.backend,
+                            self.tables, self.allocator, self.scheduler, self.outputs, self.requests, keep_logits,
+                            clock, self._batch, self._finish_step, self._output)
+            self.spec = SpecDecoder(host, spec_cfg)
+        self.intake = RequestIntake(self.tokenizer, c.vocab_size, self.max_model_len, page_size,
+                                    num_pages * page_size, kv_storage, self.backend is not None, self.scheduler,
+                                    self.sparse_attention, self.spec)
 
-    # ---- intake ------------------------------------------------------------------------------
-    def _tokens(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError("prompt", "must be a string or a list of integer token ids")
-        if not ids:
-            raise InvalidRequestError("prompt", "is empty")
-        vocab = self.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError("prompt", f"token id {bad} outside the vocabulary [0, {vocab})")
-        return ids
-
+    # ---- intake (engine/intake.py) -------------------------------------------------------------
     def check_request(self, n_prompt: int, params: SamplingParams, prefill_only: bool = False) -> None:
-        """InvalidRequestError if a prompt of `n_prompt` tokens with `params` can never run here. A
-        prefill-only request makes one token, so only that one must fit."""
-        if self.backend is None and params.kv_eviction not in (None, "off"):  # TP/PP: attention runs in ranks
-            raise InvalidRequestError("kv_eviction", "per-request KV eviction is not supported with tensor or "
-                                                     "pipeline parallelism")
-        if self.kv_spec.storage_format == "kivi4" and params.kv_eviction not in (None, "off"):
-            raise InvalidRequestError("kv_eviction", "not supported on kivi4 pages (compaction would move cells "
-                                                     "across the per-page key groups)")
-        if prefill_only:
-            params = SamplingParams(max_tokens=1)  # (and no sparse attention: prefill reads every page)
-        check_sparse(self.sparse_attention, params.sparse_attention, self.kv_spec.page_size)
-        if self.spec is not None:
-            self.spec.check(params)  # a per-request proposer this engine cannot run
-        if n_prompt >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"{n_prompt} tokens; the model's context is {self.max_model_len}")
-        if n_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError("max_tokens", f"prompt ({n_prompt}) + max_tokens ({params.max_tokens}) "
-                                                    f"exceeds the model's context of {self.max_model_len}")
-        sc = self.scheduler.cfg
-        if not sc.enable_chunked_prefill and n_prompt > sc.max_num_batched_tokens:
-            raise InvalidRequestError("prompt", f"{n_prompt} tokens exceed max_num_batched_tokens "
-                                                f"({sc.max_num_batched_tokens}) and chunked prefill is off")
-        capacity = self.allocator.num_pages * self.kv_spec.page_size
-        if n_prompt + params.max_tokens > capacity:
-            raise InvalidRequestError("max_tokens", f"prompt + max_tokens ({n_prompt + params.max_tokens}) "
-                                                    f"exceeds the KV pool of {capacity} tokens")
+        """InvalidRequestError if a prompt of `n_prompt` tokens with `params` can never run here."""
+        self.intake.check(n_prompt, params, prefill_only)
 
     def _new_request(self, prompt, params: SamplingParams | None, request_id: str | None, prefill_only=False):
-        params = params or SamplingParams()
-        params.validate(self.config.vocab_size)
-        ids = self._tokens(prompt)
-        self.check_request(len(ids), params, prefill_only)
-        rid = request_id if request_id is not None else f"req-{next(_ids)}"
-        if rid in self.requests:
-            raise InvalidRequestError("request_id", f"{rid!r} is already in use")
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return Request(rid, ids, params, seed, self.clock(), prefill_only=prefill_only)
+        return self.intake.new_request(prompt, params, request_id, self.requests, self.clock(), prefill_only)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, prefill_only: bool = False) -> str:
@@ -201,7 +162,7 @@ class LLM:
         the first that many prompt tokens only (kivi4 ships whole pages, `kv_cache/kivi.py`); the next step
         computes the rest of the prompt with the first token, into the reservation's pages."""
         req = self._new_request(prompt_token_ids, params, request_id)
-        tok = self._tokens([first_token_id])[0]
+        tok = self.intake.tokens([first_token_id])[0]
         if num_slots is not None and not 0 < num_slots <= req.num_prompt:
             raise InvalidRequestError("num_slots", f"{num_slots} for a {req.num_prompt}-token prompt")
         if num_computed is not None and (num_slots is not None or not 0 <= num_computed <= req.num_prompt):

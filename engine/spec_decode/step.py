@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.batch import SeqResult, SeqStep, StepBatch
 from engine.errors import InvalidRequestError
@@ -32,13 +34,36 @@ from engine.spec_decode.proposers import DraftState, Proposer, ProposerContext, 
 from engine.spec_decode.verify import accepted_length
 
 
+@dataclass
+class SpecHost:
+    """What the speculative step may use of its engine (`LLM` builds it): its parts and three of its steps,
+    nothing else. The parts are the engine's own objects (shared, not copies)."""
+
+    config: object  # the model's ModelConfig
+    model_dir: object
+    dtype: str
+    device_type: str  # "cpu": the gate times CPU time; else wall time
+    runner: object
+    backend: object
+    tables: object
+    allocator: object
+    scheduler: object
+    outputs: object  # the OutputProcessor (stop strings, text)
+    requests: dict  # request id -> Request, live ones (EOS ids: scheduler.eos, read at each use)
+    keep_logits: bool
+    clock: Callable[[], float]
+    plain_batch: Callable  # SchedulerOutput -> StepBatch, as a plain step builds it
+    finish_plain: Callable  # (SchedulerOutput, results, observations) -> outputs, as a plain step applies them
+    output: Callable  # Request -> RequestOutput (finishing it on a stop string)
+
+
 class SpecDecoder:
-    def __init__(self, llm, cfg: SpeculativeConfig, timer=None):
+    def __init__(self, llm: SpecHost, cfg: SpeculativeConfig, timer=None):
         # On CPU the step's cost is this thread's CPU time (one torch thread runs on it): what other
         # processes on a shared machine do then barely moves the gate. On an accelerator: wall time.
         if timer is None:
-            timer = time.thread_time if llm.model.device.type == "cpu" else time.perf_counter
-        self.llm, self.cfg, self.timer = llm, cfg, timer
+            timer = time.thread_time if llm.device_type == "cpu" else time.perf_counter
+        self.llm, self.cfg, self.timer = llm, cfg, timer  # (`llm`: the host's view of its engine)
         self.ctx = ProposerContext(llm.config.vocab_size, llm.model_dir, llm.dtype,
                                    TargetParts(llm.runner, llm.backend, llm.tables, llm.allocator))
         self.proposers: dict[str, Proposer] = {cfg.proposer: make_proposer(cfg.proposer, self.ctx,
@@ -79,13 +104,13 @@ class SpecDecoder:
         plain = SchedulerOutput([c for c in sched.chunks if c.request.request_id not in drafts], sched.preempted)
         verify = sorted((c for c in sched.chunks if c.request.request_id in drafts),
                         key=lambda c: len(drafts[c.request.request_id]))  # equal lengths share one SDPA call
-        batch = llm._batch(plain)
+        batch = llm.plain_batch(plain)
         batch.seqs += [self._verify_seq(c, drafts[c.request.request_id]) for c in verify]
         batch.return_logits = True
         out = llm.runner.execute(batch)
         self._observe(batch, out.results)
         n = len(plain.chunks)
-        outs = llm._finish_step(plain, out.results[:n], out.observations) if n else []
+        outs = llm.finish_plain(plain, out.results[:n], out.observations) if n else []
         outs += [self._commit(c, drafts[c.request.request_id], r) for c, r in zip(verify, out.results[n:])]
         # The gate weighs whole decode steps (forward, sampling every verify row, commits), proposers
         # apart. Steps with prefill chunks are left out: a prompt token costs far less than a verified one
@@ -128,7 +153,7 @@ class SpecDecoder:
                 name = o.proposer if o is not None and o.proposer else self.cfg.proposer
                 sampling = None if req.params.greedy else SampleRequest(
                     req.params, req.seed, req.num_output, req.prompt_token_ids, req.output_token_ids,
-                    self.llm.eos_token_ids)
+                    self.llm.scheduler.eos)
                 groups[name].append(DraftState(req.request_id, req.token_ids, req.num_prompt, k, sampling))
         base = sum(c.num_tokens for c in sched.chunks)
         rows = sum(c.sample for c in sched.chunks)  # tokens the step emits without drafts
@@ -226,7 +251,7 @@ class SpecDecoder:
         outs = req.output_token_ids
         # row j is output index num_output + j: penalties see draft[:j], min_tokens masks by that index
         reqs = [SampleRequest(req.params, req.seed, req.num_output + j, req.prompt_token_ids, outs + draft[:j],
-                              llm.eos_token_ids) for j in range(k + 1)]
+                              llm.scheduler.eos) for j in range(k + 1)]
         targets = sample_batch(rows, reqs)
         m = accepted_length(draft, [t.token_id for t in targets])
         self.trackers[req.request_id].update(k, m)
@@ -250,4 +275,4 @@ class SpecDecoder:
             if j < m and llm.outputs.advance(req):  # (the last token is folded in by `_output`)
                 llm.scheduler.finish(req, "stop")
                 break
-        return llm._output(req)
+        return llm.output(req)
