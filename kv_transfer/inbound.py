@@ -40,6 +40,7 @@ class Inbound:
     covered: int = 0
     num_slots: int | None = None  # tokens of KV the finish frame announced (< num_tokens after eviction)
     num_shipped: int | None = None  # tokens [kv_start, num_shipped) arrive (kivi4: whole pages); None = all
+    fence: object = None  # device pages: engine-stream event at reservation, which chunk writes wait for
     _cells: list[bytearray] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -41,7 +41,7 @@ from collections import OrderedDict
 
 from engine.errors import InvalidRequestError, ReservationError
 from engine.kv_cache.kivi import shipped_tokens
-from engine.kv_cache.page_io import import_kv, stored_token_head_bytes
+from engine.kv_cache.page_io import import_kv, stored_token_head_bytes, stream_fence
 from engine.parallel.errors import RankFailedError
 from engine.parallel.kv_io import HeadChunk, import_heads
 from kv_transfer import codec
@@ -105,6 +105,8 @@ class KVReceiver:
         cap = int(self.layout.transfer_bytes(num_tokens - start) * self.config.stream_bytes_factor)
         ib = Inbound(desc, self.layout, list(res.pages), params, res.expires_at,
                      cap + self.config.max_chunk_bytes, num_shipped=shipped_tokens(self.llm.kv_spec, num_tokens))
+        if self.llm.backend is not None:  # device pages: chunks are written on a side stream, after this point
+            ib.fence = stream_fence(self.llm.backend)
         with self._lock:
             self._live[res.reservation_id] = ib
         return desc
@@ -255,7 +257,7 @@ class KVReceiver:
         """A checked chunk into the reservation's pages: this process's pool, or the ranks holding its heads."""
         if self.llm.backend is not None:
             import_kv(self.llm.backend, h.layer, ib.pages, h.token_start, h.token_end, payload,
-                      h.head_start - self.layout.head_start, h.head_end - self.layout.head_start)
+                      h.head_start - self.layout.head_start, h.head_end - self.layout.head_start, after=ib.fence)
             return
         half = h.byte_length // 2  # K then V
         chunk = HeadChunk(h.layer, range(h.head_start, h.head_end), payload[:half], payload[half:])

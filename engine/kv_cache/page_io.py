@@ -27,10 +27,15 @@ with non-blocking copies, and the views handed out are of that buffer; `export_k
 the GPU; the push thread waits), `export_kv` waits itself. Import: the payload goes into a pinned buffer
 (the one host copy), then host -> device once, then device-side slice/page copies into the pools; the call
 returns when the write has landed (an event), so "no write in flight" means the same on every device.
-All CUDA work runs on the caller's current stream (the default stream on every thread here).
+Streams: exports run on the caller's current stream (the default one), ordered after the kernels that wrote
+the pages; imports run on a side stream of their own (`_copy_stream`), so a received chunk does not queue
+behind the decode steps the engine has launched meanwhile: its pages are pinned for the transfer (nothing
+reads or writes them until the commit, which comes after the write has landed), and `stream_fence`, taken
+when they were reserved, orders the write after whatever the engine had queued on them before.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import numpy as np
@@ -109,11 +114,19 @@ def export_kv_async(backend, layer: int, pages: Sequence[int], start: int, stop:
     return _export_device(backend, layer, pages, start, stop)
 
 
+def stream_fence(backend):
+    """Device pools: an event marking the work queued so far on the caller's stream (the engine thread's, at
+    reservation time), for `import_kv(after=...)`; None for CPU pools."""
+    dev = backend.k[backend.spec.local_layers[0]].device
+    return _event(dev) if dev.type == "cuda" else None
+
+
 def import_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int, payload,
-              head_start: int = 0, head_end: int | None = None) -> None:
+              head_start: int = 0, head_end: int | None = None, after=None) -> None:
     """Write K-then-V `payload` (bytes-like, [stop - start, head_end - head_start, cell] each) into
     those heads of slots [start, stop) of a page list: a slice copy per run of consecutive slots, or --
-    for scattered pages with every head -- one scatter of whole pages plus the partial edge pages."""
+    for scattered pages with every head -- one scatter of whole pages plus the partial edge pages.
+    `after`: a `stream_fence` the device write waits for (on the GPU, not here)."""
     spec: KVPageSpec = backend.spec
     head_end = spec.num_kv_heads if head_end is None else head_end
     ps, n, heads = spec.page_size, stop - start, head_end - head_start
@@ -137,7 +150,7 @@ def import_kv(backend, layer: int, pages: Sequence[int], start: int, stop: int, 
             for first, at, length in todo:
                 flat[first:first + length, head_start:head_end] = src[at:at + length]
     else:
-        _import_device(pools, spec, runs, full, payload, (n, heads, cell), head_start, head_end)
+        _import_device(pools, spec, runs, full, payload, (n, heads, cell), head_start, head_end, after)
     if getattr(backend, "summaries", None) is not None:  # sparse attention: rebuilt from the imported keys
         backend.summaries.update_range(layer, pages, start, stop)
     if hasattr(backend, "mark_imported"):  # kivi4: the cells are a sealed page's (the sender checked)
@@ -181,13 +194,15 @@ def _export_device(backend, layer: int, pages: Sequence[int], start: int, stop: 
 
 
 def _import_device(pools, spec: KVPageSpec, runs: Runs, full, payload, shape: tuple[int, int, int],
-                   head_start: int, head_end: int) -> None:
+                   head_start: int, head_end: int, after=None) -> None:
     """Payload -> pinned host buffer (the one host copy) -> device once -> slices/pages of the pools;
     returns once the writes have landed (the receiver frees pages only when no write is in flight)."""
     n, heads, words = shape
     dev = pools[0].device
     cuda = dev.type == "cuda"
-    with torch.inference_mode():
+    with torch.inference_mode(), (torch.cuda.stream(_copy_stream(dev)) if cuda else contextlib.nullcontext()):
+        if after is not None:
+            torch.cuda.current_stream(dev).wait_event(after)  # the pages' earlier users are done with them
         src = np.frombuffer(payload, dtype=np.uint8)
         host = torch.empty(src.size, dtype=torch.uint8, pin_memory=cuda)
         host.numpy()[:] = src
@@ -210,6 +225,15 @@ def _upload(pages: Sequence[int], dev: torch.device) -> torch.Tensor:
     """A page list as an index tensor on `dev` (CUDA: through pinned memory, so the copy never waits)."""
     t = torch.tensor(list(pages), dtype=torch.long)
     return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t
+
+
+_COPY_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(dev: torch.device) -> "torch.cuda.Stream":
+    """The side stream received KV is written on (one per device, shared by the transport threads)."""
+    stream = _COPY_STREAMS.get(dev)
+    return stream if stream is not None else _COPY_STREAMS.setdefault(dev, torch.cuda.Stream(dev))
 
 
 def _event(dev: torch.device):
