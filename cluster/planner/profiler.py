@@ -318,8 +318,12 @@ def run_profile(args: argparse.Namespace) -> int:
     for name, f in (("prefill", pf), ("decode", df)):
         print(f"{name}: a={f.coeffs[0]:.4g} b={f.coeffs[1]:.4g} c={f.coeffs[2]:.4g}; relative error mean "
               f"{f.mean_rel_err:.1%}, max {f.max_rel_err:.1%} over {f.points} points")
-    if gpu and args.corun_rounds:
-        print("co-run: not measured on a GPU (each has its own memory; the planner keeps factor 1)")
+    from cluster.planner.random_model import is_random
+
+    corun = args.corun_rounds and not gpu and not is_random(model)
+    if args.corun_rounds and not corun:
+        print("co-run: not measured " + ("on a GPU (each has its own memory; the planner keeps factor 1)" if gpu else
+                                         f"for {model} (its neighbour processes load real models)"))
     out = Path(args.out)
     profile = {
         "name": args.name or out.stem, "model": model, "dtype": spec.dtype, "hardware": args.hardware,
@@ -327,7 +331,7 @@ def run_profile(args: argparse.Namespace) -> int:
         "tp": {"1": {"prefill": list(pf.coeffs), "decode": list(df.coeffs),
                      "fit": {"prefill": pf.as_dict(), "decode": df.as_dict()}}},
         "measurements": {"prefill": [list(p) for p in prefill_pts], "decode": [list(p) for p in decode_pts]},
-        **({"corun": _corun(spec, args.corun_rounds)} if args.corun_rounds and not gpu else {}),
+        **({"corun": _corun(spec, args.corun_rounds)} if corun else {}),
         "notes": _notes(args, grid, clock, device, start),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
