@@ -18,8 +18,8 @@ nothing there), the `gpu` grid (prefill steps of 512-8192 tokens, decode batches
 512-4096, sized for an 8B model in ~80 GB), no co-run entry (each GPU has its own HBM: factor 1). GPU
 grids (`GPU_GRIDS`: the step's token budget) time each prefill point once untimed first (Triton and
 cuBLAS pick kernels per shape), prefill a decode point's prompts over as many steps as its budget takes,
-skip `DECODE_SKIP` decode steps, read each step's context from the engine's requests, and abort the rows
-after the timed steps. `--model random:<deploy/models name>` profiles that shape with random weights made
+skip `DECODE_SKIP` decode steps, read each step's context from the engine's requests, keep one point per
+decode batch (the median step at the median context), and abort the rows after the timed steps. `--model random:<deploy/models name>` profiles that shape with random weights made
 on the device (`random_model.py`: a GPU machine without model files); `--model DIR` any model directory.
 `gpu-tiny` is the same path at tiny sizes (CPU dry runs, tests).
 """
@@ -139,6 +139,8 @@ def measure(llm, grid: str, repeats: int, clock=time.process_time, log=print, sy
         log(f"  prefill {len(lengths)} x {lengths[0]}: {prefill_pts[-1][2] * 1000:.1f} ms")
     for batch, n in decode_grid:
         _, steps = _run_batch(llm, [n] * batch, DECODE_STEPS, rng, clock, sync, budget)
+        if budget:  # GPU grids: one point per batch, its median step (a stray pause would pull the fit)
+            steps = [(batch, statistics.median(c for _, c, _ in steps), statistics.median(s for *_, s in steps))]
         decode_pts += steps
         log(f"  decode batch {batch} x {n}: {statistics.median(s for _, _, s in steps) * 1000:.1f} ms/step")
     return prefill_pts, decode_pts
