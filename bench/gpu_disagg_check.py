@@ -1,32 +1,32 @@
 """The disaggregated handoff on one device, without Ray: prefill engine -> gRPC -> decode engine (issue 32).
 
-In one process, on `--device`: a colocated reference `LLM` generates N prompts x M tokens greedy (then is
-closed); a `PrefillWorker` and a `DecodeWorker` (the workers' own classes, as the in-process tests run them)
-then hand the same prompts over pdserve's real gRPC KV plane on loopback (device pages -> pinned host ->
-wire -> pinned host -> device pages; engine/kv_cache/page_io.py), twice:
+In one process, on `--device`, a `PrefillWorker` and a `DecodeWorker` (the workers' own classes, as the
+in-process tests run them), two engines. First the prefill engine alone generates N prompts x M tokens
+greedy (the colocated reference; `--ref-graphs`, eager by default); then the same prompts are handed over
+pdserve's real gRPC KV plane on loopback (device pages -> pinned host -> wire -> pinned host -> device pages;
+engine/kv_cache/page_io.py), twice:
   layer-wise  `PrefillWorker.submit`: each layer's KV leaves while the prefill computes
   held        prompts prefilled to HELD first, then `KVSender.send` of all at once: the transfer alone
 Both commit every request before the first decode step (the reference's batch shape), then decode with
-`--graphs` (the decode engine's `decode_graphs`; the reference uses `--ref-graphs`, eager by default), and
-their tokens are compared with the reference's: float32 through tests/exactness.assert_greedy_equal; bf16
-reports the first divergence and the reference's top-2 logit gap there (a near-tie, or a real bug).
+`--graphs` (the decode engine's `decode_graphs`); their tokens are compared with the reference's: float32
+through tests/exactness.assert_greedy_equal; bf16 reports, per prompt, the first divergence and the
+reference's top-2 logit gap there (a near-tie, or a bug). The reference's prefill runs under a no-op layer
+hook, as the sender hooks every layer of the prefill engine (on CUDA that path skips the fused forward), so
+the reference decodes from the very KV that travels.
 Throughput: KV payload bytes / wall time from the first reserve to the last commit, beside a bare gRPC push
-of the same bytes (same streams and chunk size, frames made before the clock, a sink that only takes
-them: bench/kv_transfer_bench.NullSink) in the same run. The reference's prefill runs with a no-op layer
-hook, as the prefill engine's sender hooks every layer (on CUDA that path skips the fused forward), so the
-KV it computes is the very one that travels.
+of the held handoff's chunks (same sizes and streams, frames made before the clock, a sink that only takes
+them: bench/kv_transfer_bench.NullSink) in the same run, best of two.
 
 Models: `tiny` (tests/tiny_models), any name `LLM` takes (`smollm2-135m`: real weights), or
 `random:<deploy/models name>` (random weights made on the device). Comma-separate several.
 Run (GPU):  python bench/gpu_disagg_check.py --device cuda --model random:smollm2-135m,random:llama-3-8b \
-                --prompt-len 512 --out DIR
+                --prompt-len 512 --out DIR   [--graphs off: eager decode, for the bit-exact transfer check]
      (CPU):  .venv/bin/python bench/gpu_disagg_check.py --model tiny --dtype float32 --prompt-len 24 --tokens 16
 Prints a markdown table per model; writes DIR/gpu_disagg_<model>.json. Exit 1 if a check failed.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -65,12 +65,12 @@ class Check:
     chunk_bytes: int = 512 << 10
 
 
-def make_llm(c: Check, tmp: Path, graphs: str, keep_logits: bool = False) -> LLM:
+def make_llm(c: Check, tmp: Path, graphs: str) -> LLM:
     per_row = -(-(c.prompt_len + c.tokens + 1) // c.page_size)
     kw = dict(dtype=c.dtype, device=c.device, page_size=c.page_size, num_pages=c.prompts * per_row + 4,
               max_num_seqs=c.prompts, max_num_batched_tokens=max(c.prompts * c.prompt_len, 64),  # one prefill step
               max_model_len=per_row * c.page_size, num_threads=None if c.device.startswith("cuda") else 1,
-              decode_graphs=graphs, keep_logits=keep_logits)
+              decode_graphs=graphs)
     if c.model == "tiny":
         from tests.tiny_models import write_tiny
 
@@ -101,27 +101,23 @@ def sync(c: Check) -> None:
         torch.cuda.synchronize()
 
 
-def reference(c: Check, tmp: Path) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
-    """Random prompts; their colocated tokens and, per position, the top-2 logits that chose them ([M, 2])."""
-    llm = make_llm(c, tmp, c.ref_graphs, keep_logits=True)
+def reference(llm: LLM, c: Check) -> tuple[list[list[int]], list[list[int]], list[torch.Tensor]]:
+    """Random prompts; their tokens on `llm` alone (colocated) and, per position, the top-2 logits that chose
+    them ([M, 2] each). Its prefill runs under a no-op layer hook: the kernels the sender's hook leaves it."""
     g = torch.Generator().manual_seed(c.prompt_len)
     prompts = [torch.randint(3, llm.config.vocab_size, (c.prompt_len,), generator=g).tolist() for _ in range(c.prompts)]
+    llm.keep_logits = True
     rids = [llm.add_request(p, greedy(c)) for p in prompts]
-    noop = lambda layer, batch: None  # noqa: E731 - the prefill engine's kernels (its sender hooks each layer)
+    noop = lambda layer, batch: None  # noqa: E731
     llm.runner.add_layer_hook(noop)
     outs = []
     while any(r in llm.requests and llm.requests[r].first_token_time is None for r in rids):
         outs += llm.step()
     llm.runner.remove_layer_hook(noop)
     final = {o.request_id: o for o in outs + llm.generate_until_idle() if o.finished}
+    llm.keep_logits = False
     top2 = [torch.topk(torch.cat([x.reshape(1, -1) for x in final[r].logits]).float(), 2).values.cpu() for r in rids]
-    tokens = [list(final[r].token_ids) for r in rids]
-    llm.close()
-    del llm, final, outs
-    if c.device.startswith("cuda"):  # (room for the pair)
-        gc.collect()
-        torch.cuda.empty_cache()
-    return prompts, tokens, top2
+    return prompts, [list(final[r].token_ids) for r in rids], top2
 
 
 def handoff(pre: PrefillWorker, dec: DecodeWorker, prompts: list[list[int]], c: Check, held: bool,
@@ -197,11 +193,10 @@ def compare(c: Check, ref: list[list[int]], top2: list[torch.Tensor], got: list[
 
 def check(c: Check, tmp: Path, idle_check=None) -> dict:
     """The whole check for one model; `idle_check(llm)` runs on both engines before they close."""
-    t_start = time.perf_counter()
-    prompts, ref_tokens, top2 = reference(c, tmp)
-    pre = dec = None
-    try:
-        pre = PrefillWorker({}, SenderConfig(chunk_bytes=c.chunk_bytes), "grpc", llm=make_llm(c, tmp, "off"))
+    t_start, pre, dec = time.perf_counter(), None, None
+    try:  # the prefill engine is the colocated reference first (before its sender hooks its layers)
+        pre = PrefillWorker({}, SenderConfig(chunk_bytes=c.chunk_bytes), "grpc", llm=make_llm(c, tmp, c.ref_graphs))
+        prompts, ref_tokens, top2 = reference(pre.llm, c)
         dec = DecodeWorker({}, ReceiverConfig(max_streams=max(8, c.prompts)), "grpc", llm=make_llm(c, tmp, c.graphs))
         runs = {name: handoff(pre, dec, prompts, c, held=name == "held") for name in ("layer-wise", "held")}
         bare = min(bare_grpc(pre.sender.layout, prompts, c.chunk_bytes) for _ in range(2))
