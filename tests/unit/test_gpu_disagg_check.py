@@ -35,9 +35,11 @@ def test_handoff_over_grpc_equals_one_engine_and_leaks_nothing(tmp_path, monkeyp
     assert not [t for t in threading.enumerate() if t.name.startswith("kv-push")], "push threads left"
 
 
-def test_bf16_reports_the_first_divergence_and_its_top2_gap():
+def test_divergences_are_reported_with_the_top2_gap():
     c = Check("tiny", dtype="bfloat16")
     top2 = [torch.tensor([[3.0, 1.0], [2.0, 1.5], [1.0, 0.0]])] * 2
     assert compare(c, [[1, 2, 3], [4, 5, 6]], top2, [[1, 2, 3], [4, 5, 6]]) == {"equal": True, "compared": 6}
     r = compare(c, [[1, 2, 3], [4, 5, 6]], top2, [[1, 2, 3], [4, 9, 6]])
     assert not r["equal"] and r["first_divergence"] == {"prompt": 1, "position": 1, "top2_gap": 0.5}
+    f32 = compare(Check("tiny", dtype="float32"), [[1, 2, 3]], top2[:1], [[1, 9, 3]])  # gap 0.5: no near-tie
+    assert not f32["equal"] and "not a near-tie" in f32["first_divergence"]
