@@ -99,7 +99,10 @@ class LLM:
             install_sparse(self.backend, self.allocator, self.tables, self.sparse_attention)
         self.runner = (ModelRunner(self.model, self.backend, page_size) if not parallel else
                        make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device))
-        self.decode_graphs = None if parallel else attach_graphs(self.runner, max_num_seqs, self.max_model_len, decode_graphs)
+        spec_cfg = SpeculativeConfig.of(speculative)
+        verify_len = spec_cfg.max_draft + 1 if spec_cfg is not None else 0  # verify steps get graphs too
+        self.decode_graphs = None if parallel else attach_graphs(self.runner, max_num_seqs, self.max_model_len,
+                                                                 decode_graphs, verify_len)
         eos = tuple(c.eos_token_ids) or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.scheduler = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                                    self.tables, eos)
@@ -115,7 +118,6 @@ class LLM:
                                             prefix_salt(self.fingerprint, self.kv_spec.signature(), page_size))
             self.scheduler.prefix = PrefixSharing(self.prefix_cache, self.tables, self._prefix_cacheable)
         self.spec = None  # draft-verify decoding (engine/spec_decode), when configured
-        spec_cfg = SpeculativeConfig.of(speculative)
         if spec_cfg is not None:
             from engine.spec_decode.step import SpecDecoder, SpecHost
 

@@ -70,7 +70,7 @@ def test_graphs_bf16_equal_static_eager(gqa):
 
 def test_no_host_sync_in_static_step(gqa):
     llm = _llm(gqa, dtype="bfloat16", device="cuda", decode_graphs="static")
-    bucket = llm.decode_graphs.buckets[4]
+    bucket = llm.decode_graphs.buckets[4, 1]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

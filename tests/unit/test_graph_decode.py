@@ -101,7 +101,7 @@ def test_no_host_sync_inside_the_static_step(gqa_dir, monkeypatch):
     graphs = llm.decode_graphs
     llm.add_request(_prompts()[2], GREEDY)
     llm.step()  # the prompt
-    bucket = graphs.buckets[1]
+    bucket = graphs.buckets[1, 1]
     with monkeypatch.context() as m:
         spy = _SyncDetector(m)
         graphs._forward(bucket)  # what a CUDA graph would capture
@@ -130,4 +130,24 @@ def test_int8_pages_on_the_triton_path_equal_the_torch_path(gqa_dir, monkeypatch
     assert llm.backend.triton_paged and llm.decode_graphs is not None and llm.backend.ragged_decode
     got = llm.generate(_prompts(), GREEDY)
     assert_greedy_equal([o.token_ids for o in ref], [o.token_ids for o in got], [torch.stack(o.logits) for o in ref])
+    assert_engine_empty(llm)
+
+
+def test_verify_steps_take_the_static_step_and_stay_lossless(gqa_dir, monkeypatch, reference):
+    """Draft-verify with the static step: verify rows (1 + k tokens, fewer drafts padded to the bucket's
+    q_len) and plain rows in one static batch; the float32 greedy tokens equal plain decoding's."""
+    spec = {"proposer": "ngram", "max_draft": 3, "gate": False}
+    llm = _engine(gqa_dir, monkeypatch, "triton", decode_graphs="static", speculative=spec)
+    graphs = llm.decode_graphs
+    assert graphs.verify_len == 4 and (1, 4) in graphs.buckets
+    qlens = []
+    real = graphs.execute
+    graphs.execute = lambda batch: (qlens.append(graphs._qlen(batch)), real(batch))[1]
+    prompts = [p * 3 for p in _prompts()[:3]]  # repeats: the n-gram proposer finds drafts
+    ref = _engine(gqa_dir, monkeypatch, "torch", keep_logits=True)
+    want = ref.generate(prompts, GREEDY)
+    got = llm.generate(prompts, GREEDY)
+    assert_greedy_equal([o.token_ids for o in want], [o.token_ids for o in got], [torch.stack(o.logits) for o in want])
+    assert 4 in qlens and 1 in qlens, qlens  # verify steps and plain steps both ran static
+    assert llm.spec_stats()["num_spec_steps"] > 0
     assert_engine_empty(llm)

@@ -1,12 +1,13 @@
 """Decode steps at static shapes: one CUDA graph per batch-size bucket, captured once at engine start.
 
-Who calls it: `ModelRunner.execute` hands it every step batch `takes()` accepts (one new token per row, a
-whole model in this process, Triton paged attention, no sparse/observed/windowed attention, no layer hooks);
-other steps (prefill, verify, ...) run eagerly as before.
+Who calls it: `ModelRunner.execute` hands it every step batch `takes()` accepts (one new token per row, or
+up to 1 + k verify tokens per row when the engine drafts; a whole model in this process, Triton paged
+attention, no sparse/observed/windowed attention, no layer hooks); other steps (prefill chunks, ...) run
+eagerly as before.
 
-Per bucket of `b` rows, one int64 device buffer holds every input (ids, positions, write slots, context
-lengths: b each; then the page table, column-major so the first P pages of every row are its first P x b
-values). A step fills the pinned host mirror, copies the used prefix in one non-blocking transfer, replays
+Per bucket of `b` rows and `q` query tokens a row (1 for decode; 1 + k for verify, rows with fewer drafts
+padded), one int64 device buffer holds every input (ids, positions, write slots: b x q each; context lengths:
+b; then the page table, column-major so the first P pages of every row are its first P x b values). A step fills the pinned host mirror, copies the used prefix in one non-blocking transfer, replays
 the graph (or, eagerly, calls the same `_forward`), then samples from the bucket's static logits: greedy
 rows by an argmax on the GPU (only their token ids come back), others on the CPU (engine/sampler.py).
 Padding rows have context length 0 (the kernel skips them) and write their K/V into the backend's scratch
@@ -30,54 +31,70 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 @dataclass
 class _Bucket:
     rows: int
-    dev: torch.Tensor  # [4 * rows + rows * max_pages] int64 on the device
+    qlen: int  # query tokens per row: 1 (decode) or 1 + k (verify; rows with fewer padded)
+    dev: torch.Tensor  # [3 * rows * qlen + rows + rows * max_pages] int64 on the device
     host: torch.Tensor  # its pinned mirror on the host
     splits: int
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
-    logits: torch.Tensor | None = None  # [rows, vocab] float32, written by each replay
+    logits: torch.Tensor | None = None  # [rows * qlen, vocab] float32, written by each replay
 
     def views(self, max_pages: int):
-        b = self.rows
-        d = self.dev
-        table = d[4 * b:].view(max_pages, b).t()  # [b, max_pages], column-major
-        return d[:b], d[b:2 * b], d[2 * b:3 * b], d[3 * b:4 * b], table
+        """ids, positions, write slots [rows * qlen]; lengths [rows]; page table [rows, max_pages]."""
+        t, b, d = self.rows * self.qlen, self.rows, self.dev
+        table = d[3 * t + b:].view(max_pages, b).t()  # column-major: the first P pages of all rows lead
+        return d[:t], d[t:2 * t], d[2 * t:3 * t], d[3 * t:3 * t + b], table
 
 
 class GraphDecode:
-    def __init__(self, model, backend, page_size: int, max_batch: int, max_model_len: int, use_graphs: bool = True):
+    def __init__(self, model, backend, page_size: int, max_batch: int, max_model_len: int, use_graphs: bool = True,
+                 verify_len: int = 0):
         self.model, self.backend, self.page_size = model, backend, page_size
         self.device = model.device
         self.max_pages = -(-max_model_len // page_size)
         self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.verify_len = verify_len  # 1 + the most drafts a verify row brings (0: no verify graphs)
         from engine.kernels.cuda.paged_attention import num_splits  # imports triton: only where it runs
 
         sizes = [b for b in BUCKETS if b < max_batch] + [max_batch]
         kv_heads = backend.spec.num_kv_heads
         pin = self.device.type == "cuda"
-        self.buckets: dict[int, _Bucket] = {}
-        for b in sizes:
-            n = 4 * b + b * self.max_pages
-            self.buckets[b] = _Bucket(b, torch.zeros(n, dtype=torch.long, device=self.device),
-                                      torch.zeros(n, dtype=torch.long, pin_memory=pin),
-                                      num_splits(b, kv_heads, max_model_len, backend._sm_count))
+        self.buckets: dict[tuple[int, int], _Bucket] = {}
+        for qlen in [1] + ([verify_len] if verify_len > 1 else []):
+            for b in sizes:
+                n = 3 * b * qlen + b + b * self.max_pages
+                self.buckets[b, qlen] = _Bucket(b, qlen, torch.zeros(n, dtype=torch.long, device=self.device),
+                                                torch.zeros(n, dtype=torch.long, pin_memory=pin),
+                                                num_splits(b, kv_heads, max_model_len, backend._sm_count))
+        self.max_rows = max_batch
         self.capture_s = 0.0
         self.pool = None
         self._copied = None  # CUDA event: the last upload from the pinned mirror finished
 
     # ---- eligibility --------------------------------------------------------------------------
     def takes(self, batch: StepBatch) -> bool:
-        if batch.observe or batch.sparse or self.backend.sparse is not None or len(batch.seqs) > max(self.buckets):
+        """Plain decode rows (one token, logits at it); with verify graphs also verify rows (up to
+        `verify_len` tokens, logits at each), each row's page table within the static width."""
+        if batch.observe or batch.sparse or self.backend.sparse is not None or len(batch.seqs) > self.max_rows:
+            return False
+        qlen = self._qlen(batch)
+        if not qlen:
             return False
         for s in batch.seqs:
-            if len(s.token_ids) != 1 or s.logits_at != [0] or s.num_cached // self.page_size >= self.max_pages:
+            n = len(s.token_ids)
+            if s.logits_at != list(range(n)) or (s.num_cached + qlen - 1) // self.page_size >= self.max_pages:
                 return False
         return True
 
+    def _qlen(self, batch: StepBatch) -> int:
+        most = max(len(s.token_ids) for s in batch.seqs)
+        return 1 if most == 1 else (self.verify_len if 1 < most <= self.verify_len else 0)
+
     # ---- the static step --------------------------------------------------------------------
     def _forward(self, bk: _Bucket) -> torch.Tensor:
-        """The step the graph captures: [rows, vocab] float32 logits from the bucket's static inputs."""
+        """The step the graph captures: [rows * qlen, vocab] float32 logits from the bucket's static inputs."""
         ids, pos, slots, lens, table = bk.views(self.max_pages)
-        group = AttnGroup(0, bk.rows, bk.rows, 1, [], [self.max_pages * self.page_size] * bk.rows, table, None,
+        t = bk.rows * bk.qlen
+        group = AttnGroup(0, t, bk.rows, bk.qlen, [], [self.max_pages * self.page_size] * bk.rows, table, None,
                           False, lens=lens, splits=bk.splits)
         ctx = AttentionContext(slots, [group], self.model.scale)
         return self.model.logits(self.model.forward(ids, pos, ctx, self.backend))
@@ -86,7 +103,7 @@ class GraphDecode:
     def capture(self) -> float:
         """Warm up every bucket (Triton compiles here) and, on CUDA, capture its graph; seconds taken."""
         t0 = time.perf_counter()
-        for bk in sorted(self.buckets.values(), key=lambda x: -x.rows):  # largest first: one memory pool
+        for bk in sorted(self.buckets.values(), key=lambda x: -x.rows * x.qlen):  # largest first: one pool
             self._pad(bk, 0)
             bk.dev.copy_(bk.host)
             if not self.use_graphs:
@@ -107,32 +124,40 @@ class GraphDecode:
         return self.capture_s
 
     def _pad(self, bk: _Bucket, n: int) -> None:
-        """Rows n.. of the host mirror as padding: id 0, position 0, the scratch slot, length 0."""
-        b = bk.rows
-        h = bk.host
-        h[n:b] = 0
-        h[b + n:2 * b] = 0
-        h[2 * b + n:3 * b] = self.backend.scratch_slot
-        h[3 * b + n:4 * b] = 0
+        """Rows n.. of the host mirror as padding: ids 0, positions 0, the scratch slot, length 0."""
+        t, b, h = bk.rows * bk.qlen, bk.rows, bk.host
+        q = bk.qlen
+        h[n * q:t] = 0
+        h[t + n * q:2 * t] = 0
+        h[2 * t + n * q:3 * t] = self.backend.scratch_slot
+        h[3 * t + n:3 * t + b] = 0
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput:
-        n = len(batch.seqs)
-        bk = self.buckets[min(b for b in self.buckets if b >= n)]
-        b, ps = bk.rows, self.page_size
+        n, qlen = len(batch.seqs), self._qlen(batch)
+        bk = self.buckets[min(b for b, q in self.buckets if b >= n and q == qlen), qlen]
+        b, ps, t = bk.rows, self.page_size, bk.rows * qlen
         if self._copied is not None:  # the last step's upload must be done before its host rows change
             self._copied.synchronize()
-        pages = max(s.num_cached // ps + 1 for s in batch.seqs)  # page-table columns in use
+        pages = max((s.num_cached + qlen - 1) // ps + 1 for s in batch.seqs)  # page-table columns in use
         h = bk.host.numpy()
-        table = h[4 * b:4 * b + pages * b].reshape(pages, b)
+        self._pad(bk, n)
+        table = h[3 * t + b:3 * t + b + pages * b].reshape(pages, b)
         table[:] = 0
         for r, s in enumerate(batch.seqs):
-            used = s.num_cached // ps + 1
-            h[r], h[b + r], h[3 * b + r] = s.token_ids[0], s.position_start, s.num_cached + 1
-            h[2 * b + r] = s.pages[used - 1] * ps + s.num_cached % ps
+            k, base = len(s.token_ids), r * qlen
+            h[base + k:base + qlen], h[t + base + k:t + base + qlen] = 0, 0  # a verify row's unused queries
+            h[2 * t + base + k:2 * t + base + qlen] = self.backend.scratch_slot
+            h[base:base + k] = s.token_ids
+            h[t + base:t + base + k] = range(s.position_start, s.position_start + k)
+            h[2 * t + base:2 * t + base + k] = [s.pages[j // ps] * ps + j % ps
+                                               for j in range(s.num_cached, s.num_cached + k)]
+            # query qi sees keys [0, length - (qlen - 1 - qi)): the row's real queries see exactly their
+            # causal prefix; padded queries (their K/V went to the scratch page) see more and are ignored
+            h[3 * t + r] = s.num_cached + qlen
+            used = min(len(s.pages), pages)
             table[:used, r] = s.pages[:used]
-        self._pad(bk, n)
-        end = 4 * b + pages * b
+        end = 3 * t + b + pages * b
         bk.dev[:end].copy_(bk.host[:end], non_blocking=True)
         if self.use_graphs:
             self._copied = torch.cuda.Event()
@@ -142,30 +167,40 @@ class GraphDecode:
             logits = bk.logits
         else:
             logits = self._forward(bk)
-        return StepOutput(self._results(batch, logits[:n]))
+        return StepOutput(self._results(batch, logits, qlen))
 
-    def _results(self, batch: StepBatch, logits: torch.Tensor) -> list[SeqResult]:
+    def _results(self, batch: StepBatch, logits: torch.Tensor, qlen: int) -> list[SeqResult]:
+        """logits: the bucket's [rows * qlen, vocab]; each row's logits rows copied out (the buffer is the
+        next replay's), sampling rows sampled."""
         results = [SeqResult(s.request_id) for s in batch.seqs]
         if batch.return_logits:
-            for i, r in enumerate(results):
-                r.logits = logits[i:i + 1].clone()
+            index = [r * qlen + j for r, s in enumerate(batch.seqs) for j in s.logits_at]
+            picked = logits[torch.tensor(index, device=logits.device)] if qlen > 1 else logits[:len(index)].clone()
+            at = 0
+            for r, s in zip(results, batch.seqs):
+                r.logits = picked[at:at + len(s.logits_at)]
+                at += len(s.logits_at)
         rows = [i for i, s in enumerate(batch.seqs) if s.sample is not None]
         if rows:
-            every = len(rows) == len(results)
-            tokens = sample_batch(logits if every else logits[rows], [batch.seqs[i].sample for i in rows])
-            for i, t in zip(rows, tokens):
-                results[i].sampled = t
+            last = [i * qlen + batch.seqs[i].logits_at[-1] for i in rows]
+            every = last == list(range(len(batch.seqs)))
+            chosen = logits[:len(rows)] if every else logits[torch.tensor(last, device=logits.device)]
+            tokens = sample_batch(chosen, [batch.seqs[i].sample for i in rows])
+            for i, tok in zip(rows, tokens):
+                results[i].sampled = tok
         return results
-
 
 MODES = ("auto", "static", "off")
 
 
-def attach(runner, max_num_seqs: int, max_model_len: int, mode: str = "auto") -> GraphDecode | None:
+def attach(runner, max_num_seqs: int, max_model_len: int, mode: str = "auto", verify_len: int = 0
+           ) -> GraphDecode | None:
     """Give `runner` static-shape decode steps where they run: "auto" captures CUDA graphs on CUDA when
     attention takes the Triton path; "static" runs the same static step eagerly (any device: the CPU tests,
     or an eager comparison on the GPU); "off" (or a model or KV format the step does not cover) keeps every
-    step eager. Captures at once (the Triton compiles too) and records the seconds in `capture_s`."""
+    step eager. `verify_len` (1 + the speculative config's most drafts): verify steps get graphs too, rows
+    with fewer drafts padded. Captures at once (the Triton compiles too) and records the seconds in
+    `capture_s`."""
     from engine.errors import InvalidRequestError
     from engine.kv_cache.backend import RawKVBackend
     from engine.kv_cache.quantized import QuantizedKVBackend
@@ -179,7 +214,8 @@ def attach(runner, max_num_seqs: int, max_model_len: int, mode: str = "auto") ->
         return None
     if mode == "auto" and model.device.type != "cuda":
         return None
-    graphs = GraphDecode(model, backend, runner.page_size, max_num_seqs, max_model_len, use_graphs=mode == "auto")
+    graphs = GraphDecode(model, backend, runner.page_size, max_num_seqs, max_model_len, use_graphs=mode == "auto",
+                         verify_len=verify_len)
     graphs.capture()
     runner.graphs = graphs
     return graphs
