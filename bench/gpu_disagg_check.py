@@ -171,8 +171,8 @@ def bare_grpc(layout: codec.TransferLayout, prompts: list[list[int]], chunk: int
         t0 = time.perf_counter()
         list(pool.map(lambda f: transport.push(server.address, iter(f), SenderConfig(chunk_bytes=chunk)), streams))
         seconds = time.perf_counter() - t0
+    transport.close()  # (the client first: a server stopping under an open channel logs a GOAWAY)
     server.stop()
-    transport.close()
     return seconds
 
 
