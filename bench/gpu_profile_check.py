@@ -147,8 +147,8 @@ def table(result: dict) -> str:
              "| source | phase | row | measured ms | predicted ms | predicted / measured | within |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['source']} | {r['phase']} | {r['label']} | {r['measured_ms']:.3f} | {r['predicted_ms']:.3f} "
-                     f"| {r['ratio']:.3f} | {'yes' if r['within'] else 'NO'} |")
+        lines.append(f"| {r['source']} | {r['phase']} | {r['label']} | {r['measured_ms']:.3f} | "
+                     f"{r['predicted_ms']:.3f} | {r['ratio']:.3f} | {'yes' if r['within'] else 'NO'} |")
     lines += [f"warning: {w}" for w in result.get("warnings", [])]
     ratios = [r["ratio"] for r in result["rows"]]
     bad = sum(not r["within"] for r in result["rows"])

@@ -19,9 +19,11 @@ nothing there), the `gpu` grid (prefill steps of 512-8192 tokens, decode batches
 grids (`GPU_GRIDS`: the step's token budget) time each prefill point once untimed first (Triton and
 cuBLAS pick kernels per shape), prefill a decode point's prompts over as many steps as its budget takes,
 skip `DECODE_SKIP` decode steps, read each step's context from the engine's requests, keep one point per
-decode batch (the median step at the median context), and abort the rows after the timed steps. `--model random:<deploy/models name>` profiles that shape with random weights made
-on the device (`random_model.py`: a GPU machine without model files); `--model DIR` any model directory.
-`gpu-tiny` is the same path at tiny sizes (CPU dry runs, tests).
+decode batch (the median step at the median context), and abort the rows after the timed steps.
+`--model random:<deploy/models name>` profiles that shape with random weights made on the device
+(`random_model.py`: a GPU machine without model files); `--model DIR` any model directory; with `--model`
+the spec is optional (the GPU machine has no pydantic to read one). `gpu-tiny` is the same path at tiny
+sizes (CPU dry runs, tests).
 """
 from __future__ import annotations
 
@@ -185,11 +187,11 @@ def _engine_for(spec_path: str | None, grid: str, device: str = "cpu", model: st
     return spec, LLM(model=model, revision=revision, dtype=spec.dtype, device=device, **kw)
 
 
-def _corun(spec, rounds: int) -> dict:
+def _corun(spec, rounds: int, model: str | None = None) -> dict:
     from cluster.planner.corun import measure_corun
 
     print(f"co-run interference: {rounds} rounds (decode and prefill steps beside an idle core, decode, prefill)")
-    entry = measure_corun(spec.model, spec.dtype, rounds)
+    entry = measure_corun(model or spec.model, spec.dtype, rounds)
     for key, f in entry["slowdown"].items():
         lo, hi = entry["spread"][key]
         print(f"  {key}: x{f:.3f} (rounds {lo:.2f}-{hi:.2f}; wall x{entry['wall_slowdown'][key]:.3f})")
@@ -333,7 +335,7 @@ def run_profile(args: argparse.Namespace) -> int:
         "tp": {"1": {"prefill": list(pf.coeffs), "decode": list(df.coeffs),
                      "fit": {"prefill": pf.as_dict(), "decode": df.as_dict()}}},
         "measurements": {"prefill": [list(p) for p in prefill_pts], "decode": [list(p) for p in decode_pts]},
-        **({"corun": _corun(spec, args.corun_rounds)} if corun else {}),
+        **({"corun": _corun(spec, args.corun_rounds, model)} if corun else {}),
         "notes": _notes(args, grid, clock, device, start),
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,9 @@ def test_gpu_grid_path_on_cpu(tiny_deploy):
 
 
 def test_options_keep_cpu_defaults():
-    ns = lambda **kw: argparse.Namespace(**{"spec": "s.yaml", "grid": None, "clock": None, "device": "cpu", **kw})  # noqa: E731
+    def ns(**kw):
+        return argparse.Namespace(**{"spec": "s.yaml", "grid": None, "clock": None, "device": "cpu", **kw})
+
     assert profiler.resolve_options(ns()) == ("cpu", "small", "cpu", None)
     assert profiler.resolve_options(ns(device="cuda", clock="cpu"))[3].startswith("--clock cpu")
     assert profiler.resolve_options(ns(device="tpu"))[3]
