@@ -62,10 +62,11 @@ DECODE_SKIP = 2  # GPU grids: untimed decode steps at each decode point
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
-def cuda_sync() -> None:
+def cuda_sync(device: str = "cuda"):
+    """A callable that waits for everything queued on `device`."""
     import torch
 
-    torch.cuda.synchronize()
+    return lambda: torch.cuda.synchronize(device)
 
 
 def _timed_step(llm, clock, sync) -> float:
@@ -81,7 +82,7 @@ def _timed_step(llm, clock, sync) -> float:
 def _run_batch(llm, lengths: list[int], decode_steps: int, rng: random.Random, clock=time.process_time,
                sync=None, budget: int | None = None):
     """Time one prefill step of `lengths` and `decode_steps` decode steps; returns both measurements.
-    `sync`: called before and after each timed step (`cuda_sync` on a GPU). `budget` (GPU grids): the
+    `sync`: called before and after each timed step (`cuda_sync(device)` on a GPU). `budget` (GPU grids): the
     step's token budget; the prompts may then take several steps, `DECODE_SKIP` decode steps go untimed and
     the rows are aborted after the timed ones (`_run_gpu_decodes`)."""
     from engine import SamplingParams
@@ -316,7 +317,7 @@ def run_profile(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         print(f"profiling {model} ({spec.dtype}), " + (f"{device}, wall clock synchronised per step" if gpu else
                                                        "one torch thread") + f", grid {grid}", flush=True)
-        prefill_pts, decode_pts = measure(llm, grid, args.repeats, CLOCKS[clock], sync=cuda_sync if gpu else None)
+        prefill_pts, decode_pts = measure(llm, grid, args.repeats, CLOCKS[clock], sync=cuda_sync(device) if gpu else None)
         del llm
     pf, df = fit_prefill(prefill_pts), fit_decode(decode_pts)
     for name, f in (("prefill", pf), ("decode", df)):
