@@ -317,7 +317,8 @@ def run_profile(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         print(f"profiling {model} ({spec.dtype}), " + (f"{device}, wall clock synchronised per step" if gpu else
                                                        "one torch thread") + f", grid {grid}", flush=True)
-        prefill_pts, decode_pts = measure(llm, grid, args.repeats, CLOCKS[clock], sync=cuda_sync(device) if gpu else None)
+        sync = cuda_sync(device) if gpu else None
+        prefill_pts, decode_pts = measure(llm, grid, args.repeats, CLOCKS[clock], sync=sync)
         del llm
     pf, df = fit_prefill(prefill_pts), fit_decode(decode_pts)
     for name, f in (("prefill", pf), ("decode", df)):
