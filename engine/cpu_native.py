@@ -43,7 +43,8 @@ SIGNATURES = {
                                                             _F, _P, _P])},
     "decode_attention_bf16": {"pd_decode_work_bytes": (_I, [_I, _I]),
                               "pd_decode_attention_bf16": (None, [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F, _P,
-                                                                  _P])},
+                                                                  _P]),
+                              "pd_quest_bounds_bf16": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P])},
     "swiglu_bf16": {"pd_swiglu_bf16": (None, [_P, _I, _I, _P])},
 }
 

@@ -27,6 +27,15 @@
 
 static const uint16_t ZERO_ROW[DIM] __attribute__((aligned(64))) = {0};
 
+/* Software prefetch of the K / V rows AHEAD slots on. Why: a slot's row of one KV head is 128 bytes, and a
+ * sparse choice (most of all one per KV head) jumps between scattered pages every 16 slots, too often
+ * for the hardware prefetcher to ramp up; the loads then wait on memory one page at a time. */
+#define AHEAD 16
+static inline void prefetch_row(const uint16_t *row) {
+    _mm_prefetch((const char *)row, _MM_HINT_T0);
+    _mm_prefetch((const char *)(row + 32), _MM_HINT_T0);
+}
+
 int64_t pd_decode_work_bytes(int64_t max_ctx, int64_t heads) {
     int64_t keys = round_up(max_ctx, 16);
     return keys * 8 + heads * keys * 4 + 2 * heads * keys * 2 + 4 * 64;
@@ -57,6 +66,7 @@ static void scores(const uint16_t *qh, const uint16_t *k_pool, const int64_t *sl
     __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < keys; t0 += 16) {
         __m512 a[16];
+        for (int64_t t = t0 + AHEAD; t < t0 + AHEAD + 16 && t < n; t++) prefetch_row(k_pool + slot_off[t] + g_off);
 #pragma GCC unroll 16
         for (int j = 0; j < 16; j++) {
             const uint16_t *k = t0 + j < n ? k_pool + slot_off[t0 + j] + g_off : ZERO_ROW;
@@ -96,6 +106,10 @@ static inline __attribute__((always_inline)) void weighted_sum(
     for (int h = 0; h < NH; h++)
         for (int k = 0; k < 4; k++) acc[h][k] = _mm512_setzero_ps();
     for (int64_t m = 0; 2 * m < n; m++) {
+        if (2 * m + AHEAD + 1 < n) {
+            prefetch_row(v_pool + slot_off[2 * m + AHEAD] + g_off);
+            prefetch_row(v_pool + slot_off[2 * m + AHEAD + 1] + g_off);
+        }
         const uint16_t *va = v_pool + slot_off[2 * m] + g_off;
         const uint16_t *vb = 2 * m + 1 < n ? v_pool + slot_off[2 * m + 1] + g_off : ZERO_ROW;
         __m512i a0 = _mm512_loadu_si512((const void *)va), a1 = _mm512_loadu_si512((const void *)(va + 32));
@@ -166,5 +180,67 @@ void pd_decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const u
                 }
             }
         }
+    }
+}
+
+/* Quest page bounds for sparse attention's choice (engine/kv_cache/sparse_kernels.py), per row b, KV head
+ * h and page j in [first[b], stop[b]) of the row's table: over the KV head's query heads, the max (or, where
+ * gqa_sum[b], the sum) of q+ . max + q- . min (q+ / q-: the query's positive / negative parts, exact in
+ * bf16; two vdpbf16ps each for max and min). Rows with row_mode[b] also get the sum over KV heads.
+ * Why here: the numba loop spent more than the paged attention itself on these 128-value dot products (one
+ * horizontal sum each); here 16 pages' sums come out of one shuffle tree (sum_lanes16).
+ * Layouts: q [rows][heads][64]; lo, hi [num_pages][kv_heads][64] (one layer's page summaries); page_index
+ * [rows][page_cols]; score [rows][kv_heads + 1][page_cols] float32 (only the pages in range are written).
+ * Query heads per KV head: at most 16. */
+void pd_quest_bounds_bf16(const uint16_t *q, const uint16_t *lo, const uint16_t *hi, const int64_t *page_index,
+                          int64_t page_cols, int64_t rows, int64_t heads, int64_t kv_heads, const int64_t *first,
+                          const int64_t *stop, const uint8_t *gqa_sum, const uint8_t *row_mode, float *score) {
+    int64_t group = heads / kv_heads;
+    uint16_t qp[16][DIM] __attribute__((aligned(64))), qn[16][DIM] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < rows; b++) {
+        int64_t a0 = first[b], z = stop[b];
+        if (a0 >= z) continue;
+        const int64_t *pages = page_index + b * page_cols;
+        float *sb = score + b * (kv_heads + 1) * page_cols;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t g = 0; g < group; g++)
+                for (int d = 0; d < DIM; d++) {
+                    uint16_t x = q[(b * heads + h * group + g) * DIM + d];
+                    qp[g][d] = (x & 0x8000) ? 0 : x;
+                    qn[g][d] = (x & 0x8000) ? x : 0;
+                }
+            for (int64_t j0 = a0; j0 < z; j0 += 16) {
+                int cnt = z - j0 < 16 ? (int)(z - j0) : 16;
+                for (int64_t j = j0 + 16; j < j0 + 32 && j < z; j++) {
+                    prefetch_row(lo + (pages[j] * kv_heads + h) * DIM);
+                    prefetch_row(hi + (pages[j] * kv_heads + h) * DIM);
+                }
+                __m512 best = _mm512_setzero_ps();
+                for (int64_t g = 0; g < group; g++) {
+                    __m512bh p0 = (__m512bh)_mm512_load_si512((const void *)qp[g]);
+                    __m512bh p1 = (__m512bh)_mm512_load_si512((const void *)(qp[g] + 32));
+                    __m512bh n0 = (__m512bh)_mm512_load_si512((const void *)qn[g]);
+                    __m512bh n1 = (__m512bh)_mm512_load_si512((const void *)(qn[g] + 32));
+                    __m512 acc[16];
+#pragma GCC unroll 16
+                    for (int i = 0; i < 16; i++) {  /* past the range: the last page again (not stored) */
+                        int64_t off = (pages[j0 + (i < cnt ? i : cnt - 1)] * kv_heads + h) * DIM;
+                        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), p0, (__m512bh)_mm512_loadu_si512((const void *)(hi + off)));
+                        s = _mm512_dpbf16_ps(s, p1, (__m512bh)_mm512_loadu_si512((const void *)(hi + off + 32)));
+                        s = _mm512_dpbf16_ps(s, n0, (__m512bh)_mm512_loadu_si512((const void *)(lo + off)));
+                        acc[i] = _mm512_dpbf16_ps(s, n1, (__m512bh)_mm512_loadu_si512((const void *)(lo + off + 32)));
+                    }
+                    __m512 v = sum_lanes16(acc);
+                    best = g == 0 ? v : gqa_sum[b] ? _mm512_add_ps(best, v) : _mm512_max_ps(best, v);
+                }
+                _mm512_mask_storeu_ps(sb + h * page_cols + j0, (__mmask16)((1u << cnt) - 1), best);
+            }
+        }
+        if (row_mode[b])
+            for (int64_t j = a0; j < z; j++) {
+                float t = 0.0f;
+                for (int64_t h = 0; h < kv_heads; h++) t += sb[h * page_cols + j];
+                sb[kv_heads * page_cols + j] = t;
+            }
     }
 }

@@ -143,12 +143,9 @@ def _plan(cfgs: Rows, page_index: torch.Tensor, ctx_lens: list[int], ps: int) ->
             "last": (npg - 1).view(b, 1, 1), "tail": (torch.tensor(ctx_lens).view(b, 1) - (npg - 1) * ps).view(b, 1, 1),
             "keep": None, "row_mode": None, "all_row": all(per_row),
             "gqa": _SUM if all(sums) else _MAX, "gqa_sum": None}
-    plan["rows_np"] = {  # the same per row for the CPU kernel (sparse_kernels.select_pages)
-        "n_pages": np.array(n_pages, np.int64), "s_row": np.array(s_row, np.int64),
-        "sinks": sinks.view(-1).numpy(), "first_recent": first_recent.view(-1).numpy(),
-        "tail": plan["tail"].view(-1).numpy(),
-        "row_mode": np.array([c is not None and c.select_per == "row" for c in cfgs]),
-        "gqa_sum": np.array([c is not None and c.gqa == "sum" for c in cfgs])}
+    plan["rows_np"] = sparse_kernels.row_numbers(  # the same per row for the CPU kernel
+        n_pages, s_row, sinks.view(-1).tolist(), first_recent.view(-1).tolist(), plan["tail"].view(-1).tolist(),
+        [c is not None and c.select_per == "row" for c in cfgs], [c is not None and c.gqa == "sum" for c in cfgs])
     if any(sr < min(s, n) for sr, n in zip(s_row, n_pages)):
         plan["keep"] = torch.tensor(s_row).view(b, 1, 1)
     if any(per_row):

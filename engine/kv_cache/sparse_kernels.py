@@ -1,10 +1,11 @@
-"""Sparse attention's page choice on CPU in one compiled call per layer: Quest bounds, top-k and the paged
-kernel's tables, for bf16 page summaries (numba).
+"""Sparse attention's page choice on CPU in compiled code per layer: Quest bounds (C with AVX512-BF16 at
+head_dim 64, `pd_quest_bounds_bf16` in csrc/decode_attention_bf16.c; numba otherwise), then top-k and the
+paged kernel's tables (numba), for bf16 page summaries.
 
 Who calls it: `sparse.select` for bf16 summaries on CPU (the torch path beside it, `sparse.select(...,
 kernel=False)`, is the reference the tests compare against). Per step `sparse._plan` makes the per-row
-numbers (`rows_np`); per layer `select_pages` runs the kernel and hands back a `sparse.Selection` whose
-`lens` are the paged kernel's slot counts.
+numbers (`row_numbers`); per layer `select_pages` runs the kernels and hands back a `sparse.Selection`
+whose `lens` are the paged kernel's slot counts.
 
 Why: the torch path spends ~10 tensor ops per layer on a [rows, pages, kv_heads] score tensor (masks, topk,
 sort, gathers), ~0.2-0.3 ms a layer at 8 rows x 8k context, about as much as reading the chosen pages;
@@ -28,6 +29,7 @@ import functools
 import numpy as np
 import torch
 
+from engine import cpu_attention
 from engine.cpu_kernels import _bf16_to_f32, _jit, bits
 
 
@@ -56,32 +58,47 @@ def _kth_largest(vals, m, k):
     return vals[target]
 
 
+def row_numbers(n_pages: list[int], s_row: list[int], sinks: list[int], first_recent: list[int], tail: list[int],
+                row_mode: list[bool], gqa_sum: list[bool]) -> dict:
+    """The per-row numbers of a step (`sparse._plan` calls this once per step) as the kernels' arrays: the
+    pages scored, [first, stop) (the rest of the row is forced in: sinks and recent window), and how many
+    of them are chosen by score (`by_score`; every scored page where the budget covers them, and none
+    scored at all for rows that read every page)."""
+    first, stop, by_score = [], [], []
+    for n, s, sk, fr in zip(n_pages, s_row, sinks, first_recent):
+        a = min(sk, n)
+        z = max(fr, a)
+        k = max(0, s - a - (n - z))
+        if s >= n or k >= z - a:  # every page: nothing to score
+            a, z, k = 0, 0, 0
+        first.append(a)
+        stop.append(z)
+        by_score.append(k)
+    i64 = functools.partial(np.array, dtype=np.int64)
+    return {"n_pages": i64(n_pages), "s_row": i64(s_row), "first": i64(first), "stop": i64(stop),
+            "by_score": i64(by_score), "tail": i64(tail), "row_mode": np.array(row_mode, np.uint8),
+            "gqa_sum": np.array(gqa_sum, np.uint8)}
+
+
 @functools.lru_cache(maxsize=None)
 def _select_kernel(dim: int, group: int):
     """The kernel for one head size and grouped-query ratio (compile-time constants, as the paged
-    attention kernel's: LLVM vectorizes the head_dim loops)."""
+    attention kernel's: LLVM vectorizes the head_dim loops). `scored`: the C kernel has filled `score`
+    already (numba computes the bounds otherwise)."""
 
     @_jit(fastmath=True)
-    def kernel(q, lo, hi, page_index, n_pages, s_row, sinks, first_recent, tail, row_mode, gqa_sum, page_size,
-               out_pages, out_slots, out_lens):
+    def kernel(q, lo, hi, page_index, r_pages, r_first, r_stop, r_k, r_tail, row_mode, gqa_sum, page_size,
+               score, scored, out_pages, out_slots, out_lens):
         rows, kv_heads, width = page_index.shape[0], lo.shape[1], out_pages.shape[2]
         qp = np.empty((group, dim), np.float32)
         qn = np.empty((group, dim), np.float32)
         lrow = np.empty(dim, np.float32)
         hrow = np.empty(dim, np.float32)
-        score = np.zeros((kv_heads + 1, page_index.shape[1]), np.float32)  # [KV head or row sum, page]
         work = np.empty(page_index.shape[1], np.float32)
         for b in range(rows):
-            n = n_pages[b]
-            for h in range(kv_heads):
-                for i in range(width):
-                    out_pages[b, h, i] = 0
-                    out_slots[b, h, i] = 0
-            a, z = min(sinks[b], n), max(first_recent[b], min(sinks[b], n))  # scored: pages [a, z)
-            k = s_row[b] - a - (n - z)  # pages chosen by score
-            if s_row[b] >= n:
-                a, z, k = n, n, 0  # every page (all taken as "forced")
-            if k > 0 and k < z - a:
+            n, a, z, k = r_pages[b], r_first[b], r_stop[b], r_k[b]
+            sb = score[b]  # [kv_heads + 1, P]
+            if z > a and not scored:
                 for h in range(kv_heads):
                     for g in range(group):
                         for d in range(dim):
@@ -102,43 +119,44 @@ def _select_kernel(dim: int, group: int):
                                 best += acc
                             elif g == 0 or acc > best:
                                 best = acc
-                        score[h, j] = best
+                        sb[h, j] = best
                 if row_mode[b]:  # one choice for every KV head: the bounds summed over them
                     for j in range(a, z):
                         t = np.float32(0.0)
                         for h in range(kv_heads):
-                            t += score[h, j]
-                        score[kv_heads, j] = t
-            elif k > 0:
-                k = z - a  # the budget covers every scored page
+                            t += sb[h, j]
+                        sb[kv_heads, j] = t
             for h in range(kv_heads):
                 src = kv_heads if row_mode[b] else h
                 thr = np.float32(0.0)
-                above = 0
-                if 0 < k < z - a:
+                ties = 0
+                if z > a:  # the k-th best score, and how many pages scoring exactly it to take (page order)
                     for j in range(a, z):
-                        work[j - a] = score[src, j]
+                        work[j - a] = sb[src, j]
                     thr = _kth_largest(work, z - a, k)
+                    ties = k
                     for j in range(a, z):
-                        if score[src, j] > thr:
-                            above += 1
-                ties = k - above  # pages scoring exactly the k-th score, taken in page order
+                        if sb[src, j] > thr:
+                            ties -= 1
                 i, total = 0, 0
                 for j in range(n):
-                    take = j < a or j >= z or k >= z - a
-                    if not take and k > 0:
-                        sc = score[src, j]
+                    take = j < a or j >= z
+                    if not take:
+                        sc = sb[src, j]
                         if sc > thr:
                             take = True
                         elif sc == thr and ties > 0:
                             take = True
                             ties -= 1
                     if take and i < width:
-                        filled = tail[b] if j == n - 1 else page_size
+                        filled = r_tail[b] if j == n - 1 else page_size
                         out_pages[b, h, i] = page_index[b, j]
                         out_slots[b, h, i] = filled
                         total += filled
                         i += 1
+                for i2 in range(i, width):
+                    out_pages[b, h, i2] = 0
+                    out_slots[b, h, i2] = 0
                 out_lens[b, h] = total
 
     return kernel
@@ -147,14 +165,23 @@ def _select_kernel(dim: int, group: int):
 def select_pages(rows_np: dict, width: int, lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor,
                  page_index: torch.Tensor, page_size: int):
     """One layer's choice (see the module map): lo/hi [num_pages, kv_heads, D] bf16; q [B, q_heads, D] bf16;
-    page_index [B, P]; rows_np: `sparse._plan`'s per-row arrays; width: S, the most pages a row reads.
+    page_index [B, P]; rows_np: `row_numbers(...)`; width: S, the most pages a row reads.
     -> (pages, slots) [B, kv_heads, S] int64 tensors and lens [B, kv_heads] int64 numpy."""
-    b, kv_heads = page_index.shape[0], lo.shape[1]
+    b, kv_heads, dim = page_index.shape[0], lo.shape[1], q.shape[-1]
+    group = q.shape[1] // kv_heads
     pages = np.empty((b, kv_heads, width), np.int64)
     slots = np.empty((b, kv_heads, width), np.int64)
     lens = np.empty((b, kv_heads), np.int64)
-    kernel = _select_kernel(q.shape[-1], q.shape[1] // kv_heads)
-    r = rows_np
-    kernel(bits(q), bits(lo), bits(hi), page_index.numpy(), r["n_pages"], r["s_row"], r["sinks"], r["first_recent"],
-           r["tail"], r["row_mode"], r["gqa_sum"], page_size, pages, slots, lens)
+    score = np.empty((b, kv_heads + 1, page_index.shape[1]), np.float32)
+    r, table = rows_np, page_index.numpy()
+    qb, lb, hb = bits(q), bits(lo), bits(hi)
+    lib = cpu_attention.native_library()
+    scored = lib is not None and dim == 64 and group <= 16
+    if scored:  # the bounds by the AVX512-BF16 kernel (csrc/decode_attention_bf16.c)
+        table = np.ascontiguousarray(table, dtype=np.int64)
+        lib.pd_quest_bounds_bf16(qb.ctypes.data, lb.ctypes.data, hb.ctypes.data, table.ctypes.data, table.shape[1], b,
+                                 q.shape[1], kv_heads, r["first"].ctypes.data, r["stop"].ctypes.data,
+                                 r["gqa_sum"].ctypes.data, r["row_mode"].ctypes.data, score.ctypes.data)
+    _select_kernel(dim, group)(qb, lb, hb, table, r["n_pages"], r["first"], r["stop"], r["by_score"], r["tail"],
+                               r["row_mode"], r["gqa_sum"], page_size, score, scored, pages, slots, lens)
     return torch.from_numpy(pages), torch.from_numpy(slots), lens
