@@ -15,8 +15,9 @@ thread unpins them. A transport thread authenticates, admits the stream against 
 checksum, records its cells under a small lock (refusing chunks of a transfer that ended or whose lease
 lapsed), and then writes it straight into the pinned pages (token range -> slot runs of this engine's
 page size): those pages are disjoint from everything a decode step reads or writes, so no engine lock
-is needed and the decode step loop pays nothing per chunk. `pump()`, on the engine thread, expires
-leases, fails transfers whose reservation ended, frees (cancel + unpin) failed transfers once no write
+is needed and the decode step loop pays nothing per chunk (device pages: page_io writes them on a copy
+stream of its own, ordered after a fence taken at `reserve()`, and returns once they landed). `pump()`, on
+the engine thread, expires leases, fails transfers whose reservation ended, frees (cancel + unpin) failed transfers once no write
 of theirs is in flight -- so a late chunk can only ever land in pages still pinned for it -- and commits
 ready transfers through `LLM.add_prefilled_request`. An `RLock` guards the transfer records; it is never
 held while bytes are copied. Prefix caching: `reserve(..., token_ids=prompt)` shares the engine's cached
