@@ -17,9 +17,9 @@ lapsed), and then writes it straight into the pinned pages (token range -> slot 
 page size): those pages are disjoint from everything a decode step reads or writes, so no engine lock
 is needed and the decode step loop pays nothing per chunk (device pages: page_io writes them on a copy
 stream of its own, ordered after a fence taken at `reserve()`, and returns once they landed). `pump()`, on
-the engine thread, expires leases, fails transfers whose reservation ended, frees (cancel + unpin) failed transfers once no write
-of theirs is in flight -- so a late chunk can only ever land in pages still pinned for it -- and commits
-ready transfers through `LLM.add_prefilled_request`. An `RLock` guards the transfer records; it is never
+the engine thread, expires leases, fails transfers whose reservation ended, frees (cancel + unpin) failed
+transfers once no write of theirs is in flight -- so a late chunk can only ever land in pages still pinned
+for it -- and commits ready transfers through `LLM.add_prefilled_request`. An `RLock` guards the transfer records; it is never
 held while bytes are copied. Prefix caching: `reserve(..., token_ids=prompt)` shares the engine's cached
 prefix pages into the reservation; the descriptor's `kv_start` (= shared pages x page size) is where the
 KV to receive begins: chunks below it are refused (InvalidFrame; nothing writes a shared page), the open
