@@ -20,8 +20,8 @@ stream of its own, ordered after a fence taken at `reserve()`, and returns once 
 the engine thread, expires leases, fails transfers whose reservation ended, frees (cancel + unpin) failed
 transfers once no write of theirs is in flight -- so a late chunk can only ever land in pages still pinned
 for it -- and commits ready transfers through `LLM.add_prefilled_request`. An `RLock` guards the transfer
-records; it is never held while bytes are copied. Prefix caching: `reserve(..., token_ids=prompt)` shares the engine's cached
-prefix pages into the reservation; the descriptor's `kv_start` (= shared pages x page size) is where the
+records; it is never held while bytes are copied. Prefix caching: `reserve(..., token_ids=prompt)` shares
+the engine's cached prefix pages into the reservation; the descriptor's `kv_start` (= shared pages x page size) is where the
 KV to receive begins: chunks below it are refused (InvalidFrame; nothing writes a shared page), the open
 frame must announce the same start, and completeness counts cells from it.
 Tensor/pipeline-parallel decode (`llm.backend is None`): the reservation is addressed in the replica's
