@@ -7,23 +7,23 @@ Order of use (engine thread unless noted):
     rx.step()                                  # = rx.pump() then llm.step(), in the decode loop
     rx.status(desc.reservation_id)             # pending / transferring / done / failed(reason)
 
-Threading. The engine is single-threaded; transport threads never touch the allocator, the scheduler or
-any page a step may read. `reserve()` pins the reserved pages with a second owner (`kvrx:<id>`), so
-they stay out of the free list -- whatever happens to the reservation's lease -- until the engine
-thread unpins them. A transport thread authenticates, admits the stream against the reservation
-(nonce, model fingerprint, layout signature), checks each chunk's counts and sizes, verifies its
-checksum, records its cells under a small lock (refusing chunks of a transfer that ended or whose lease
-lapsed), and then writes it straight into the pinned pages (token range -> slot runs of this engine's
-page size): those pages are disjoint from everything a decode step reads or writes, so no engine lock
-is needed and the decode step loop pays nothing per chunk (device pages: page_io writes them on a copy
-stream of its own, ordered after a fence taken at `reserve()`, and returns once they landed). `pump()`, on
-the engine thread, expires leases, fails transfers whose reservation ended, frees (cancel + unpin) failed
-transfers once no write of theirs is in flight -- so a late chunk can only ever land in pages still pinned
-for it -- and commits ready transfers through `LLM.add_prefilled_request`. An `RLock` guards the transfer
-records; it is never held while bytes are copied. Prefix caching: `reserve(..., token_ids=prompt)` shares
-the engine's cached prefix pages into the reservation; the descriptor's `kv_start` (= shared pages x page size) is where the
-KV to receive begins: chunks below it are refused (InvalidFrame; nothing writes a shared page), the open
-frame must announce the same start, and completeness counts cells from it.
+Threading. The engine is single-threaded; transport threads never touch the allocator, the scheduler or any
+page a step may read. `reserve()` pins the reserved pages with a second owner (`kvrx:<id>`), so they stay
+out of the free list -- whatever happens to the reservation's lease -- until the engine thread unpins them.
+A transport thread authenticates, admits the stream against the reservation (nonce, model fingerprint,
+layout signature), checks each chunk's counts and sizes, verifies its checksum, records its cells under a
+small lock (refusing chunks of a transfer that ended or whose lease lapsed), and then writes it straight
+into the pinned pages (token range -> slot runs of this engine's page size): those pages are disjoint from
+everything a decode step reads or writes, so no engine lock is needed and the decode step loop pays nothing
+per chunk (device pages: page_io writes them on a copy stream of its own, ordered after a fence taken at
+`reserve()`, and returns once they landed). `pump()`, on the engine thread, expires leases, fails transfers
+whose reservation ended, frees (cancel + unpin) failed transfers once no write of theirs is in flight -- so
+a late chunk can only ever land in pages still pinned for it -- and commits ready transfers through
+`LLM.add_prefilled_request`. An `RLock` guards the transfer records; it is never held while bytes are
+copied. Prefix caching: `reserve(..., token_ids=prompt)` shares the engine's cached prefix pages into the
+reservation; the descriptor's `kv_start` (= shared pages x page size) is where the KV to receive begins:
+chunks below it are refused (InvalidFrame; nothing writes a shared page), the open frame must announce the
+same start, and completeness counts cells from it.
 Tensor/pipeline-parallel decode (`llm.backend is None`): the reservation is addressed in the replica's
 whole layout (global KV heads and layers, the model-level signature), so a prefill replica of any layout
 may fill it; each chunk is written with `engine.parallel.kv_io.import_heads` into every rank holding one
