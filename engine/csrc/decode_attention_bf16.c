@@ -27,13 +27,15 @@
 
 static const uint16_t ZERO_ROW[DIM] __attribute__((aligned(64))) = {0};
 
-/* Software prefetch of the K / V rows AHEAD slots on. Why: a slot's row of one KV head is 128 bytes, and a
- * sparse choice (most of all one per KV head) jumps between scattered pages every 16 slots, too often
- * for the hardware prefetcher to ramp up; the loads then wait on memory one page at a time. */
-#define AHEAD 16
+/* Software prefetch (into L2) of the K / V rows AHEAD slots on. Why: a slot's row of one KV head is 128
+ * bytes, and a sparse choice (most of all one per KV head) jumps between scattered pages every 16 slots,
+ * too often for the hardware prefetcher to ramp up; the loads then wait on memory one page at a time.
+ * Measured (AMD EPYC Zen 4, 8 rows x 74 chosen pages of 16 slots per KV head, 30 layers, shared machine,
+ * medians of 7): none 47.0 ms, 16 slots ahead into L1 43.8, 48 into L2 36.5, 96 into L2 36.3. */
+#define AHEAD 48
 static inline void prefetch_row(const uint16_t *row) {
-    _mm_prefetch((const char *)row, _MM_HINT_T0);
-    _mm_prefetch((const char *)(row + 32), _MM_HINT_T0);
+    _mm_prefetch((const char *)row, _MM_HINT_T1);
+    _mm_prefetch((const char *)(row + 32), _MM_HINT_T1);
 }
 
 int64_t pd_decode_work_bytes(int64_t max_ctx, int64_t heads) {
@@ -192,6 +194,9 @@ void pd_decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const u
  * Layouts: q [rows][heads][64]; lo, hi [num_pages][kv_heads][64] (one layer's page summaries); page_index
  * [rows][page_cols]; score [rows][kv_heads + 1][page_cols] float32 (only the pages in range are written).
  * Query heads per KV head: at most 16. */
+#ifndef PAGES_AHEAD
+#define PAGES_AHEAD 16
+#endif
 void pd_quest_bounds_bf16(const uint16_t *q, const uint16_t *lo, const uint16_t *hi, const int64_t *page_index,
                           int64_t page_cols, int64_t rows, int64_t heads, int64_t kv_heads, const int64_t *first,
                           const int64_t *stop, const uint8_t *gqa_sum, const uint8_t *row_mode, float *score) {
@@ -211,7 +216,7 @@ void pd_quest_bounds_bf16(const uint16_t *q, const uint16_t *lo, const uint16_t 
                 }
             for (int64_t j0 = a0; j0 < z; j0 += 16) {
                 int cnt = z - j0 < 16 ? (int)(z - j0) : 16;
-                for (int64_t j = j0 + 16; j < j0 + 32 && j < z; j++) {
+                for (int64_t j = j0 + PAGES_AHEAD; j < j0 + PAGES_AHEAD + 16 && j < z; j++) {
                     prefetch_row(lo + (pages[j] * kv_heads + h) * DIM);
                     prefetch_row(hi + (pages[j] * kv_heads + h) * DIM);
                 }

@@ -95,6 +95,7 @@ def _select_kernel(dim: int, group: int):
         lrow = np.empty(dim, np.float32)
         hrow = np.empty(dim, np.float32)
         work = np.empty(page_index.shape[1], np.float32)
+        chosen = np.empty(page_index.shape[1] + 1, np.int64)
         for b in range(rows):
             n, a, z, k = r_pages[b], r_first[b], r_stop[b], r_k[b]
             sb = score[b]  # [kv_heads + 1, P]
@@ -128,35 +129,42 @@ def _select_kernel(dim: int, group: int):
                         sb[kv_heads, j] = t
             for h in range(kv_heads):
                 src = kv_heads if row_mode[b] else h
-                thr = np.float32(0.0)
-                ties = 0
-                if z > a:  # the k-th best score, and how many pages scoring exactly it to take (page order)
+                m = 0  # positions j of the chosen pages, in page order, into `chosen`
+                for j in range(a):  # sinks
+                    chosen[m] = j
+                    m += 1
+                if z > a:  # the k best of [a, z): above the k-th best score, then ties at it in page order
                     for j in range(a, z):
                         work[j - a] = sb[src, j]
                     thr = _kth_largest(work, z - a, k)
                     ties = k
                     for j in range(a, z):
-                        if sb[src, j] > thr:
-                            ties -= 1
-                i, total = 0, 0
-                for j in range(n):
-                    take = j < a or j >= z
-                    if not take:
-                        sc = sb[src, j]
-                        if sc > thr:
-                            take = True
-                        elif sc == thr and ties > 0:
-                            take = True
-                            ties -= 1
-                    if take and i < width:
-                        filled = r_tail[b] if j == n - 1 else page_size
-                        out_pages[b, h, i] = page_index[b, j]
-                        out_slots[b, h, i] = filled
-                        total += filled
-                        i += 1
-                for i2 in range(i, width):
-                    out_pages[b, h, i2] = 0
-                    out_slots[b, h, i2] = 0
+                        ties -= np.int64(sb[src, j] > thr)
+                    if ties == 0:
+                        for j in range(a, z):  # branch-free: always written, kept when taken
+                            chosen[m] = j
+                            m += np.int64(sb[src, j] > thr)
+                    else:
+                        for j in range(a, z):
+                            sc = sb[src, j]
+                            if sc > thr or (sc == thr and ties > 0):
+                                ties -= np.int64(sc == thr)
+                                chosen[m] = j
+                                m += 1
+                for j in range(z if z > a else a, n):  # the recent window (every page where nothing is scored)
+                    chosen[m] = j
+                    m += 1
+                m = min(m, width)
+                for i in range(m):
+                    out_pages[b, h, i] = page_index[b, chosen[i]]
+                    out_slots[b, h, i] = page_size
+                total = m * page_size
+                if m > 0 and chosen[m - 1] == n - 1:  # the row's last page: partly filled
+                    out_slots[b, h, m - 1] = r_tail[b]
+                    total += r_tail[b] - page_size
+                for i in range(m, width):
+                    out_pages[b, h, i] = 0
+                    out_slots[b, h, i] = 0
                 out_lens[b, h] = total
 
     return kernel
