@@ -261,7 +261,6 @@ class Policy:
         s.bands.learn(max(rate, 1e-6) / max(current, 1), ratio, a)
 
     def _decide(self, pool: str, w: Window, load: Load, cur: int, bounds: tuple[int, int]) -> Decision:
-        lo, hi = bounds
         s = self.state(pool)
         if s.settled == math.inf and pool not in w.unsettled:
             s.settled = w.now  # the last resize has finished: from now on the pool is its new size
@@ -275,7 +274,8 @@ class Policy:
             s.shown.record(w.now, ev.served, [(f.input_len, f.output_len) for f in ev.since])
         return d
 
-    def _choose(self, pool: str, w: Window, load: Load, cur: int, bounds: tuple[int, int], ev: _Evidence):
+    def _choose(self, pool: str, w: Window, load: Load, cur: int, bounds: tuple[int, int],
+                ev: _Evidence) -> Decision:
         lo, hi = bounds
         s = self.state(pool)
         c = s.bands.factor_at(load.rate / max(cur, 1))  # the factor learnt at the load cur would carry
