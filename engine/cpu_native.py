@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 SOURCES = Path(__file__).resolve().parent / "csrc"
 # ISA extensions a library is compiled for; the library checks at run time that the CPU has them.
 _AVX512_BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
-FLAGS = {"attention_bf16": _AVX512_BF16, "decode_attention_bf16": _AVX512_BF16, "swiglu_bf16": _AVX512_BF16}
+FLAGS = {"attention_bf16": _AVX512_BF16, "decode_attention_bf16": _AVX512_BF16, "swiglu_bf16": _AVX512_BF16,
+         "quest_select_bf16": _AVX512_BF16}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # The exported functions' ctypes signatures, set once when a library loads: (restype, argtypes).
 SIGNATURES = {
@@ -43,8 +44,10 @@ SIGNATURES = {
                                                             _F, _P, _P])},
     "decode_attention_bf16": {"pd_decode_work_bytes": (_I, [_I, _I]),
                               "pd_decode_attention_bf16": (None, [_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _F, _P,
-                                                                  _P]),
-                              "pd_quest_bounds_bf16": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P])},
+                                                                  _P])},
+    "quest_select_bf16": {"pd_quest_select_work_bytes": (_I, [_I, _I]),
+                          "pd_quest_select_bf16": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P,
+                                                          _I, _I, _P, _P, _P, _P])},
     "swiglu_bf16": {"pd_swiglu_bf16": (None, [_P, _I, _I, _P])},
 }
 

@@ -1,5 +1,6 @@
-/* Helpers shared by the bf16 attention kernels (attention_bf16.c, decode_attention_bf16.c): the CPU check
- * that engine/cpu_native.py calls before using a library, and a vectorized exp. */
+/* Helpers shared by the bf16 kernels (attention_bf16.c, decode_attention_bf16.c, quest_select_bf16.c): the
+ * CPU check that engine/cpu_native.py calls before using a library, a vectorized exp, and a sum of 16
+ * vectors' lanes at once. */
 #ifndef PD_BF16_COMMON_H
 #define PD_BF16_COMMON_H
 #include <immintrin.h>
@@ -47,6 +48,23 @@ static inline float softmax_row(const float *s, int64_t lim, int64_t width, uint
         _mm256_storeu_si256((__m256i *)(prob + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
     return _mm512_reduce_add_ps(sum);
+}
+
+/* lane j of the result = the sum of a[j]'s 16 lanes */
+static inline __m512 sum_lanes16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)  /* per vector: 128-bit lanes 0+2 and 1+3 */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)  /* lane L of c[i]: 4 partial sums of a[4i + L] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+    __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
+    /* e[4L + p] = sum of a[4p + L] */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, e);
 }
 
 #endif

@@ -43,23 +43,6 @@ int64_t pd_decode_work_bytes(int64_t max_ctx, int64_t heads) {
     return keys * 8 + heads * keys * 4 + 2 * heads * keys * 2 + 4 * 64;
 }
 
-/* lane j of the result = the sum of a[j]'s 16 lanes */
-static inline __m512 sum_lanes16(const __m512 *a) {
-    __m512 b[8], c[4];
-    for (int i = 0; i < 8; i++)  /* per vector: 128-bit lanes 0+2 and 1+3 */
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)  /* lane L of c[i]: 4 partial sums of a[4i + L] */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    __m512 d0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
-    __m512 d1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
-    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x44), _mm512_shuffle_ps(d0, d1, 0xEE));
-    /* e[4L + p] = sum of a[4p + L] */
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, e);
-}
-
 /* s[t] = scale * q . K[t] for t in [0, keys) (keys a multiple of 16; slots >= n read a zero row) */
 static void scores(const uint16_t *qh, const uint16_t *k_pool, const int64_t *slot_off, int64_t n,
                    int64_t keys, int64_t g_off, float scale, float *s) {
@@ -182,70 +165,5 @@ void pd_decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const u
                 }
             }
         }
-    }
-}
-
-/* Quest page bounds for sparse attention's choice (engine/kv_cache/sparse_kernels.py), per row b, KV head
- * h and page j in [first[b], stop[b]) of the row's table: over the KV head's query heads, the max (or, where
- * gqa_sum[b], the sum) of q+ . max + q- . min (q+ / q-: the query's positive / negative parts, exact in
- * bf16; two vdpbf16ps each for max and min). Rows with row_mode[b] also get the sum over KV heads.
- * Why here: the numba loop spent more than the paged attention itself on these 128-value dot products (one
- * horizontal sum each); here 16 pages' sums come out of one shuffle tree (sum_lanes16).
- * Layouts: q [rows][heads][64]; lo, hi [num_pages][kv_heads][64] (one layer's page summaries); page_index
- * [rows][page_cols]; score [rows][kv_heads + 1][page_cols] float32 (only the pages in range are written).
- * Query heads per KV head: at most 16. */
-#ifndef PAGES_AHEAD
-#define PAGES_AHEAD 16
-#endif
-void pd_quest_bounds_bf16(const uint16_t *q, const uint16_t *lo, const uint16_t *hi, const int64_t *page_index,
-                          int64_t page_cols, int64_t rows, int64_t heads, int64_t kv_heads, const int64_t *first,
-                          const int64_t *stop, const uint8_t *gqa_sum, const uint8_t *row_mode, float *score) {
-    int64_t group = heads / kv_heads;
-    uint16_t qp[16][DIM] __attribute__((aligned(64))), qn[16][DIM] __attribute__((aligned(64)));
-    for (int64_t b = 0; b < rows; b++) {
-        int64_t a0 = first[b], z = stop[b];
-        if (a0 >= z) continue;
-        const int64_t *pages = page_index + b * page_cols;
-        float *sb = score + b * (kv_heads + 1) * page_cols;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            for (int64_t g = 0; g < group; g++)
-                for (int d = 0; d < DIM; d++) {
-                    uint16_t x = q[(b * heads + h * group + g) * DIM + d];
-                    qp[g][d] = (x & 0x8000) ? 0 : x;
-                    qn[g][d] = (x & 0x8000) ? x : 0;
-                }
-            for (int64_t j0 = a0; j0 < z; j0 += 16) {
-                int cnt = z - j0 < 16 ? (int)(z - j0) : 16;
-                for (int64_t j = j0 + PAGES_AHEAD; j < j0 + PAGES_AHEAD + 16 && j < z; j++) {
-                    prefetch_row(lo + (pages[j] * kv_heads + h) * DIM);
-                    prefetch_row(hi + (pages[j] * kv_heads + h) * DIM);
-                }
-                __m512 best = _mm512_setzero_ps();
-                for (int64_t g = 0; g < group; g++) {
-                    __m512bh p0 = (__m512bh)_mm512_load_si512((const void *)qp[g]);
-                    __m512bh p1 = (__m512bh)_mm512_load_si512((const void *)(qp[g] + 32));
-                    __m512bh n0 = (__m512bh)_mm512_load_si512((const void *)qn[g]);
-                    __m512bh n1 = (__m512bh)_mm512_load_si512((const void *)(qn[g] + 32));
-                    __m512 acc[16];
-#pragma GCC unroll 16
-                    for (int i = 0; i < 16; i++) {  /* past the range: the last page again (not stored) */
-                        int64_t off = (pages[j0 + (i < cnt ? i : cnt - 1)] * kv_heads + h) * DIM;
-                        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), p0, (__m512bh)_mm512_loadu_si512((const void *)(hi + off)));
-                        s = _mm512_dpbf16_ps(s, p1, (__m512bh)_mm512_loadu_si512((const void *)(hi + off + 32)));
-                        s = _mm512_dpbf16_ps(s, n0, (__m512bh)_mm512_loadu_si512((const void *)(lo + off)));
-                        acc[i] = _mm512_dpbf16_ps(s, n1, (__m512bh)_mm512_loadu_si512((const void *)(lo + off + 32)));
-                    }
-                    __m512 v = sum_lanes16(acc);
-                    best = g == 0 ? v : gqa_sum[b] ? _mm512_add_ps(best, v) : _mm512_max_ps(best, v);
-                }
-                _mm512_mask_storeu_ps(sb + h * page_cols + j0, (__mmask16)((1u << cnt) - 1), best);
-            }
-        }
-        if (row_mode[b])
-            for (int64_t j = a0; j < z; j++) {
-                float t = 0.0f;
-                for (int64_t h = 0; h < kv_heads; h++) t += sb[h * page_cols + j];
-                sb[kv_heads * page_cols + j] = t;
-            }
     }
 }

@@ -1,6 +1,6 @@
-"""Sparse attention's page choice on CPU in compiled code per layer: Quest bounds (C with AVX512-BF16 at
-head_dim 64, `pd_quest_bounds_bf16` in csrc/decode_attention_bf16.c; numba otherwise), then top-k and the
-paged kernel's tables (numba), for bf16 page summaries.
+"""Sparse attention's page choice on CPU in one compiled call per layer: Quest bounds, top-k and the paged
+kernel's tables, for bf16 page summaries (C with AVX512-BF16 at head_dim 64: csrc/quest_select_bf16.c;
+numba otherwise, the same contract).
 
 Who calls it: `sparse.select` for bf16 summaries on CPU (the torch path beside it, `sparse.select(...,
 kernel=False)`, is the reference the tests compare against). Per step `sparse._plan` makes the per-row
@@ -29,7 +29,7 @@ import functools
 import numpy as np
 import torch
 
-from engine import cpu_attention
+from engine import cpu_native
 from engine.cpu_kernels import _bf16_to_f32, _jit, bits
 
 
@@ -83,12 +83,11 @@ def row_numbers(n_pages: list[int], s_row: list[int], sinks: list[int], first_re
 @functools.lru_cache(maxsize=None)
 def _select_kernel(dim: int, group: int):
     """The kernel for one head size and grouped-query ratio (compile-time constants, as the paged
-    attention kernel's: LLVM vectorizes the head_dim loops). `scored`: the C kernel has filled `score`
-    already (numba computes the bounds otherwise)."""
+    attention kernel's: LLVM vectorizes the head_dim loops); the C kernel's contract (quest_select_bf16.c)."""
 
     @_jit(fastmath=True)
-    def kernel(q, lo, hi, page_index, r_pages, r_first, r_stop, r_k, r_tail, row_mode, gqa_sum, page_size,
-               score, scored, out_pages, out_slots, out_lens):
+    def kernel(q, lo, hi, page_index, r_pages, r_first, r_stop, r_k, r_tail, gqa_sum, row_mode, page_size,
+               out_pages, out_slots, out_lens):
         rows, kv_heads, width = page_index.shape[0], lo.shape[1], out_pages.shape[2]
         qp = np.empty((group, dim), np.float32)
         qn = np.empty((group, dim), np.float32)
@@ -96,10 +95,11 @@ def _select_kernel(dim: int, group: int):
         hrow = np.empty(dim, np.float32)
         work = np.empty(page_index.shape[1], np.float32)
         chosen = np.empty(page_index.shape[1] + 1, np.int64)
+        score = np.empty((kv_heads + 1, page_index.shape[1]), np.float32)
         for b in range(rows):
             n, a, z, k = r_pages[b], r_first[b], r_stop[b], r_k[b]
-            sb = score[b]  # [kv_heads + 1, P]
-            if z > a and not scored:
+            sb = score  # [kv_heads + 1, P]: this row's
+            if z > a:
                 for h in range(kv_heads):
                     for g in range(group):
                         for d in range(dim):
@@ -170,6 +170,15 @@ def _select_kernel(dim: int, group: int):
     return kernel
 
 
+_ROW_KEYS = ("n_pages", "first", "stop", "by_score", "tail", "gqa_sum", "row_mode")  # the kernels' argument order
+_WORK = cpu_native.Workspace()
+
+
+def native_library():
+    """The C choice of csrc/quest_select_bf16.c (AVX512-BF16, head_dim 64), or None."""
+    return cpu_native.library("quest_select_bf16")
+
+
 def select_pages(rows_np: dict, width: int, lo: torch.Tensor, hi: torch.Tensor, q: torch.Tensor,
                  page_index: torch.Tensor, page_size: int):
     """One layer's choice (see the module map): lo/hi [num_pages, kv_heads, D] bf16; q [B, q_heads, D] bf16;
@@ -180,16 +189,14 @@ def select_pages(rows_np: dict, width: int, lo: torch.Tensor, hi: torch.Tensor, 
     pages = np.empty((b, kv_heads, width), np.int64)
     slots = np.empty((b, kv_heads, width), np.int64)
     lens = np.empty((b, kv_heads), np.int64)
-    score = np.empty((b, kv_heads + 1, page_index.shape[1]), np.float32)
-    r, table = rows_np, page_index.numpy()
+    r, table = rows_np, np.ascontiguousarray(page_index.numpy(), dtype=np.int64)
     qb, lb, hb = bits(q), bits(lo), bits(hi)
-    lib = cpu_attention.native_library()
-    scored = lib is not None and dim == 64 and group <= 16
-    if scored:  # the bounds by the AVX512-BF16 kernel (csrc/decode_attention_bf16.c)
-        table = np.ascontiguousarray(table, dtype=np.int64)
-        lib.pd_quest_bounds_bf16(qb.ctypes.data, lb.ctypes.data, hb.ctypes.data, table.ctypes.data, table.shape[1], b,
-                                 q.shape[1], kv_heads, r["first"].ctypes.data, r["stop"].ctypes.data,
-                                 r["gqa_sum"].ctypes.data, r["row_mode"].ctypes.data, score.ctypes.data)
-    _select_kernel(dim, group)(qb, lb, hb, table, r["n_pages"], r["first"], r["stop"], r["by_score"], r["tail"],
-                               r["row_mode"], r["gqa_sum"], page_size, score, scored, pages, slots, lens)
+    lib = native_library()
+    if lib is not None and dim == 64 and group <= 16:  # bounds and choice in C (csrc/quest_select_bf16.c)
+        work = _WORK.get(lib.pd_quest_select_work_bytes(table.shape[1], kv_heads))
+        lib.pd_quest_select_bf16(qb.ctypes.data, lb.ctypes.data, hb.ctypes.data, table.ctypes.data, table.shape[1], b,
+                                 q.shape[1], kv_heads, *(r[k].ctypes.data for k in _ROW_KEYS), page_size, width,
+                                 pages.ctypes.data, slots.ctypes.data, lens.ctypes.data, work)
+    else:
+        _select_kernel(dim, group)(qb, lb, hb, table, *(r[k] for k in _ROW_KEYS), page_size, pages, slots, lens)
     return torch.from_numpy(pages), torch.from_numpy(slots), lens

@@ -122,12 +122,12 @@ ROWS = {"kv_head": [_C(budget=8, recent=6)] * 5, "row/sum": [_C(budget=8, select
 @pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("kvh,qh,dim,native", [(3, 9, 64, "on"), (3, 9, 64, "off"), (2, 4, 16, "off")])
 def test_cpu_selection_kernel_chooses_what_the_torch_path_chooses(rows, kvh, qh, dim, native, monkeypatch):
-    """bf16 summaries on CPU: sparse_kernels' one call per layer (bounds in C where it runs: native "on",
-    else numba) against `select(..., kernel=False)`: the same pages and slots per (row, KV head), per-row
+    """bf16 summaries on CPU: sparse_kernels' one call per layer (C where it runs: native "on", else numba)
+    against `select(..., kernel=False)`: the same pages and slots per (row, KV head), per-row
     budgets, full rows and padding included."""
-    from engine import cpu_attention
+    from engine.kv_cache import sparse_kernels
 
-    if native == "on" and cpu_attention.native_library() is None:
+    if native == "on" and sparse_kernels.native_library() is None:
         pytest.skip("the C kernels do not run here (no compiler or no AVX512-BF16)")
     monkeypatch.setenv("PDSERVE_NATIVE", "1" if native == "on" else "0")
     g = torch.Generator().manual_seed(kvh + len(rows))
