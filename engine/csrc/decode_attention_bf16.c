@@ -144,6 +144,10 @@ void pd_decode_attention_bf16(const uint16_t *q, const uint16_t *k_pool, const u
                 for (int64_t t = 0; t < n; t++)
                     slot_off[t] = (pages[t / page_size] * page_size + t % page_size) * kv_heads * DIM;
             }
+            for (int64_t t = 0; t < AHEAD && t < n; t++) {  /* the first rows, which the loops' prefetch skips */
+                prefetch_row(k_pool + slot_off[t] + g * DIM);
+                prefetch_row(v_pool + slot_off[t] + g * DIM);
+            }
             float inv[4];
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 4) {
                 int nh = (int)((g + 1) * group - h0 < 4 ? (g + 1) * group - h0 : 4);
