@@ -1,29 +1,50 @@
 #!/usr/bin/env bash
-# The whole device check of issue 32 in one script (< 8 minutes on an H100/H200): tests/gpu, the decode step vs
-# the memory floor (graphs / triton eager / torch eager, side by side), prefill steps, a torch.profiler table
-# of b=128 decode steps. Writes under $OUT (or ./gpu_out) and prints the tables.
+# The device check of issue 32 in one call (< 8 minutes on an H100/H200), most important first: the decode
+# step vs the memory floor (graphs / Triton eager / torch eager side by side, int8 pages, a verify step),
+# tests/gpu, the disaggregated handoff over gRPC on one GPU, the engine's GPU profile checked against its
+# measured steps, and (FULL=1) a torch.profiler table of b=128 steps. Each part is time-boxed; everything
+# lands in $OUT/gpu_check.log and $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   on the device:  bash bench/gpu_check.sh
 #   on CPU first:   TINY=1 bash bench/gpu_check.sh   (tiny shapes, Triton's interpreter)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
+W=$(mktemp -d)
+LOG="$OUT/gpu_check.log"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
+# each part time-boxed; results re-packed after each, so a call cut short still brings back what ran
+run() {
+  local t=$1; shift; echo "### $*" | tee -a "$LOG"
+  timeout "$t" "$@" 2>&1 | grep -v -i warn | tee -a "$LOG" | tail -25
+  rm -f "$W"/power_*.csv; tar -czf "$OUT/results.tar.gz" -C "$W" .
+}
 if [ "${TINY:-0}" = 1 ]; then
   export TRITON_INTERPRET=1 PDSERVE_ATTENTION=triton
-  $PY bench/gpu_decode_floor.py --device cpu --model random:tiny --context 64 --batches 1,4 --steps 2 --kv int8 --out "$OUT" \
-    2>&1 | tee "$OUT/floor_tiny.log"
-  $PY bench/gpu_profile_step.py --device cpu --model random:tiny --context 64 --batch 4 --steps 2 --out "$OUT" \
-    2>&1 | tail -5
+  run 600 $PY bench/gpu_decode_floor.py --device cpu --model random:tiny --context 64 --batches 1,16 --steps 2 \
+    --kv int8 --verify 4 --out "$W"
+  run 300 $PY bench/gpu_disagg_check.py --model tiny --dtype float32 --prompt-len 24 --tokens 8 --graphs static \
+    --out "$W"
+  run 300 env PDSERVE_ATTENTION=torch $PY -m cluster.cli profile --device cpu --model random:smollm2-135m --grid gpu-tiny --out "$W/profile.json"
+  run 60 $PY bench/gpu_profile_check.py --profile "$W/profile.json" --steps "$W"/floor_random_tiny.json
   exit 0
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-timeout 150 $PY -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_attention.py -q -x 2>&1 | tail -15 | tee "$OUT/tests_gpu.txt"
-timeout 200 $PY bench/gpu_decode_floor.py --model random:llama-3-8b --context 2048 --batches 1,16,64,128 \
-  --steps 25 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/floor_8b.log" | tail -16
-timeout 90 $PY bench/gpu_decode_floor.py --model random:smollm2-135m --context 1024 --batches 1,64 \
-  --steps 40 --out "$OUT" 2>&1 | grep -v Warning | tee "$OUT/floor_smollm2.log" | tail -8
-timeout 60 $PY bench/gpu_profile_step.py --model random:llama-3-8b --context 2048 --batch 128 --steps 5 --out "$OUT" \
-  2>&1 | tail -40
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$LOG"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
+HW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -qi h200 && echo h200 || echo h100)
+run 170 $PY bench/gpu_decode_floor.py --model random:llama-3-8b --context 2048 --batches 1,16,64,128 --steps 20 \
+  --kv int8 --verify 4 --out "$W"
+run 60 $PY bench/gpu_decode_floor.py --model random:smollm2-135m --context 1024 --batches 1,64 --steps 30 --out "$W"
+run 90 $PY -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_attention.py tests/gpu/test_cuda_kv_transfer.py -q
+run 120 $PY bench/gpu_disagg_check.py --device cuda --model random:smollm2-135m,random:llama-3-8b --prompt-len 512 \
+  --out "$W"
+for m in llama-3-8b smollm2-135m; do
+  run 110 $PY -m cluster.cli profile --device cuda --model random:$m --hardware $HW --repeats 3 --out "$W/profile_$m.json"
+  run 40 $PY bench/gpu_step_power.py --model random:$m --prefill 512,2048,8064 --decode "" --seconds 1.5 --out "$W"
+  run 30 $PY bench/gpu_profile_check.py --profile "$W/profile_$m.json" --steps "$W/floor_random_$m.json" \
+    "$W/steps_random_$m.json"
+done
+if [ "${FULL:-0}" = 1 ]; then
+  run 90 $PY bench/gpu_profile_step.py --model random:llama-3-8b --context 2048 --batch 128 --steps 5 --out "$W"
+fi

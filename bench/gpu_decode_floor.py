@@ -139,7 +139,47 @@ def time_graphs(graphs) -> list:
     return times
 
 
-def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes, graphs, bw: float) -> list[dict]:
+def verify_ratio(llm: LLM, device: str, rids: list[str], k: int, steps: int) -> dict:
+    """A static verify step of 1 + k tokens a row vs a static plain decode step, same rows, both CUDA graphs
+    (their own GraphDecode, verify buckets captured): the verify-step cost the issue bounds. The rows'
+    last k + 1 written slots are re-run (their KV rewritten in place; the requests are aborted after)."""
+    from engine.batch import SeqStep, StepBatch
+    from engine.kernels.cuda.graph_decode import GraphDecode
+
+    set_mode(llm, "triton", None)  # the Triton path (the last mode timed may have been torch's)
+    g = GraphDecode(llm.model, llm.backend, llm.kv_spec.page_size, len(rids), llm.max_model_len,
+                    use_graphs=device.startswith("cuda"), verify_len=k + 1)
+    capture = g.capture()
+
+    def batch_of(q: int) -> StepBatch:
+        seqs = []
+        for r in rids:
+            req, table = llm.requests[r], llm.tables.get(r)
+            n = table.num_slots - q
+            seqs.append(SeqStep(r, req.token_ids[n:n + q], n, n, list(table.pages), list(range(q))))
+        return StepBatch(seqs, return_logits=True)
+
+    out = {}
+    for name, q in (("plain", 1), ("verify", k + 1)):
+        b = batch_of(q)
+        times = []
+        for i in range(steps + 3):
+            sync(device)
+            t = time.perf_counter()
+            g.execute(b)
+            sync(device)
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+        out[name] = statistics.median(times)
+    row = {"mode": "verify", "batch": len(rids), "k": k, "plain_ms": round(out["plain"] * 1e3, 3),
+           "verify_ms": round(out["verify"] * 1e3, 3), "verify_over_plain": round(out["verify"] / out["plain"], 2),
+           "capture_s": round(capture, 2)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes, graphs, bw: float,
+              verify_k: int = 0) -> list[dict]:
     vocab = llm.config.vocab_size
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=headroom(batch, (steps + 3) * len(modes)), temperature=0.0, ignore_eos=True)
@@ -163,6 +203,8 @@ def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes
         if replays:
             gpu = statistics.median(s.elapsed_time(e) for s, e in replays[-steps:])
             rows[-1].update(gpu_ms=round(gpu, 3), host_ms=round(med * 1e3 - gpu, 3))
+    if verify_k:
+        rows.append(verify_ratio(llm, device, rids, verify_k, steps))
         print(json.dumps(rows[-1]), flush=True)
     for r in rids:
         llm.abort(r)
@@ -178,6 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16,64,128")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--verify", type=int, default=0, metavar="K",
+                    help="also a static verify step of 1 + K tokens a row vs a plain one, at batch 16")
     ap.add_argument("--kv", default="", help="int8: also int8-page rows at the largest batch (graphs mode)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -199,7 +243,8 @@ def main(argv=None) -> int:
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s; load {result['load_s']} s; capture {result['capture_s']} s",
               flush=True)
         for b in batches:
-            result["rows"].extend(run_batch(llm, a.device, b, a.context, a.steps, modes, graphs, bw))
+            result["rows"].extend(run_batch(llm, a.device, b, a.context, a.steps, modes, graphs, bw,
+                                            a.verify if b == 16 else 0))
         if a.kv:
             del llm, graphs
             if a.device.startswith("cuda"):
@@ -220,6 +265,10 @@ def table(result: dict) -> str:
              "| batch | context | KV | mode | step ms | GPU ms | host ms | floor ms | step / floor |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        if r["mode"] == "verify":
+            lines.append(f"| {r['batch']} | | | verify k={r['k']} | {r['verify_ms']} | | | plain {r['plain_ms']} | "
+                         f"{r['verify_over_plain']} (verify / plain) |")
+            continue
         lines.append(f"| {r['batch']} | {r['context']} | {r['kv']} | {r['mode']} | {r['median_ms']} | "
                      f"{r.get('gpu_ms', '')} | {r.get('host_ms', '')} | {r['floor_ms']} | {r['ratio']} |")
     return "\n".join(lines)

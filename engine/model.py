@@ -117,7 +117,7 @@ class LlamaForward:
             from engine.kernels.cuda.fused_forward import fused_forward, fused_forward_ok
 
             if fused_forward_ok(self, backend, layer_hook, hidden):
-                return fused_forward(self, input_ids, positions, ctx, backend)
+                return fused_forward(self, input_ids, positions, ctx, backend, layer_hook)
         cfg = self.cfg
         t = input_ids.shape[0]
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim

@@ -15,17 +15,20 @@ from engine.kernels.cuda.fused_ops import add_rms_norm, rope_write, silu_mul
 
 
 def fused_forward_ok(model, backend, layer_hook, hidden) -> bool:
-    """A whole model in this process over raw pages on the Triton path, with no per-write side work."""
+    """A whole model in this process over raw pages on the Triton path, with no per-write side work (layer
+    hooks are fine: they run after each layer)."""
     from engine.kv_cache.backend import RawKVBackend
 
-    return (layer_hook is None and hidden is None and model.is_first and model.is_last
+    return (hidden is None and model.is_first and model.is_last
             and model.all_reduce is None and type(backend) is RawKVBackend and backend.triton_paged
             and backend.summaries is None and model.cfg.head_dim % 2 == 0
             and backend.k[model.layer_ids.start].is_contiguous())
 
 
-def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, ctx, backend) -> torch.Tensor:
-    """input_ids, positions: [num_tokens] -> final normed hidden states [num_tokens, hidden]."""
+def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, ctx, backend, layer_hook=None
+                  ) -> torch.Tensor:
+    """input_ids, positions: [num_tokens] -> final normed hidden states [num_tokens, hidden]. `layer_hook(i)`
+    runs after layer i (its K/V are in the pages then: the prefill worker ships them layer by layer)."""
     cfg = model.cfg
     t = input_ids.shape[0]
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
@@ -41,4 +44,6 @@ def fused_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, ctx, 
         delta = lw.o(o.reshape(t, hq * cfg.head_dim))
         h, x = add_rms_norm(x, delta, lw.post_norm, eps)
         delta = lw.down(silu_mul(lw.gate_up(h)))
+        if layer_hook is not None:
+            layer_hook(i)
     return add_rms_norm(x, delta, model.final_norm, eps)[0]
