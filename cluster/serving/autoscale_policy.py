@@ -12,8 +12,9 @@ Each `Policy.step(window, replicas)`, per autoscaled pool:
   2. the evidence of the window since the pool's last resize finished (`Window.unsettled`: a replica still
      starting or draining): its attainment (`missed`: below target), whether its latencies near the targets
      (`near`: p90 beyond `pressure` x a target, autoscale_evidence.near_targets) and the rate per replica it
-     carried (`served`, over at least half a window). Missed or near, the records of what the pool carried
-     at or above that rate are dropped (`Demonstrated.refute`: the machine got slower);
+     carried (`served`: its requests that finished within the SLO, over at least half a window). Missed or
+     near, the records of what the pool carried at or above that rate are dropped after the decision
+     (`Demonstrated.refute`: the machine got slower);
   3. the correction factor (Dynamo's SLA planner idea): measured mean latency / the capacity model's
      prediction for the same load on the current replicas -- TTFT for a prefill pool, TPOT for decode,
      both (geometric mean) for colocated -- from those requests only, and only where the pool meets the SLO
@@ -234,9 +235,10 @@ class Policy:
         missed = sum(cfg.met(f, metrics) for f in since) / len(since) < cfg.attainment
         near = near_targets(since, metrics, {"ttft": cfg.ttft_s, "tpot": cfg.tpot_s}, cfg.attainment, cfg.pressure)
         span = w.now - max(w.start, s.settled)
-        # (a stretch shorter than half a window can be a burst a queue absorbed, not a rate carried)
-        served = sum(1 for t, _, _ in w.arrivals if t >= s.settled) / span / max(cur, 1) \
-            if span >= cfg.window_s / 2 else 0.0
+        # requests finished within the SLO, not arrivals: in a step up the arrivals run ahead while the backlog
+        # has not finished yet (counting them, a pool about to miss showed 1.37 req/s per replica "carried");
+        # a stretch shorter than half a window can be a burst a queue absorbed, not a rate carried
+        served = sum(cfg.met(f, metrics) for f in since) / span / max(cur, 1) if span >= cfg.window_s / 2 else 0.0
         return _Evidence(since, served, missed, near)
 
     def correct(self, pool: str, w: Window, load: Load, current: int, ev: _Evidence) -> None:

@@ -123,3 +123,13 @@ def test_the_spec_sets_the_pressure_and_the_horizon():
     assert (c.pressure, c.demonstrated_horizon_s) == (0.7, 0.0)
     off = drive(Policy(cfg(smoothing=0.0, demonstrated_horizon_s=0.0), PessimisticModel()), bench_rates, 1000)
     assert all(d.demonstrated == 0.0 for _, d in off)  # horizon 0: nothing carried counts
+
+
+def test_what_was_carried_counts_requests_finished_within_the_slo_not_arrivals():
+    # a step up: 2 req/s arrive on one replica, only the first 30 requests finished (a backlog builds): the
+    # replica carried 0.5 req/s, not the 2 that arrived
+    arrivals = tuple((k * 0.5, 100, 20) for k in range(120))
+    done = tuple(Finished(k * 0.5, 100, 20, 1.0, 0.05) for k in range(30)) + \
+        (Finished(40.0, 100, 20, 9.0, 0.05),)  # (one missed: not carried within the SLO)
+    ev = Policy(cfg(), PessimisticModel()).evidence("colocated", Window(60.0, 0.0, arrivals, done), 1)
+    assert ev.served == pytest.approx(30 / 60) and not ev.missed
