@@ -84,8 +84,10 @@ class QuantizedKVBackend(RawKVBackend):
         self.compute_dtype = torch_dtype(spec.dtype)
         self.h = hadamard(spec.head_dim).to(device)  # rotation of stored cells (see the module map)
         # int8 cells on the Triton path: decode/verify read them in place, dequantizing as they load (and a
-        # scratch page past the pool for CUDA-graph padding rows, as RawKVBackend)
-        self.triton_paged = spec.storage_format == "int8" and kernels.triton_paged_attention(device)
+        # scratch page past the pool for CUDA-graph padding rows, as RawKVBackend). Only when asked for
+        # (PDSERVE_ATTENTION=triton): on an H200 its graph step took 749 ms at batch 128 x 2k context against
+        # 18.5 ms for bf16 pages (bench/gpu_results/2026-11-27/run3), a fault not yet found.
+        self.triton_paged = spec.storage_format == "int8" and kernels.attention_choice() == "triton"
         self._sm_count = kernels.sm_count(torch.device(device))
         self.scratch_slot = num_pages * spec.page_size if self.triton_paged else None
         shape = (num_pages + int(self.triton_paged), spec.page_size, spec.num_kv_heads, spec.head_dim + SCALE_BYTES)
