@@ -144,6 +144,33 @@ class GraphDecode:
         self._pad(bk, n)
         table = h[3 * t + b:3 * t + b + pages * b].reshape(pages, b)
         table[:] = 0
+        if qlen == 1:  # plain decode: each field of every row in one assignment (the host's share of a step)
+            seqs = batch.seqs
+            h[0:n] = [s.token_ids[0] for s in seqs]
+            h[t:t + n] = [s.position_start for s in seqs]
+            h[2 * t:2 * t + n] = [s.pages[s.num_cached // ps] * ps + s.num_cached % ps for s in seqs]
+            h[3 * t:3 * t + n] = [s.num_cached + 1 for s in seqs]
+            for r, s in enumerate(seqs):
+                used = s.num_cached // ps + 1
+                table[:used, r] = s.pages[:used]
+        else:
+            self._fill_verify(h, table, batch, t, qlen, pages)
+        end = 3 * t + b + pages * b
+        bk.dev[:end].copy_(bk.host[:end], non_blocking=True)
+        if self.use_graphs:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        if bk.graph is not None:
+            bk.graph.replay()
+            logits = bk.logits
+        else:
+            logits = self._forward(bk)
+        return StepOutput(self._results(batch, logits, qlen))
+
+    def _fill_verify(self, h, table, batch: StepBatch, t: int, qlen: int, pages: int) -> None:
+        """Host rows of a verify step: each row's tokens, positions and write slots, its unused queries as
+        padding (the scratch slot), its length and pages."""
+        ps = self.page_size
         for r, s in enumerate(batch.seqs):
             k, base = len(s.token_ids), r * qlen
             h[base + k:base + qlen], h[t + base + k:t + base + qlen] = 0, 0  # a verify row's unused queries
@@ -157,17 +184,6 @@ class GraphDecode:
             h[3 * t + r] = s.num_cached + qlen
             used = min(len(s.pages), pages)
             table[:used, r] = s.pages[:used]
-        end = 3 * t + b + pages * b
-        bk.dev[:end].copy_(bk.host[:end], non_blocking=True)
-        if self.use_graphs:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        if bk.graph is not None:
-            bk.graph.replay()
-            logits = bk.logits
-        else:
-            logits = self._forward(bk)
-        return StepOutput(self._results(batch, logits, qlen))
 
     def _results(self, batch: StepBatch, logits: torch.Tensor, qlen: int) -> list[SeqResult]:
         """logits: the bucket's [rows * qlen, vocab]; each row's logits rows copied out (the buffer is the
