@@ -26,7 +26,7 @@ Math: scores, softmax and the weighted sum in float32; exp is a polynomial (`_ex
 the output rounded once to bf16. Grouped-query heads: q head i reads KV head i // (q_heads // kv_heads).
 Used by `RawKVBackend` for decode groups of bf16 pages on CPU (`kv_cache/backend.py`); float32 keeps
 SDPA (its logits must match transformers'), as do groups that record attention (eviction observers).
-At head_dim 64 and 2 rows or more (`NATIVE_MIN_ROWS`), where the CPU has AVX512-BF16 and a C compiler is
+At head_dim 64 (from `NATIVE_MIN_ROWS` rows: 1), where the CPU has AVX512-BF16 and a C compiler is
 found (`engine.cpu_native`), the same call runs the C kernel of `engine/csrc/decode_attention_bf16.c`
 instead (same contract; its module map says how). On the AMD EPYC machine of stop 20, SmolLM2's heads,
 16 rows x ~300 slots: 0.17 vs 0.39 ms a layer with the pages in cache, 0.53 vs 0.79 ms read from memory
@@ -259,8 +259,10 @@ def attend_decode_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
 _WORK = cpu_native.Workspace()
 # Rows from which the C kernel takes a decode group. Decode steps of SmolLM2 at context ~300, interleaved in
 # one process (AMD EPYC, stop 20), C / numba: 1 row 21.52 / 20.95 and 20.95 / 20.43 ms, 4 rows 40.6 / 41.5 and
-# 39.9 / 39.5, 16 rows 69.1 / 75.3 ms.
-NATIVE_MIN_ROWS = 2
+# 39.9 / 39.5, 16 rows 69.1 / 75.3 ms. Since the C kernel prefetches (one row, thread CPU time, medians of 6,
+# C / numba): context 8,128 full 37.0 / 38.4 ms, sparse per KV head 25.0 / 29.3; context 2,048 full 24.7 / 25.5,
+# sparse 24.4 / 28.0; context 304 full 18.4 / 18.2. So one row takes it too.
+NATIVE_MIN_ROWS = 1
 
 
 def native_library():
