@@ -1,11 +1,11 @@
 """Attention kernels for bf16 pages on CPU, side by side in one run: the native AVX512-BF16 kernels
-(`engine/csrc/`) against the paths they replace, as ratios (one thread, SmolLM2's heads: 9 query heads,
+(`engine/kernels/cpu/csrc/`) against the paths they replace, as ratios (one thread, SmolLM2's heads: 9 query heads,
 3 KV heads, head_dim 64, pages of 16 slots).
 
   prefill   q_len new queries after `cached` slots, causal (a prefill chunk): native multi-query kernel
             vs SDPA over the pages gathered the way `RawKVBackend` gathers them (gather included)
   decode    batch 16, context ~300, one query per row: native decode kernel vs the numba kernel
-            (`engine/cpu_attention.py`); each call reads the next of `--layers` separate page pools, so
+            (`engine/kernels/cpu/decode_attention.py`); each call reads the next of `--layers` separate page pools, so
             K/V come from memory as in a real step (one pool would stay in cache)
 
 Order per case: warm-up of both, then native, other, native, other ... `--repeats` times; medians.
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine import cpu_attention, cpu_prefill_attention  # noqa: E402
-from engine.cpu_kernels import bits  # noqa: E402
+from engine.kernels.cpu import decode_attention as cpu_attention, prefill_attention as cpu_prefill_attention  # noqa: E402,E501
+from engine.kernels.cpu.numba_kernels import bits  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
 

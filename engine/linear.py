@@ -1,5 +1,5 @@
 """Linear layers for the forward pass: oneDNN-prepacked weights for bf16/fp16 on CPU, F.linear otherwise,
-and for bf16 on CPU at one or two rows (decode at batch 1-2) the numba GEMV of `engine.cpu_kernels`.
+and for bf16 on CPU at one or two rows (decode at batch 1-2) the numba GEMV of `engine.kernels.cpu.numba_kernels`.
 
 Why: torch's default CPU GEMV for bfloat16 runs well below memory bandwidth (measured 5.4 GB/s vs 7.8 GB/s
 prepacked on this machine, where bandwidth is the limit at batch 1), and decode at small batch is a chain
@@ -16,8 +16,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine.cpu_kernels import bits, from_bits
+from engine.kernels.cpu import numba_kernels as cpu_kernels
+from engine.kernels.cpu.numba_kernels import bits, from_bits
 
 
 PACK_ROWS = 16  # the batch size oneDNN packs bf16 weights for (see Linear.__init__)

@@ -23,9 +23,10 @@ import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext
 from engine.config import ModelConfig
-from engine import cpu_activations, kernels
-from engine.cpu_activations import swiglu
-from engine.cpu_kernels import bits, from_bits, rms_norm_bf16
+from engine import kernels
+from engine.kernels.cpu import activations as cpu_activations
+from engine.kernels.cpu.activations import swiglu
+from engine.kernels.cpu.numba_kernels import bits, from_bits, rms_norm_bf16
 from engine.linear import Linear
 from engine.rope import RotaryTable, apply_rotary
 from engine.sdpa_backends import sdpa_context

@@ -1,9 +1,12 @@
 """The engine's kernels, chosen here at one point.
 
-`cuda/`: Triton paged attention (`paged_attention.py`: decode and 1 + k verify queries reading KV pages in
-place) and CUDA-graph decode (`graph_decode.py`); `reference.py`: plain torch oracles the kernel tests
-compare against. The CPU kernels (numba, C) still live beside the code that calls them
-(engine/cpu_*.py, engine/csrc/).
+`cuda/` (Triton, CUDA graphs): paged attention (`paged_attention.py`: decode and 1 + k verify queries
+reading KV pages in place), the fused forward (`fused_ops.py`, `fused_forward.py`) and CUDA-graph decode
+(`graph_decode.py`). `cpu/` (numba, and C built at first use by `native.py` from `csrc/`): the bf16 GEMV
+and RMSNorm (`numba_kernels.py`), paged decode attention (`decode_attention.py`), multi-query prefill
+attention (`prefill_attention.py`), SwiGLU's activation (`activations.py`), Quest's page choice
+(`quest_select.py`). `reference.py`: plain torch oracles the CUDA kernels' tests compare against (the CPU
+kernels keep their references beside them).
 
 Choice: `PDSERVE_ATTENTION` = "auto" (default: the Triton paged kernel on CUDA, the CPU kernels and SDPA
 elsewhere), "triton" (the Triton kernel wherever it runs: on CPU that is Triton's interpreter, set

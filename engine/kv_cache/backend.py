@@ -13,9 +13,9 @@ SDPA per attention group (a group is a contiguous token range, or a length bucke
 `token_rows`); a group's pages are gathered into a workspace kept across layers and steps, except decode
 groups of raw pages large enough to spill the caches that continue from the previous step: those read a
 dense copy that grows by one slot per row and step (`dense_decode.py`). bfloat16 pages on CPU: decode
-groups run the numba paged kernel of `engine/cpu_attention.py` instead (no gather, no dense copy), and
+groups run the numba paged kernel of `engine/kernels/cpu/decode_attention.py` instead (no gather, no dense copy), and
 groups of several queries per row (prefill chunks, verify steps) the AVX512-BF16 kernel of
-`engine/cpu_prefill_attention.py` where the CPU has it. Sparse attention on (`enable_sparse`): every write
+`engine/kernels/cpu/prefill_attention.py` where the CPU has it. Sparse attention on (`enable_sparse`): every write
 also updates the page summaries (`summaries.py`) and decode groups read the pages `sparse.py` chooses.
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext, AttnGroup
-from engine import cpu_prefill_attention
-from engine.cpu_attention import attend_decode_bf16, native_library as native_decode_library
-from engine.cpu_kernels import bits, from_bits
+from engine.kernels.cpu import prefill_attention as cpu_prefill_attention
+from engine.kernels.cpu.decode_attention import attend_decode_bf16, native_library as native_decode_library
+from engine.kernels.cpu.numba_kernels import bits, from_bits
 from engine import kernels
 from engine.kv_cache.dense_decode import DenseDecode
 from engine.kv_cache.spec import KVPageSpec

@@ -8,7 +8,7 @@ layer and group:
      small matmuls); grouped-query heads reduce their KV head's bounds by max (any head that may need the
      page keeps it) or sum (`gqa`). Keep the `sink_pages` first pages and the pages of the last `recent`
      slots always, plus the best pages within `budget` tokens; sorted in page order. bf16 summaries on
-     CPU: one numba call per layer does all of it (`sparse_kernels.py`); this module's torch path is its
+     CPU: one numba call per layer does all of it (`quest_select.py`); this module's torch path is its
      reference (and the path of float32 / quantized pools and CUDA).
      With `selection_layers` (TidalDecode's idea, with Quest's bounds in place of its full-attention
      scores), only those layers choose; every other layer reuses the latest choice of the step (a layer
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import sparse_kernels
+from engine.kernels.cpu import quest_select
 from engine.kv_cache.sparse_config import SparseAttentionConfig, check_page_size  # noqa: F401 (re-exported)
 
 
@@ -85,7 +85,7 @@ def select(cfg: SparseAttentionConfig, lo: torch.Tensor, hi: torch.Tensor, q: to
     """lo/hi [num_pages, kv_heads, D] (one layer's summaries); q [B, q_heads, D]; page_index [B, P].
     None when every row reads all its pages anyway. `plan`: a dict kept for the step (`AttnGroup.sparse_plan`)
     where what does not depend on the layer is made once. `rows`: each row's own config (None: full).
-    bf16 summaries on CPU: the numba kernel of `sparse_kernels.py` (kernel=False: the torch path, its
+    bf16 summaries on CPU: the numba kernel of `quest_select.py` (kernel=False: the torch path, its
     reference)."""
     plan = {} if plan is None else plan
     if "s" not in plan:
@@ -93,7 +93,7 @@ def select(cfg: SparseAttentionConfig, lo: torch.Tensor, hi: torch.Tensor, q: to
     if plan["s"] is None:
         return None
     if kernel and lo.dtype == torch.bfloat16 and lo.device.type == "cpu" and q.dtype == torch.bfloat16:
-        return Selection(*sparse_kernels.select_pages(plan["rows_np"], plan["s"], lo, hi, q, page_index, page_size))
+        return Selection(*quest_select.select_pages(plan["rows_np"], plan["s"], lo, hi, q, page_index, page_size))
     b, p = page_index.shape
     h, s = lo.shape[1], plan["s"]
     if plan["gqa_sum"] is None:
@@ -143,7 +143,7 @@ def _plan(cfgs: Rows, page_index: torch.Tensor, ctx_lens: list[int], ps: int) ->
             "last": (npg - 1).view(b, 1, 1), "tail": (torch.tensor(ctx_lens).view(b, 1) - (npg - 1) * ps).view(b, 1, 1),
             "keep": None, "row_mode": None, "all_row": all(per_row),
             "gqa": _SUM if all(sums) else _MAX, "gqa_sum": None}
-    plan["rows_np"] = sparse_kernels.row_numbers(  # the same per row for the CPU kernel
+    plan["rows_np"] = quest_select.row_numbers(  # the same per row for the CPU kernel
         n_pages, s_row, sinks.view(-1).tolist(), first_recent.view(-1).tolist(), plan["tail"].view(-1).tolist(),
         [c is not None and c.select_per == "row" for c in cfgs], [c is not None and c.gqa == "sum" for c in cfgs])
     if any(sr < min(s, n) for sr, n in zip(s_row, n_pages)):

@@ -1,4 +1,4 @@
-"""engine.cpu_activations: SwiGLU's activation by the C kernel against torch's bf16 silu-then-mul (what
+"""engine.kernels.cpu.activations: SwiGLU's activation by the C kernel against torch's bf16 silu-then-mul (what
 Hugging Face's LlamaMLP computes), including widths that are not a multiple of 16, special values and
 the torch path where the kernel does not run."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_activations
-from engine.cpu_activations import swiglu
+from engine.kernels.cpu import activations as cpu_activations
+from engine.kernels.cpu.activations import swiglu
 
 needs_kernel = pytest.mark.skipif(cpu_activations._lib() is None,
                                   reason="no C compiler or no AVX512-BF16 on this CPU: the torch path runs")

@@ -1,4 +1,4 @@
-"""engine.cpu_attention: the paged decode attention (numba, and the AVX512-BF16 C kernel for head_dim 64
+"""engine.kernels.cpu.decode_attention: the paged decode attention (numba, and the AVX512-BF16 C kernel for head_dim 64
 where it runs) against float64 attention over the same pages (grouped-query ratios, page sizes,
 scattered and padded page tables, one table per row or per (row, KV head)), numba's polynomial exp, and the backend's choice of it (bf16 decode
 groups on CPU; float32, observed and windowed groups keep SDPA)."""
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from engine import SamplingParams
 from engine.attention_context import ObserveSpec, SeqLayout, build_context
-from engine import cpu_attention, cpu_prefill_attention
-from engine.cpu_attention import _exp, attend_decode_bf16, attend_decode_reference
-from engine.cpu_kernels import _jit, bits, from_bits
+from engine.kernels.cpu import decode_attention as cpu_attention, prefill_attention as cpu_prefill_attention
+from engine.kernels.cpu.decode_attention import _exp, attend_decode_bf16, attend_decode_reference
+from engine.kernels.cpu.numba_kernels import _jit, bits, from_bits
 from engine.kv_cache.backend import RawKVBackend, make_backend
 from engine.kv_cache.spec import KVPageSpec
 from engine.llm import LLM

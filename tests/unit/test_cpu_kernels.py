@@ -1,11 +1,11 @@
-"""engine.cpu_kernels: the numba bf16 GEMV against float32 math rounded once to bf16, and `Linear`'s use of
+"""engine.kernels.cpu.numba_kernels: the numba bf16 GEMV against float32 math rounded once to bf16, and `Linear`'s use of
 it (one or two rows) against its oneDNN path (more rows)."""
 import numpy as np
 import pytest
 import torch
 
-from engine import cpu_kernels
-from engine.cpu_kernels import bits as _bits, from_bits as _from_bits
+from engine.kernels.cpu import numba_kernels as cpu_kernels
+from engine.kernels.cpu.numba_kernels import bits as _bits, from_bits as _from_bits
 from engine.linear import Linear
 
 

@@ -1,4 +1,4 @@
-"""engine.cpu_prefill_attention: the AVX512-BF16 multi-query paged attention against float64 attention over
+"""engine.kernels.cpu.prefill_attention: the AVX512-BF16 multi-query paged attention against float64 attention over
 the same pages (prefill from empty, chunks after a cached prefix, several rows, grouped-query ratios, page
 sizes, scattered and padded page tables), inputs it refuses before reading, the backend's choice of it,
 and the build's failure path (the torch path stays). Engine runs with and without it: test_cpu_attention.py."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_native, cpu_prefill_attention
+from engine.kernels.cpu import native as cpu_native, prefill_attention as cpu_prefill_attention
 from engine.attention_context import ObserveSpec, SeqLayout, build_context
-from engine.cpu_prefill_attention import prefill_attention_bf16
+from engine.kernels.cpu.prefill_attention import prefill_attention_bf16
 from engine.kv_cache.backend import make_backend, torch_dtype
 from engine.kv_cache.spec import KVPageSpec
 

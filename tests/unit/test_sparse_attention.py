@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine import SamplingParams
 from engine.attention_context import SeqLayout, build_context
 from engine.errors import InvalidRequestError
-from engine.cpu_attention import attend_decode_bf16 as _kernel
+from engine.kernels.cpu.decode_attention import attend_decode_bf16 as _kernel
 from engine.kv_cache.backend import make_backend
 from engine.kv_cache.sparse import SparseAttentionConfig, select
 from engine.kv_cache.spec import KVPageSpec
@@ -122,12 +122,12 @@ ROWS = {"kv_head": [_C(budget=8, recent=6)] * 5, "row/sum": [_C(budget=8, select
 @pytest.mark.parametrize("rows", list(ROWS))
 @pytest.mark.parametrize("kvh,qh,dim,native", [(3, 9, 64, "on"), (3, 9, 64, "off"), (2, 4, 16, "off")])
 def test_cpu_selection_kernel_chooses_what_the_torch_path_chooses(rows, kvh, qh, dim, native, monkeypatch):
-    """bf16 summaries on CPU: sparse_kernels' one call per layer (C where it runs: native "on", else numba)
+    """bf16 summaries on CPU: quest_select's one call per layer (C where it runs: native "on", else numba)
     against `select(..., kernel=False)`: the same pages and slots per (row, KV head), per-row
     budgets, full rows and padding included."""
-    from engine.kv_cache import sparse_kernels
+    from engine.kernels.cpu import quest_select
 
-    if native == "on" and sparse_kernels.native_library() is None:
+    if native == "on" and quest_select.native_library() is None:
         pytest.skip("the C kernels do not run here (no compiler or no AVX512-BF16)")
     monkeypatch.setenv("PDSERVE_NATIVE", "1" if native == "on" else "0")
     g = torch.Generator().manual_seed(kvh + len(rows))

@@ -1,9 +1,9 @@
-"""SwiGLU's activation for bfloat16 on CPU by the C kernel of `engine/csrc/swiglu_bf16.c`: silu(gate) * up
+"""SwiGLU's activation for bfloat16 on CPU by the C kernel of `engine/kernels/cpu/csrc/swiglu_bf16.c`: silu(gate) * up
 in one pass over the fused gate/up projection (`LlamaForward`), rounded where Hugging Face rounds.
 
 Why: torch runs it as a chunk, a silu and a mul: ~40 us a layer at 16 rows, ~1 ms at 512 on the AMD
 machine of stop 20, ~3% of a 512-token prefill step. Where the kernel does not run here
-(`engine.cpu_native`), `swiglu` computes the same two torch ops.
+(`engine.kernels.cpu.native`), `swiglu` computes the same two torch ops.
 
     swiglu(gate_up) -> out    # gate_up [tokens, 2 * inter] (gate then up) -> [tokens, inter], same dtype
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_native
+from engine.kernels.cpu import native as cpu_native
 
 
 def _lib():

@@ -30,8 +30,8 @@ import functools
 import numpy as np
 import torch
 
-from engine import cpu_native
-from engine.cpu_kernels import _bf16_to_f32, _jit, bits
+from engine.kernels.cpu import native as cpu_native
+from engine.kernels.cpu.numba_kernels import _bf16_to_f32, _jit, bits
 
 
 @_jit()

@@ -27,7 +27,7 @@ the output rounded once to bf16. Grouped-query heads: q head i reads KV head i /
 Used by `RawKVBackend` for decode groups of bf16 pages on CPU (`kv_cache/backend.py`); float32 keeps
 SDPA (its logits must match transformers'), as do groups that record attention (eviction observers).
 At head_dim 64 (from `NATIVE_MIN_ROWS` rows: 1), where the CPU has AVX512-BF16 and a C compiler is
-found (`engine.cpu_native`), the same call runs the C kernel of `engine/csrc/decode_attention_bf16.c`
+found (`engine.kernels.cpu.native`), the same call runs the C kernel of `engine/kernels/cpu/csrc/decode_attention_bf16.c`
 instead (same contract; its module map says how). On the AMD EPYC machine of stop 20, SmolLM2's heads,
 16 rows x ~300 slots: 0.17 vs 0.39 ms a layer with the pages in cache, 0.53 vs 0.79 ms read from memory
 (`bench/attention_bench.py`); the batch-16 decode step 69.1 vs 75.3 ms (interleaved in one process).
@@ -43,8 +43,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from engine import cpu_native
-from engine.cpu_kernels import _bf16_to_f32, _jit, _round_bf16
+from engine.kernels.cpu import native as cpu_native
+from engine.kernels.cpu.numba_kernels import _bf16_to_f32, _jit, _round_bf16
 
 
 @intrinsic
@@ -266,5 +266,5 @@ NATIVE_MIN_ROWS = 1
 
 
 def native_library():
-    """The C kernel of engine/csrc/decode_attention_bf16.c (AVX512-BF16, head_dim 64), or None."""
+    """The C kernel of engine/kernels/cpu/csrc/decode_attention_bf16.c (AVX512-BF16, head_dim 64), or None."""
     return cpu_native.library("decode_attention_bf16")

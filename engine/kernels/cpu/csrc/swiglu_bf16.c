@@ -1,7 +1,7 @@
 /* SwiGLU's activation for bfloat16 rows on CPU: out = silu(gate) * up from one fused gate/up projection,
  * in one pass instead of torch's silu, mul and the chunk views between them.
  *
- * Built and loaded by engine/cpu_native.py; called through engine/cpu_activations.py.
+ * Built and loaded by engine/kernels/cpu/native.py; called through engine/kernels/cpu/activations.py.
  * Rounding as Hugging Face's bf16 LlamaMLP does it (two torch ops): s = bf16(silu(gate)) computed in
  * float32, then bf16(s * up) in float32. silu(x) = x * sigmoid(x), sigmoid from e**-|x| (exp512 takes
  * arguments <= 0); NaN and infinities come out as torch's: silu(-inf) = NaN, silu(inf) = inf.

@@ -1,4 +1,4 @@
-"""Native CPU kernels in C (`engine/csrc/*.c`), compiled with the machine's C compiler on first use and
+"""Native CPU kernels in C (`engine/kernels/cpu/csrc/*.c`), compiled with the machine's C compiler on first use and
 loaded with ctypes; `library(name)` returns the loaded library or None when it cannot run here.
 
 Why C next to numba (`cpu_kernels.py`): some kernels need one specific instruction (AVX512-BF16's

@@ -1,5 +1,5 @@
 /* Helpers shared by the bf16 kernels (attention_bf16.c, decode_attention_bf16.c, quest_select_bf16.c): the
- * CPU check that engine/cpu_native.py calls before using a library, a vectorized exp, and a sum of 16
+ * CPU check that engine/kernels/cpu/native.py calls before using a library, a vectorized exp, and a sum of 16
  * vectors' lanes at once. */
 #ifndef PD_BF16_COMMON_H
 #define PD_BF16_COMMON_H

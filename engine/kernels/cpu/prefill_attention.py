@@ -1,5 +1,5 @@
 """Paged attention of several queries per sequence (prefill chunks, verify steps) for bfloat16 on CPU, by
-the AVX512-BF16 kernel of `engine/csrc/attention_bf16.c` (built by `engine.cpu_native`).
+the AVX512-BF16 kernel of `engine/kernels/cpu/csrc/attention_bf16.c` (built by `engine.kernels.cpu.native`).
 
 Why: torch's CPU flash attention (what SDPA runs) reaches ~35 GFLOP/s on a core without AMX, ~30% of a
 512-token prefill step of SmolLM2 on the development machine (AMD EPYC, one thread); the kernel reads K/V
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine import cpu_native
+from engine.kernels.cpu import native as cpu_native
 
 _LIB = "attention_bf16"
 

@@ -1,7 +1,7 @@
 /* Paged decode attention over bfloat16 KV pages with AVX512-BF16 dot products: one query per sequence,
  * K/V read in place from the pages through the page table (no gather, no repacking).
  *
- * Built and loaded by engine/cpu_native.py; called by engine/cpu_attention.py's attend_decode_bf16 where
+ * Built and loaded by engine/kernels/cpu/native.py; called by engine/kernels/cpu/decode_attention.py's attend_decode_bf16 where
  * the CPU has AVX512-BF16 and head_dim is 64 (the numba kernel there otherwise).
  * Why: the numba kernel spends most of its time on one horizontal sum per (slot, head) and on output
  * accumulators that do not fit in registers. Here, per sequence and KV head:

@@ -1,14 +1,14 @@
 /* Sparse attention's page choice (Quest) for one layer over bf16 page summaries, with AVX512-BF16 dot
  * products: per row, the bounds of its scored pages, the best of them, and the paged decode kernel's
- * tables (engine/csrc/decode_attention_bf16.c reads them in place).
+ * tables (engine/kernels/cpu/csrc/decode_attention_bf16.c reads them in place).
  *
- * Built and loaded by engine/cpu_native.py; called by engine/kv_cache/sparse_kernels.py's select_pages
+ * Built and loaded by engine/kernels/cpu/native.py; called by engine/kernels/cpu/quest_select.py's select_pages
  * where the CPU has AVX512-BF16 and head_dim is 64 (its numba kernel otherwise, with the same contract;
  * both are tested against the torch path of engine/kv_cache/sparse.py).
  * Why C: in numba the 128-value dot products (one horizontal sum each) cost more than the paged attention
  * itself; here 16 pages' sums come out of one shuffle tree (sum_lanes16), and the choice that follows
  * runs on the row's scores while they are still in L1 (as a separate numba call it was ~3x slower).
- * Per row b (n_pages[b] pages, per-row numbers from sparse_kernels.row_numbers):
+ * Per row b (n_pages[b] pages, per-row numbers from quest_select.row_numbers):
  *   bounds  for each KV head h and page j in [first[b], stop[b]): over the KV head's query heads, the max
  *           (or, where gqa_sum[b], the sum) of q+ . max + q- . min (q+ / q-: the query's positive and
  *           negative parts, exact in bf16); where row_mode[b], summed over KV heads (one choice per row)

@@ -1,7 +1,7 @@
 /* Paged multi-query attention over bfloat16 KV pages with AVX512-BF16 dot products (prefill chunks and
  * verify steps: q_len > 1 queries per sequence, causal from each sequence's cached slots).
  *
- * Built and loaded by engine/cpu_native.py (gcc, ctypes); called through engine/cpu_prefill_attention.py.
+ * Built and loaded by engine/kernels/cpu/native.py (gcc, ctypes); called through engine/kernels/cpu/prefill_attention.py.
  * Why: torch's CPU flash attention runs a 512-token SmolLM2 prompt's attention at ~35 GFLOP/s on a core
  * without AMX (~30% of the prefill step); vdpbf16ps does 32 bf16 products with float32 sums per
  * instruction. Per sequence and KV head the K/V pages are repacked once into the pair-interleaved
