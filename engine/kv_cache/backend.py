@@ -244,6 +244,13 @@ class RawKVBackend:
             return None
         if self._takes_kernel(g):  # the chosen pages read in place: a table per row, or per (row, KV head)
             return self._attend_kernel(layer, q, g, scale, sparse_attention.kernel_rows(sel, plan["all_row"]))
+        if self.triton_paged and self._triton_cells():  # CUDA: the Triton kernel reads each KV head's pages
+            from engine.kernels.cuda.paged_attention import num_splits, paged_attention
+
+            lens = sel.slots.sum(-1).to(torch.int32)  # [B, kv_heads]
+            splits = num_splits(g.batch, self.spec.num_kv_heads, sel.pages.shape[-1] * self.spec.page_size,
+                                self._sm_count)
+            return paged_attention(q, self.k[layer], self.v[layer], sel.pages, lens, scale, 1, splits)
         k, v = self._page_heads(layer, sel.pages)  # [B, kv_heads, S, page_size, head_dim] each
         return sparse_attention.attend_torch(k, v, q, sel, scale)
 

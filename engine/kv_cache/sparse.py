@@ -106,7 +106,7 @@ def select(cfg: SparseAttentionConfig, lo: torch.Tensor, hi: torch.Tensor, q: to
         scores = summed if plan["all_row"] else torch.where(plan["row_mode"], summed.expand_as(scores), scores)
     top = scores.topk(s, dim=1).indices  # [B, S, kv_heads or 1], best first
     if plan["keep"] is not None:  # rows of smaller budgets drop their worst: index p sorts after every page
-        top = top.masked_fill(torch.arange(s).view(1, s, 1) >= plan["keep"], p)
+        top = top.masked_fill(torch.arange(s, device=top.device).view(1, s, 1) >= plan["keep"], p)
     idx = top.sort(dim=1).values.expand(b, s, h).transpose(1, 2)  # [B, kv_heads, S]
     pages = page_index.unsqueeze(1).expand(b, h, p).gather(2, idx.clamp(max=p - 1))
     last, tail = plan["last"], plan["tail"]  # [B, 1, 1] each
@@ -122,6 +122,7 @@ def _plan(cfgs: Rows, page_index: torch.Tensor, ctx_lens: list[int], ps: int) ->
     every row reads all), which pages are forced (sinks, recent window, rows below min_context or with no
     config) and which are padding; per-row kinds where rows differ (select_per, gqa)."""
     b, p = page_index.shape
+    dev = page_index.device  # masks beside the scores they apply to (CUDA: no host tensors in the choice)
     n_pages = [-(-n // ps) for n in ctx_lens]
     full = [c is None or n < c.min_context for c, n in zip(cfgs, ctx_lens)]
     # +1: a recent window straddles pages
@@ -131,27 +132,29 @@ def _plan(cfgs: Rows, page_index: torch.Tensor, ctx_lens: list[int], ps: int) ->
         return {"s": None}
     s = max(s_row)
     live = [c for c in cfgs if c is not None]
-    j = torch.arange(p).view(1, p)
-    npg = torch.tensor(n_pages).view(b, 1)
-    sinks = torch.tensor([c.sink_pages if c is not None else 0 for c in cfgs]).view(b, 1)
+    j = torch.arange(p, device=dev).view(1, p)
+    npg = torch.tensor(n_pages, device=dev).view(b, 1)
+    sinks = torch.tensor([c.sink_pages if c is not None else 0 for c in cfgs], device=dev).view(b, 1)
     first_recent = torch.tensor([max(0, n - c.recent) // ps if c is not None else 0
-                                 for c, n in zip(cfgs, ctx_lens)]).view(b, 1)
-    forced = (j < sinks) | (j >= first_recent) | torch.tensor(full).view(b, 1)  # [B, P]
+                                 for c, n in zip(cfgs, ctx_lens)], device=dev).view(b, 1)
+    forced = (j < sinks) | (j >= first_recent) | torch.tensor(full, device=dev).view(b, 1)  # [B, P]
     per_row = [c.select_per == "row" for c in live]
     sums = [c.gqa == "sum" for c in live]
     plan = {"s": s, "forced": forced.unsqueeze(-1), "invalid": (j >= npg).unsqueeze(-1),
-            "last": (npg - 1).view(b, 1, 1), "tail": (torch.tensor(ctx_lens).view(b, 1) - (npg - 1) * ps).view(b, 1, 1),
+            "last": (npg - 1).view(b, 1, 1), "tail": (torch.tensor(ctx_lens, device=dev).view(b, 1) - (npg - 1) * ps).view(b, 1, 1),
             "keep": None, "row_mode": None, "all_row": all(per_row),
             "gqa": _SUM if all(sums) else _MAX, "gqa_sum": None}
     plan["rows_np"] = quest_select.row_numbers(  # the same per row for the CPU kernel
         n_pages, s_row, sinks.view(-1).tolist(), first_recent.view(-1).tolist(), plan["tail"].view(-1).tolist(),
         [c is not None and c.select_per == "row" for c in cfgs], [c is not None and c.gqa == "sum" for c in cfgs])
     if any(sr < min(s, n) for sr, n in zip(s_row, n_pages)):
-        plan["keep"] = torch.tensor(s_row).view(b, 1, 1)
+        plan["keep"] = torch.tensor(s_row, device=dev).view(b, 1, 1)
     if any(per_row):
-        plan["row_mode"] = torch.tensor([c is not None and c.select_per == "row" for c in cfgs]).view(b, 1, 1)
+        row_mode = [c is not None and c.select_per == "row" for c in cfgs]
+        plan["row_mode"] = torch.tensor(row_mode, device=dev).view(b, 1, 1)
     if any(sums) and not all(sums):
-        plan["gqa_sum"] = torch.tensor([c is not None and c.gqa == "sum" for c in cfgs]).view(b, 1, 1)
+        gqa_sum = [c is not None and c.gqa == "sum" for c in cfgs]
+        plan["gqa_sum"] = torch.tensor(gqa_sum, device=dev).view(b, 1, 1)
     return plan
 
 

@@ -151,3 +151,22 @@ def test_verify_steps_take_the_static_step_and_stay_lossless(gqa_dir, monkeypatc
     assert 4 in qlens and 1 in qlens, qlens  # verify steps and plain steps both ran static
     assert llm.spec_stats()["num_spec_steps"] > 0
     assert_engine_empty(llm)
+
+
+def test_quest_on_the_triton_path_equals_the_torch_sparse_path(gqa_dir, monkeypatch):
+    """Sparse (Quest) decode with the Triton kernel reading each KV head's chosen pages: the same float32
+    greedy tokens as the torch sparse path (the same choice, attended over gathered pages)."""
+    sparse = {"method": "quest", "budget": 32, "sink_pages": 1, "recent": 16, "min_context": 0}
+    kw = dict(sparse_attention=sparse, page_size=8, decode_graphs="off")
+    want = _engine(gqa_dir, monkeypatch, "torch", keep_logits=True, **kw)
+    ref = want.generate(_prompts(), GREEDY)
+    llm = _engine(gqa_dir, monkeypatch, "triton", **kw)
+    assert llm.backend.triton_paged and llm.backend.sparse is not None
+    calls = []
+    import engine.kernels.cuda.paged_attention as pa
+    real = pa.paged_attention
+    monkeypatch.setattr(pa, "paged_attention", lambda *a, **k: (calls.append(a[3].dim()), real(*a, **k))[1])
+    got = llm.generate(_prompts(), GREEDY)
+    assert_greedy_equal([o.token_ids for o in ref], [o.token_ids for o in got], [torch.stack(o.logits) for o in ref])
+    assert 3 in calls  # per-(row, KV head) page tables went to the kernel
+    assert_engine_empty(llm)
