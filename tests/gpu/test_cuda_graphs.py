@@ -94,3 +94,15 @@ def test_compiled_fused_ops_match_reference():
     torch.testing.assert_close(out.float(), want_out.float(), atol=6e-2, rtol=6e-2)
     gu = torch.randn(7, 2 * 14336, device="cuda", generator=g).bfloat16()
     torch.testing.assert_close(fused_ops.silu_mul(gu).float(), ref.silu_mul(gu).float(), atol=6e-2, rtol=6e-2)
+
+
+def test_quest_on_cuda_equals_cpu_float32(gqa):
+    """Sparse (Quest) decode on CUDA (the choice on the GPU, the Triton kernel over each KV head's pages):
+    the CPU torch sparse path's float32 greedy tokens."""
+    sparse = {"method": "quest", "budget": 64, "sink_pages": 1, "recent": 16, "min_context": 0}
+    cpu = _llm(gqa, dtype="float32", keep_logits=True, sparse_attention=sparse)
+    ref = cpu.generate(_prompts(), GREEDY)
+    gpu = _llm(gqa, dtype="float32", device="cuda", sparse_attention=sparse)
+    got = gpu.generate(_prompts(), GREEDY)
+    assert_greedy_equal([o.token_ids for o in ref], [o.token_ids for o in got], [torch.stack(o.logits) for o in ref])
+    assert_engine_empty(gpu)
