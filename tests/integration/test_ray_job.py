@@ -160,5 +160,7 @@ def test_ray_job_submit_serves_the_self_test(ray_head):
     for ignored in (".venv", ".git", "bench/out", "pdserve.egg-info"):
         assert not (pkg / ignored).exists(), f"{ignored} was uploaded with the working dir"
     size = _dir_bytes(pkg)
-    assert size < 16 << 20, f"working dir upload is {size >> 20} MiB"
+    # The cap catches a venv or model cache riding along (hundreds of MiB); the repository itself is ~19 MiB
+    # since data/ holds the traces and GPU tables (14 MiB, issue 33): 16 MiB was set before data/ existed.
+    assert size < 32 << 20, f"working dir upload is {size >> 20} MiB"
     print(f"self-test {m.group(2)!r}; working dir {size / 2**20:.1f} MiB; submit took {took:.0f} s")
