@@ -49,10 +49,7 @@ from cluster.bench.server import SpecServer, spec_variants  # noqa: E402
 from cluster.bench.workload import RequestSpec, TraceScaling, load_workload  # noqa: E402
 
 
-# ../shared beside the repository; one level higher for a git worktree under a folder
-TRACE = next((p for p in (ROOT.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv",
-                          ROOT.parent.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv") if p.is_file()),
-             ROOT.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv")
+TRACE = ROOT / "data" / "workloads" / "azure_llm_2023_conv.csv"  # in the repository (data/README.md)
 
 
 def stepped_arrivals(unit_arrivals: list[float], rates: list[float], duration_s: float) -> list[float]:

@@ -49,9 +49,7 @@ from cluster.serving.autoscale_capacity import PlannerCapacity  # noqa: E402
 from cluster.serving.autoscale_policy import AutoscaleConfig, Finished, Load, Policy, Window  # noqa: E402
 
 DAY = 86400.0
-TRACE = next((p for p in (ROOT.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv",
-                          ROOT.parent.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv") if p.is_file()),
-             ROOT.parent / "shared" / "workloads" / "azure_llm_2023_conv.csv")
+TRACE = ROOT / "data" / "workloads" / "azure_llm_2023_conv.csv"  # in the repository (data/README.md)
 
 
 def read_trace(path: Path, max_len: int) -> tuple[list[float], list[tuple[int, int]]]:
