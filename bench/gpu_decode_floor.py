@@ -112,9 +112,7 @@ def time_steps(llm: LLM, device: str, steps: int) -> list[float]:
 
 
 def kv_bytes_per_token(llm: LLM) -> int:
-    c = llm.config
-    cell = c.head_dim * 2 if llm.kv_spec.storage_format == "raw" else c.head_dim + 2  # bf16, or int8 + scale
-    return 2 * c.num_layers * c.num_kv_heads * cell  # K and V
+    return llm.kv_spec.bytes_per_page() // llm.kv_spec.page_size  # K and V over all layers, as stored
 
 
 class TimedGraph:

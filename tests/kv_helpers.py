@@ -161,3 +161,13 @@ def ship_all(pre, dec, prompts, params, transport=None, chunk_bytes: int = 1024,
         tx.send(pre.add_request(p, params, prefill_only=True), descs[-1], address)
     got = decode_all(dec, [d.request_id for d in descs], drive(tx, rx, timeout_s))
     return got, descs, (tx, rx, transport)
+
+
+def page_order(kind: str, count: int, offset: int, rng) -> list[int]:
+    """`count` page ids from `offset`: "consecutive", "reversed" or "shuffled" (by `rng`, a random.Random)."""
+    pages = list(range(offset, offset + count))
+    if kind == "reversed":
+        pages.reverse()
+    elif kind == "shuffled":
+        rng.shuffle(pages)
+    return pages

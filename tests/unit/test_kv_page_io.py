@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from engine.kv_cache.backend import RawKVBackend
 from engine.kv_cache.page_io import export_kv, import_kv, slot_runs, stored_token_head_bytes
 from engine.kv_cache.spec import KVPageSpec
+from tests.kv_helpers import page_order
 
 HEADS, DIM = 3, 8
 
@@ -44,15 +45,6 @@ def _pool(page_size, num_pages, dtype, fill=False):
 page_lists = st.sampled_from(["consecutive", "reversed", "shuffled"])
 
 
-def _pages(kind, count, offset, rng):
-    pages = list(range(offset, offset + count))
-    if kind == "reversed":
-        pages.reverse()
-    elif kind == "shuffled":
-        rng.shuffle(pages)
-    return pages
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @settings(max_examples=60, deadline=None)
 @given(src_kind=page_lists, dst_kind=page_lists, src_ps=st.sampled_from([1, 4, 16]),
@@ -62,8 +54,8 @@ def test_bytes_round_trip_across_layouts(dtype, src_kind, dst_kind, src_ps, dst_
     n_tok = 128
     start, stop = span[0], min(span[0] + span[1], n_tok)
     src, dst = _pool(src_ps, n_tok // src_ps + 4, dtype, fill=True), _pool(dst_ps, n_tok // dst_ps + 4, dtype)
-    src_pages = _pages(src_kind, n_tok // src_ps, 2, rng)
-    dst_pages = _pages(dst_kind, n_tok // dst_ps, 1, rng)
+    src_pages = page_order(src_kind, n_tok // src_ps, 2, rng)
+    dst_pages = page_order(dst_kind, n_tok // dst_ps, 1, rng)
     assert stored_token_head_bytes(src.spec) == DIM * src.spec.itemsize
     for copy in (True, False):
         k, v = export_kv(src, 0, src_pages, start, stop, copy=copy)

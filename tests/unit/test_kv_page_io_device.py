@@ -12,6 +12,7 @@ import torch
 from engine.kv_cache import page_io
 from engine.kv_cache.backend import RawKVBackend, make_backend
 from engine.kv_cache.spec import KVPageSpec
+from tests.kv_helpers import page_order
 
 HEADS, DIM = 3, 8
 
@@ -25,15 +26,6 @@ def _backend(page_size, num_pages, dtype="bfloat16", fmt="raw", seed=None):
             raw = pool.view(torch.uint8)
             raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
     return b
-
-
-def _pages(kind, count, offset, rng):
-    pages = list(range(offset, offset + count))
-    if kind == "reversed":
-        pages.reverse()
-    elif kind == "shuffled":
-        rng.shuffle(pages)
-    return pages
 
 
 @pytest.fixture
@@ -50,7 +42,7 @@ CASES = [(kind, ps, span) for kind in ("consecutive", "reversed", "shuffled") fo
 @pytest.mark.parametrize("kind, ps, span", CASES)
 def test_export_matches_the_host_path(monkeypatch, fmt, kind, ps, span):
     src = _backend(ps, 128 // ps + 4, fmt=fmt, seed=ps)
-    pages = _pages(kind, 128 // ps, 2, random.Random(ps))
+    pages = page_order(kind, 128 // ps, 2, random.Random(ps))
     want = page_io.export_kv(src, 0, pages, *span)  # numpy path
     monkeypatch.setattr(page_io, "_on_host", lambda backend, layer: False)
     for k, v in (page_io.export_kv(src, 0, pages, *span), page_io.export_kv_async(src, 0, pages, *span)[:2]):
@@ -70,7 +62,7 @@ def test_import_matches_the_host_path_and_touches_nothing_else(device_path, fmt,
     cell = page_io.stored_token_head_bytes(KVPageSpec(1, HEADS, DIM, ps, "bfloat16", fmt))
     payload = torch.randint(0, 256, (2 * n * (h1 - h0) * cell,), generator=torch.Generator().manual_seed(n),
                             dtype=torch.uint8).numpy().tobytes()
-    pages = _pages(kind, 128 // ps, 1, random.Random(n))
+    pages = page_order(kind, 128 // ps, 1, random.Random(n))
     got, want = _backend(ps, 128 // ps + 3, fmt=fmt), _backend(ps, 128 // ps + 3, fmt=fmt)
     page_io.import_kv(got, 0, pages, *span, memoryview(payload), h0, h1)
     with pytest.MonkeyPatch.context() as m:

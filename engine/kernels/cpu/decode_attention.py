@@ -80,6 +80,20 @@ def _widen(src, dst):
         dst[i] = _bf16_to_f32(src[i])
 
 
+@_jit(fastmath=True, inline="always")
+def _softmax_row(s, i, n):
+    """s[i, :n] (scores) -> exp(s - max) in place; returns 1 / their sum (the row's normalizer)."""
+    m = s[i, 0]
+    for t in range(1, n):
+        m = max(m, s[i, t])
+    total = np.float32(0.0)
+    for t in range(n):
+        e = _exp(s[i, t] - m)
+        s[i, t] = e
+        total += e
+    return np.float32(1.0) / total
+
+
 @functools.lru_cache(maxsize=None)
 def _decode_kernel(dim: int, group: int):
     """The kernel for one head size and grouped-query ratio: both are compile-time constants inside
@@ -117,15 +131,7 @@ def _decode_kernel(dim: int, group: int):
                         a += qf[h, d] * row[base + d]
                     s[h, t] = a
             for h in range(q_heads):
-                m = s[h, 0]
-                for i in range(1, n):
-                    m = max(m, s[h, i])
-                total = np.float32(0.0)
-                for i in range(n):
-                    e = _exp(s[h, i] - m)
-                    s[h, i] = e
-                    total += e
-                qf[h, 0] = np.float32(1.0) / total  # qf is free now: each head's normalizer
+                qf[h, 0] = _softmax_row(s, h, n)  # qf is free now: each head's normalizer
                 for d in range(dim):
                     acc[h, d] = 0.0
             for t in range(n):  # weighted sum of V rows
@@ -175,15 +181,7 @@ def _decode_heads_kernel(dim: int, group: int):
                             a += qf[i, d] * row[d]
                         s[i, t] = a
                 for i in range(group):
-                    m = s[i, 0]
-                    for t in range(1, n):
-                        m = max(m, s[i, t])
-                    total = np.float32(0.0)
-                    for t in range(n):
-                        e = _exp(s[i, t] - m)
-                        s[i, t] = e
-                        total += e
-                    inv[i] = np.float32(1.0) / total
+                    inv[i] = _softmax_row(s, i, n)
                     for d in range(dim):
                         acc[i, d] = 0.0
                 for t in range(n):  # weighted sum of this KV head's V rows
