@@ -87,13 +87,6 @@ class Load:
         await asyncio.gather(*self.tasks)  # (a failed request raises here)
 
 
-def write_tiny_llama(tmp_path_factory):
-    """The tiny random Llama the cluster tests serve (weights large enough that greedy tokens vary)."""
-    from tests.tiny_models import write_tiny
-
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
-
-
 def greedy_reference(model_dir, prompts, params, page_size: int) -> list[list[int]]:
     """Each prompt's tokens from one float32 engine.LLM alone: what every cluster path must reproduce."""
     from engine import LLM

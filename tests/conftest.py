@@ -1,4 +1,5 @@
-"""Test-wide fixtures: one torch thread per process (as workers run), leak checks, tiny models."""
+"""Test-wide fixtures: one torch thread per process (as workers run), leak checks, the tiny model (`tiny_dir`)
+and SmolLM2 (`smollm2_dir`)."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,15 @@ def assert_engine_empty(llm) -> None:
     assert usage["reservations"] == 0, f"leaked reservations: {usage}"
     assert not llm.has_unfinished(), "requests still queued or running"
     assert not llm.scheduler.held, f"held requests left: {list(llm.scheduler.held)}"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """The tiny random Llama (tests/tiny_models.py), written once per session; tests only read it (a test that
+    changes its files writes its own copy with `write_tiny_llama`)."""
+    from tests.tiny_models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,7 @@
-"""Tiny random-weight Llama / Mistral / Qwen2 checkpoints for fast tests (written once per session)."""
+"""Tiny random-weight Llama / Mistral / Qwen2 checkpoints for fast tests (written once per session).
+
+Most tests read one model, the `tiny_dir` fixture (tests/conftest.py: `write_tiny_llama`, written once per
+session); a test that needs another shape writes its own with `write_tiny`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +11,9 @@ import torch
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Weights drawn this wide make greedy tokens vary and logits differ (HF's default 0.02 leaves attention nearly
+# uniform, so a RoPE or mask bug would move logits by less than the tests' tolerances).
+INIT_RANGE = 0.1
 
 
 def hf_config(arch: str, **overrides):
@@ -54,3 +60,9 @@ def write_tiny_tokenizer(out: Path, vocab_size: int) -> None:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t2", "bos_token": "t1"}))
+
+
+def write_tiny_llama(tmp_path_factory, name: str = "tiny", **overrides) -> Path:
+    """The tiny Llama most tests serve (`TINY`, weights drawn with `INIT_RANGE`, seed 0) in a fresh folder;
+    `overrides` change its config (a longer context, another vocabulary)."""
+    return write_tiny("llama", tmp_path_factory.mktemp(name) / "llama", initializer_range=INIT_RANGE, **overrides)

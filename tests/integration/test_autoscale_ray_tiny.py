@@ -15,7 +15,7 @@ from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest
 from cluster.spec import parse_spec
 from engine import SamplingParams
-from tests.cluster_helpers import Load, assert_cluster_empty, greedy_reference, write_tiny_llama
+from tests.cluster_helpers import Load, assert_cluster_empty, greedy_reference
 from tests.exactness import assert_greedy_equal
 
 pytestmark = pytest.mark.faults
@@ -30,11 +30,6 @@ class TwoWhenBusy:
 
     def predict(self, pool, load, replicas):
         return {}  # nothing to compare: the correction stays 1
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory)
 
 
 def spec_for(model_dir):

@@ -19,16 +19,10 @@ from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
 from tests.cluster_helpers import assert_cluster_empty
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
 
 pytestmark = pytest.mark.faults
 LONG = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[(5 * i + j) % 250 + 3 for j in range(10 + 4 * i)] for i in range(3)] + [[100, 3, 8, 8]]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")

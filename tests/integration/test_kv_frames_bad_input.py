@@ -27,7 +27,6 @@ from kv_transfer.receiver import KVReceiver
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, decode_all, hand_frames, prefill_held, wire
-from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT, OTHER = list(range(10, 30)), [60, 61, 62, 63, 64, 65, 66]
@@ -36,8 +35,8 @@ U32 = (1 << 32) - 1
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    d = write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+def rig(tiny_dir):
+    d = tiny_dir
     alone = LLM(model=str(d), dtype="float32", num_pages=64)
     ref = [o.token_ids for o in alone.generate([PROMPT, OTHER], GREEDY)]
     pre = LLM(model=str(d), dtype="float32", num_pages=64, page_size=4, max_num_batched_tokens=32)

@@ -21,7 +21,6 @@ from kv_transfer.contract import TransferState, Unauthenticated, Unavailable, ma
 from kv_transfer.receiver import KVReceiver
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, decode_all, hand_frames, prefill_held, wire
-from tests.tiny_models import write_tiny
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -76,8 +75,8 @@ def certs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory, certs):
-    d = write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+def rig(tiny_dir, certs):
+    d = tiny_dir
     ref = LLM(model=str(d), dtype="float32", num_pages=32).generate([PROMPT], GREEDY)[0].token_ids
     pre = LLM(model=str(d), dtype="float32", num_pages=32, page_size=4, max_num_batched_tokens=32)
     dec = LLM(model=str(d), dtype="float32", num_pages=32, page_size=8)

@@ -29,8 +29,7 @@ from cluster.serving.placement import PlacementError
 from cluster.serving.ray_pools import start_cluster
 from cluster.spec import parse_spec
 from engine import SamplingParams
-from tests.cluster_helpers import (assert_cluster_empty, collect, greedy_reference, ray_test_cluster,
-                                   write_tiny_llama)
+from tests.cluster_helpers import assert_cluster_empty, collect, greedy_reference, ray_test_cluster
 from tests.exactness import assert_greedy_equal
 
 pytestmark = pytest.mark.faults
@@ -48,11 +47,6 @@ def cluster():
     nodes = {t: {"num_cpus": 1, "resources": {f"accelerator_type:{t}": 1}} for t in TYPES.values()}
     with ray_test_cluster(nodes, head_cpus=0) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -16,18 +16,12 @@ from engine import LLM, SamplingParams
 from tests.cluster_helpers import assert_cluster_empty
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
 
 pytestmark = pytest.mark.slow
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 rng = random.Random(3)
 BASE = [rng.randrange(3, 250) for _ in range(40)]
 PROMPTS = [BASE[:16] + [7, 8, 9], BASE[:17] + [4, 5], BASE[:32], BASE + [11, 12, 13], [9] * 5 + BASE]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 def test_prefix_caching_and_routing_through_ray_actors(ray_session, tiny_dir):

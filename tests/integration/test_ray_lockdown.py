@@ -34,7 +34,6 @@ from cluster.serving_api import GenerateRequest
 from cluster.spec import parse_spec
 from engine import SamplingParams
 from tests.cluster_helpers import assert_cluster_empty
-from tests.tiny_models import write_tiny
 
 pytestmark = pytest.mark.slow
 # One harmless method per Ray gRPC service (server: method); empty bytes are a valid empty request.
@@ -45,11 +44,6 @@ PROBES = {"gcs": "/ray.rpc.NodeInfoGcsService/CheckAlive",
           "core worker": "/ray.rpc.CoreWorkerService/NumPendingTasks",
           "dashboard agent": "/ray.rpc.ReporterService/HealthCheck"}
 METRICS_OWNERS = ("autoscaler/_private/monitor.py", "dashboard/dashboard.py")
-
-
-@pytest.fixture
-def tiny_dir(tmp_path):
-    return write_tiny("llama", tmp_path / "llama")
 
 
 def _loopback(ip: str) -> bool:

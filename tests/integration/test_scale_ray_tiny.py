@@ -15,16 +15,10 @@ from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
 from tests.cluster_helpers import Load, assert_cluster_empty
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
 
 pytestmark = pytest.mark.faults
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 9]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")

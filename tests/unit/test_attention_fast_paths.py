@@ -18,7 +18,6 @@ from engine.kv_cache.spec import KVPageSpec
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
 
 LENS = [3, 300, 41, 170, 9, 260, 128, 77]  # decode contexts far apart: several buckets
 
@@ -95,11 +94,6 @@ def test_gather_workspace_equals_read_pages_and_is_kept():
     ptr = b._ws[0].data_ptr()
     b._load(0, small)
     assert b._ws[0].data_ptr() == ptr  # no new buffer for a smaller gather
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 @pytest.mark.parametrize("storage", ["raw", "kivi4"])

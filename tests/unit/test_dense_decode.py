@@ -16,7 +16,6 @@ from engine.kv_cache.spec import KVPageSpec
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
 
 PS = 4
 
@@ -127,11 +126,6 @@ def test_single_rows_small_groups_and_other_formats_take_the_gather_path(monkeyp
     spec = KVPageSpec(1, 2, 16, PS, "float32", "int8")
     assert make_backend(spec, 8)._dense_for() is None
     assert RawKVBackend(KVPageSpec(1, 2, 16, PS, "float32", "raw"), 8)._dense_for() is not None
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 def test_engine_tokens_and_logits_equal_with_and_without_dense_copies(tiny_dir, monkeypatch):

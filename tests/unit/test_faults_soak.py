@@ -18,7 +18,7 @@ from engine import SamplingParams
 from engine.llm import LLM
 from tests.cluster_helpers import assert_cluster_empty
 from tests.exactness import assert_greedy_equal
-from tests.unit.test_faults_tiny import PAGE, cluster, run, stop, tiny_dir  # noqa: F401 (tiny_dir: fixture)
+from tests.unit.test_faults_tiny import PAGE, cluster, run, stop
 
 
 def chunk_faults(seed: int):

@@ -23,18 +23,13 @@ from engine.tokenizer import Tokenizer
 from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.fake_transport import FakeTransport
 from prefill_worker.worker import PrefillWorker
-from tests.cluster_helpers import assert_cluster_empty, greedy_reference, write_tiny_llama
+from tests.cluster_helpers import assert_cluster_empty, greedy_reference
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
 
 PAGE = 4
 LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 9]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from cluster.server import BackgroundServer
 from engine import SamplingParams
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
-from tests.tiny_models import write_tiny
+from tests.tiny_models import write_tiny_llama
 
 MAX_LEN, LIMIT = 64, 128 * 1024  # the engine's max_model_len; the frontend's body limit (bytes)
 BASE = {"model": "tiny", "prompt": "t5 t6", "max_tokens": 4}
@@ -145,7 +145,7 @@ CHAT = {  # chat-only rows
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    d = write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+    d = write_tiny_llama(tmp_path_factory)  # its own copy: the test changes its files
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     template = "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}t5"
     (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=template)))

@@ -24,7 +24,7 @@ from engine import SamplingParams
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
+from tests.tiny_models import write_tiny_llama
 
 KEY = "test-key-123"
 TEMPLATE = "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}{% if add_generation_prompt %}t5{% endif %}"
@@ -32,15 +32,16 @@ PROMPTS = [[5, 9, 33, 7, 81, 4], [60, 61, 62], list(range(10, 40)), [100, 7, 7, 
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+def chat_dir(tmp_path_factory):
+    """The tiny Llama with a chat template (its own copy: the shared `tiny_dir` has none)."""
+    d = write_tiny_llama(tmp_path_factory, "chat")
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps(dict(cfg, chat_template=TEMPLATE)))
     return d
 
 
-def _serve(tiny_dir, **kw):
-    llm = LLM(model=str(tiny_dir), dtype="float32", num_pages=256, max_num_seqs=16)
+def _serve(chat_dir, **kw):
+    llm = LLM(model=str(chat_dir), dtype="float32", num_pages=256, max_num_seqs=16)
     backend = LocalEngineBackend(llm, model_name="tiny", max_queued=kw.pop("max_queued", 64))
     return llm, backend, BackgroundServer(backend, **kw).start()
 
@@ -59,8 +60,8 @@ def _settle(llm, backend) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dir):
-    llm, backend, srv = _serve(tiny_dir, max_body_bytes=64 * 1024)
+def served(chat_dir):
+    llm, backend, srv = _serve(chat_dir, max_body_bytes=64 * 1024)
     yield llm, backend, srv
     srv.stop()
     backend.close()
@@ -68,8 +69,8 @@ def served(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def guarded(tiny_dir):
-    llm, backend, srv = _serve(tiny_dir, api_key=KEY, max_queued=2)
+def guarded(chat_dir):
+    llm, backend, srv = _serve(chat_dir, api_key=KEY, max_queued=2)
     yield llm, backend, srv
     srv.stop()
     backend.close()
@@ -86,8 +87,8 @@ def _no_leaks(request):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dir):
-    llm = LLM(model=str(tiny_dir), dtype="float32", num_pages=256, keep_logits=True)
+def reference(chat_dir):
+    llm = LLM(model=str(chat_dir), dtype="float32", num_pages=256, keep_logits=True)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
     assert_engine_empty(llm)
@@ -171,8 +172,8 @@ def test_stop_strings_are_held_back_until_resolved(served):
     assert not any(stop[:3] in c.text for c in chunks)
 
 
-def test_backend_directly_and_shutdown_with_requests_in_flight(tiny_dir):
-    llm = LLM(model=str(tiny_dir), dtype="float32", num_pages=64)
+def test_backend_directly_and_shutdown_with_requests_in_flight(chat_dir):
+    llm = LLM(model=str(chat_dir), dtype="float32", num_pages=64)
     backend = LocalEngineBackend(llm, model_name="tiny")
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 

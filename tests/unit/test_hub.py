@@ -17,7 +17,7 @@ from engine.loader import resolve_model
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
 from tests.hub_cache import hub_env, hub_http_error, lay_out
-from tests.tiny_models import write_tiny
+from tests.tiny_models import INIT_RANGE, write_tiny
 
 REPO = "pdserve-test/tiny-llama"
 OPT_CONFIG = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
@@ -26,13 +26,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
-
-
-@pytest.fixture(scope="module")
 def tiny_other(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama-seed1", seed=1, initializer_range=0.1)
+    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama-seed1", seed=1, initializer_range=INIT_RANGE)
 
 
 @pytest.fixture
@@ -47,18 +42,18 @@ def _greedy(llm, prompts):
     return outs
 
 
-def test_served_by_id_equals_served_by_directory(tiny, hf_home):
-    lay_out(hf_home, REPO, tiny)
+def test_served_by_id_equals_served_by_directory(tiny_dir, hf_home):
+    lay_out(hf_home, REPO, tiny_dir)
     prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42], list(range(100, 130))]
-    by_dir = LLM(model=str(tiny), dtype="float32", num_pages=64)
+    by_dir = LLM(model=str(tiny_dir), dtype="float32", num_pages=64)
     by_id = LLM(model=REPO, dtype="float32", num_pages=64)
     assert_greedy_equal(_greedy(by_dir, prompts), _greedy(by_id, prompts))
     assert by_id.model_dir.parent.name == "snapshots" and by_id.model_name == REPO
     assert by_id.fingerprint == by_dir.fingerprint  # both ends of a KV transfer agree on the weights
 
 
-def test_revision_picks_the_snapshot(tiny, tiny_other, hf_home):
-    main = lay_out(hf_home, REPO, tiny, commit="a" * 40, refs=("main",))
+def test_revision_picks_the_snapshot(tiny_dir, tiny_other, hf_home):
+    main = lay_out(hf_home, REPO, tiny_dir, commit="a" * 40, refs=("main",))
     v1 = lay_out(hf_home, REPO, tiny_other, commit="b" * 40, refs=("v1",))
     assert resolve_model(REPO) == main
     assert resolve_model(REPO, "v1") == v1 and resolve_model(REPO, "b" * 40) == v1
@@ -67,18 +62,18 @@ def test_revision_picks_the_snapshot(tiny, tiny_other, hf_home):
         _greedy(LLM(model=str(tiny_other), dtype="float32", num_pages=64), prompts)
 
 
-def test_local_directory_wins_over_a_hub_id_of_the_same_name(tiny, hf_home, monkeypatch):
-    monkeypatch.chdir(tiny.parent.parent)
-    local = f"{tiny.parent.name}/{tiny.name}"  # e.g. "tiny0/llama": shaped like org/name, and a folder here
-    assert resolve_model(local).resolve() == tiny.resolve()
+def test_local_directory_wins_over_a_hub_id_of_the_same_name(tiny_dir, hf_home, monkeypatch):
+    monkeypatch.chdir(tiny_dir.parent.parent)
+    local = f"{tiny_dir.parent.name}/{tiny_dir.name}"  # e.g. "tiny0/llama": shaped like org/name, and a folder here
+    assert resolve_model(local).resolve() == tiny_dir.resolve()
 
 
-def test_not_cached_offline_names_the_id_and_the_fix(hf_home, tiny):
+def test_not_cached_offline_names_the_id_and_the_fix(hf_home, tiny_dir):
     with pytest.raises(ModelNotCachedError) as err:
         resolve_model("pdserve-test/absent")
     msg = str(err.value)
     assert "'pdserve-test/absent'" in msg and "HF_HUB_OFFLINE" in msg and "hf download pdserve-test/absent" in msg
-    lay_out(hf_home, REPO, tiny, commit="c" * 40)
+    lay_out(hf_home, REPO, tiny_dir, commit="c" * 40)
     with pytest.raises(ModelNotCachedError) as err:
         resolve_model(REPO, "v9")
     msg = str(err.value)
@@ -97,11 +92,11 @@ def test_unsupported_architecture_fails_before_any_weights(hf_home, tmp_path):
     assert all(a in msg for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"))
 
 
-def test_a_repository_without_safetensors_is_refused(hf_home, tiny, tmp_path):
+def test_a_repository_without_safetensors_is_refused(hf_home, tiny_dir, tmp_path):
     src = tmp_path / "bin-only"
     src.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (src / name).write_bytes((tiny / name).read_bytes())
+        (src / name).write_bytes((tiny_dir / name).read_bytes())
     (src / "pytorch_model.bin").write_bytes(b"not loaded")
     lay_out(hf_home, "pdserve-test/bin-only", src, files=("config.json", "tokenizer.json", "tokenizer_config.json",
                                                            "pytorch_model.bin"))
@@ -119,9 +114,9 @@ def test_malformed_ids_are_typed_errors(hf_home, name, revision, message):
         resolve_model(name, revision)
 
 
-def test_revision_on_a_local_model_is_refused(tiny):
+def test_revision_on_a_local_model_is_refused(tiny_dir):
     with pytest.raises(UnknownModelError, match="Hub ids"):
-        resolve_model(str(tiny), "main")
+        resolve_model(str(tiny_dir), "main")
 
 
 @pytest.mark.parametrize("hf_error, status, ours, fix", [

@@ -13,18 +13,12 @@ from engine.kv_cache.eviction import EvictionPolicy, keep_slots
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(10, 70)), [7, 8, 9] * 20 + [5], list(range(100, 140))]
 SNAP = {"method": "snapkv", "budget": 0.5, "min_prompt": 16, "window": 8, "pool": 3}
 STREAM = {"method": "streaming", "budget": 12, "min_prompt": 16, "sinks": 4}
 NUM_PAGES = 26  # 104 slots: the evicted prompts fit at once, their growth and the 40-token prompt do not
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 def make(tiny_dir, policy=None, **kw):

@@ -16,17 +16,11 @@ from kv_transfer.receiver import KVReceiver
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, ship_all
-from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(10, 70)), [7, 8, 9] * 20 + [5], list(range(100, 140)), [3, 4]]  # the last two: kept whole
 POLICIES = [{"method": "snapkv", "budget": 0.5, "min_prompt": 48, "window": 8, "pool": 3},
             {"method": "streaming", "budget": 12, "min_prompt": 48, "sinks": 4}]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 def make(tiny_dir, page_size, fmt="raw", policy=None, **kw):

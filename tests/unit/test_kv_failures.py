@@ -29,15 +29,9 @@ from tests.kv_helpers import Ends, FakeClock, close_all, decode_all, drive, hand
 def wire_stream(frames):
     for f in frames:
         yield f.SerializeToString()
-from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(10, 50))  # 40 tokens
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -22,16 +22,10 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, decode_all, drive, prefill_held, ship_all, wire
-from tests.tiny_models import write_tiny
 
 PS = 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 LENGTHS = [3, 8, 11, 13, 24]  # < one page (nothing ships), aligned, tails of 3 and 1, aligned
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 def make(tiny_dir, **kw):

@@ -25,16 +25,10 @@ from kv_transfer.sender import KVSender
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, ship_all
-from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50))]
 FORMATS = ["int8", "fp8"]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 def make(tiny_dir, fmt, page_size=4, **kw):

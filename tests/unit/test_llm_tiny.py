@@ -29,11 +29,6 @@ class FakeClock:
         return self.t
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
-
-
 def make(tiny_dir, **kw):
     return LLM(model=str(tiny_dir), dtype="float32", num_pages=kw.pop("num_pages", 64), **kw)
 

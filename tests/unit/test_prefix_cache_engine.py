@@ -21,7 +21,6 @@ from engine.kv_cache.prefix_cache import CACHE_OWNER
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
 from tests.unit.leak_checks import assert_allocator_empty, assert_scheduler_empty
 
 PS = 4
@@ -42,11 +41,6 @@ PROMPTS = [
 ]
 # tokens each prompt finds cached when run one at a time in this order (pages of 4, last token computed)
 HITS_ONE_AT_A_TIME = [0, 8, 8, 12, 28, 0, 0, 28, 16]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 def make(tiny_dir, cache: bool, **kw):

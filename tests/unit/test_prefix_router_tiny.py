@@ -29,7 +29,6 @@ from prefill_worker.worker import PrefillWorker
 from tests.cluster_helpers import assert_cluster_empty
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
-from tests.tiny_models import write_tiny
 from tests.unit.leak_checks import assert_allocator_empty
 
 PS = 4
@@ -39,11 +38,6 @@ BASE = [rng.randrange(3, 256) for _ in range(30)]
 TAIL = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 7, 3, 9, 6)]
 PROMPTS = [BASE[:8] + TAIL[0], BASE[:9] + TAIL[1], BASE[:16], list(BASE), BASE[:3] + TAIL[2], TAIL[3] + BASE,
            BASE + TAIL[4], BASE[:16] + TAIL[0]]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")

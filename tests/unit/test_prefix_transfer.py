@@ -27,7 +27,6 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, decode_all, drive, prefill_held, wire
-from tests.tiny_models import write_tiny
 from tests.unit.leak_checks import assert_allocator_empty
 
 PS = 4
@@ -46,11 +45,6 @@ PROMPTS = [
     BASE[:16] + TAIL[0],
 ]
 KV_START = [8, 8, 16, 28, 0, 0, 28, 16]  # what a decode engine warmed on BASE already holds of each
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from engine.tokenizer import Tokenizer
 from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.fake_transport import FakeTransport
 from prefill_worker.worker import PrefillWorker
-from tests.cluster_helpers import assert_cluster_empty, greedy_reference, write_tiny_llama
+from tests.cluster_helpers import assert_cluster_empty, greedy_reference
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
 
@@ -31,11 +31,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 9, [100, 3],
            list(range(200, 230))]
 PAGE = 4
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -20,16 +20,10 @@ from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, ship_all
-from tests.tiny_models import write_tiny
 
 PS = 4
 PROMPTS = [list(range(10, 130)), list(range(100, 160))]
 SMALL = {"budget": 8, "recent": 8, "sink_pages": 1, "min_context": 32}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 def greedy(sparse=None, n=12):

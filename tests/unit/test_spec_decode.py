@@ -17,7 +17,7 @@ from engine import SamplingParams
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal, plain_reference
-from tests.tiny_models import write_tiny
+from tests.tiny_models import write_tiny_llama
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 SAMPLED = dict(max_tokens=20, temperature=0.9, top_p=0.95, repetition_penalty=1.1, ignore_eos=True, logprobs=2)
@@ -37,14 +37,8 @@ PROMPTS = _prompts(16)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
-
-
-@pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("draft") / "llama", seed=7, initializer_range=0.1,
-                      num_hidden_layers=1)
+    return write_tiny_llama(tmp_path_factory, "draft", seed=7, num_hidden_layers=1)
 
 
 def make(tiny_dir, spec=None, **kw):
@@ -278,9 +272,8 @@ def test_per_request_override(tiny_dir, draft_dir, reference):
     finish(llm)
 
 
-def test_gate_shares_fixed_cost_only_along_the_critical_path(tmp_path):
-    d = write_tiny("llama", tmp_path / "llama", initializer_range=0.1)
-    llm = LLM(model=str(d), dtype="float32", num_pages=64, max_num_seqs=2, speculative={"proposer": "ngram"})
+def test_gate_shares_fixed_cost_only_along_the_critical_path(tiny_dir):
+    llm = LLM(model=str(tiny_dir), dtype="float32", num_pages=64, max_num_seqs=2, speculative={"proposer": "ngram"})
     short, long = SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=40, temperature=0.0)
     llm.add_request([5, 6, 7], short, request_id="s")
     llm.add_request([5, 6, 8], long, request_id="l")

@@ -9,7 +9,6 @@ from engine.spec_decode import SpeculativeConfig
 from engine.spec_decode.policy import (AcceptanceTracker, CostModel, SpecStats, VerifyScale, choose_lengths,
                                       critical_shares, expected_tokens)
 from tests.conftest import assert_engine_empty
-from tests.tiny_models import write_tiny
 
 
 def test_draft_length_follows_acceptance_but_always_asks_for_one():
@@ -114,14 +113,13 @@ class ComputeBound(CostModel):
         return float(num_tokens)
 
 
-def test_engine_gate_turns_speculation_off_when_it_does_not_pay(tmp_path):
-    d = write_tiny("llama", tmp_path / "llama", initializer_range=0.1)
+def test_engine_gate_turns_speculation_off_when_it_does_not_pay(tiny_dir):
     prompt = [5, 6, 7, 8] * 6
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    plain = LLM(model=str(d), dtype="float32", num_pages=64)
+    plain = LLM(model=str(tiny_dir), dtype="float32", num_pages=64)
     ref = plain.generate(prompt, params)[0].token_ids
     fut = {tuple(prompt): ref}
-    llm = LLM(model=str(d), dtype="float32", num_pages=64,
+    llm = LLM(model=str(tiny_dir), dtype="float32", num_pages=64,
               speculative={"proposer": "oracle", "proposer_options": {"futures": fut}})
     llm.spec.cost = ComputeBound()
     assert llm.generate(prompt, params)[0].token_ids == ref

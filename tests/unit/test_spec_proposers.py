@@ -60,11 +60,6 @@ def test_recycling_matrix_fits_in_2_mb_for_smollm2_and_drafts_the_best_path():
     assert p.matrix[2, 0] == 5 and p.matrix[3, 0] == -1
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
-
-
 def test_draft_model_rolls_its_cache_back_to_what_the_target_committed(tiny_dir):
     ctx = ProposerContext(256, tiny_dir, "float32")
     warm = make_proposer("draft_model", ctx, page_size=2, num_pages=64)

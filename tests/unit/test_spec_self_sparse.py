@@ -23,7 +23,7 @@ from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal, plain_reference
 from tests.kv_helpers import close_all, ship_all
-from tests.tiny_models import write_tiny
+from tests.tiny_models import write_tiny, write_tiny_llama
 from tests.unit.test_spec_verify import chi_square_pvalue
 
 PS = 4
@@ -40,21 +40,21 @@ PROMPTS = _prompts(8)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1,
-                      max_position_embeddings=1024)
+def long_dir(tmp_path_factory):
+    """The tiny Llama with a 1,024-token context (the shared `tiny_dir` has 512)."""
+    return write_tiny_llama(tmp_path_factory, "long", max_position_embeddings=1024)
 
 
-def make(tiny_dir, options=None, **kw):
+def make(long_dir, options=None, **kw):
     spec = None if options is None else dict(dict(proposer="self_sparse", max_draft=4, gate=False),
                                              proposer_options=options, **kw.pop("spec", {}))
-    return LLM(model=str(tiny_dir), dtype="float32", page_size=PS, num_pages=kw.pop("num_pages", 1024),
+    return LLM(model=str(long_dir), dtype="float32", page_size=PS, num_pages=kw.pop("num_pages", 1024),
                speculative=spec, **kw)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dir):
-    return plain_reference(make(tiny_dir, keep_logits=True), PROMPTS, GREEDY)
+def reference(long_dir):
+    return plain_reference(make(long_dir, keep_logits=True), PROMPTS, GREEDY)
 
 
 def finish(llm) -> None:
@@ -62,8 +62,8 @@ def finish(llm) -> None:
     assert not llm.spec.trackers
 
 
-def test_greedy_equals_plain_alone_and_8_concurrent_with_engine_sparse_off(tiny_dir, reference):
-    llm = make(tiny_dir, SMALL)
+def test_greedy_equals_plain_alone_and_8_concurrent_with_engine_sparse_off(long_dir, reference):
+    llm = make(long_dir, SMALL)
     assert llm.sparse_attention is None and llm.backend.sparse is None
     alone = [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS[:2]]
     assert_greedy_equal(reference[0][:2], alone, reference[1][:2])
@@ -75,8 +75,8 @@ def test_greedy_equals_plain_alone_and_8_concurrent_with_engine_sparse_off(tiny_
     finish(llm)
 
 
-def test_budget_covering_the_context_drafts_the_target_itself(tiny_dir, reference):
-    llm = make(tiny_dir, {"budget": 1024})
+def test_budget_covering_the_context_drafts_the_target_itself(long_dir, reference):
+    llm = make(long_dir, {"budget": 1024})
     got = [o.token_ids for o in llm.generate(PROMPTS[:4], GREEDY)]
     assert_greedy_equal(reference[0][:4], got, reference[1][:4])
     st = llm.spec.stats
@@ -84,8 +84,8 @@ def test_budget_covering_the_context_drafts_the_target_itself(tiny_dir, referenc
     finish(llm)
 
 
-def test_summaries_stay_exact_through_drafts_verifies_and_rollbacks(tiny_dir):
-    llm = make(tiny_dir, SMALL, spec={"adaptive": False})
+def test_summaries_stay_exact_through_drafts_verifies_and_rollbacks(long_dir):
+    llm = make(long_dir, SMALL, spec={"adaptive": False})
     s = llm.backend.summaries
     for p in PROMPTS[:3]:
         llm.add_request(p, GREEDY)
@@ -105,9 +105,9 @@ def test_summaries_stay_exact_through_drafts_verifies_and_rollbacks(tiny_dir):
     finish(llm)
 
 
-def test_disaggregated_kv_gets_summaries_on_import_and_decodes_like_one_engine(tiny_dir, reference):
-    pre = make(tiny_dir, max_num_batched_tokens=64)  # prompts arrive in chunks, layer by layer
-    dec = make(tiny_dir, SMALL)
+def test_disaggregated_kv_gets_summaries_on_import_and_decodes_like_one_engine(long_dir, reference):
+    pre = make(long_dir, max_num_batched_tokens=64)  # prompts arrive in chunks, layer by layer
+    dec = make(long_dir, SMALL)
     got, descs, ends = ship_all(pre, dec, PROMPTS[:4], GREEDY)
     assert_greedy_equal(reference[0][:4], got, reference[1][:4])
     st = dec.spec.stats
@@ -141,12 +141,12 @@ class MemoryBoundClock:
 
 
 @pytest.mark.parametrize("draft_reads", [None, 0])
-def test_gate_turns_drafting_off_at_short_context(tiny_dir, draft_reads):
+def test_gate_turns_drafting_off_at_short_context(long_dir, draft_reads):
     """A 24-64 token context fits the sparse selection (80 slots): the draft is the target itself, every draft
     is accepted, and still it costs what a plain step costs, so once the first drafts were measured the gate
     decodes plainly. The contrast: a clock on which a draft forward reads no KV (what a long context's
     sparse view approaches) keeps the same drafts on."""
-    llm = make(tiny_dir, {"budget": 64, "recent": 8}, spec={"gate": True})
+    llm = make(long_dir, {"budget": 64, "recent": 8}, spec={"gate": True})
     MemoryBoundClock(llm, draft_reads)
     llm.generate(_prompts(1, 24, 25)[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     st = llm.spec.stats
@@ -158,24 +158,24 @@ def test_gate_turns_drafting_off_at_short_context(tiny_dir, draft_reads):
     finish(llm)
 
 
-def test_a_pool_spec_selects_it(tiny_dir):
+def test_a_pool_spec_selects_it(long_dir):
     from cluster.spec_sections import SpeculativeSpec
 
     cfg = SpeculativeSpec(proposer="self_sparse", max_draft=3).engine_config()
-    llm = LLM(model=str(tiny_dir), dtype="float32", page_size=PS, num_pages=64, speculative=cfg)
+    llm = LLM(model=str(long_dir), dtype="float32", page_size=PS, num_pages=64, speculative=cfg)
     assert "self_sparse" in llm.spec.proposers and llm.backend.summaries is not None
     assert_engine_empty(llm)
 
 
-def test_bad_options_and_pools_without_summaries_are_typed_errors(tiny_dir):
+def test_bad_options_and_pools_without_summaries_are_typed_errors(long_dir):
     with pytest.raises(InvalidRequestError, match="speculative.proposer_options.budget"):
-        make(tiny_dir, {"budget": 0})
+        make(long_dir, {"budget": 0})
     with pytest.raises(InvalidRequestError, match="speculative.proposer_options"):
-        make(tiny_dir, {"budgets": 16})
+        make(long_dir, {"budgets": 16})
     with pytest.raises(InvalidRequestError, match="speculative.proposer: self_sparse needs page summaries"):
-        make(tiny_dir, SMALL, kv_storage="kivi4")
+        make(long_dir, SMALL, kv_storage="kivi4")
     with pytest.raises(InvalidRequestError, match="speculative.proposer"):
-        LLM(model=str(tiny_dir), dtype="float32", speculative={"proposer": "ngram"}).add_request(
+        LLM(model=str(long_dir), dtype="float32", speculative={"proposer": "ngram"}).add_request(
             [5, 6, 7], SamplingParams(speculative={"proposer": "self_sparse"}))
 
 

@@ -10,7 +10,6 @@ from decode_worker.worker import DecodeWorker
 from engine import InvalidRequestError, SamplingParams
 from engine.sampling_params import SpecRequestOptions
 from tests.conftest import assert_engine_empty
-from tests.tiny_models import write_tiny
 
 
 def _spec(decode: dict, prefill: dict | None = None) -> dict:
@@ -51,9 +50,8 @@ def test_request_option_reaches_sampling_params():
             parse_request({"model": "m", "prompt": "hi", "pdserve": {"speculative": bad}}, "completion")
 
 
-def test_colocated_decode_worker_speculates_and_reports(tmp_path):
-    d = write_tiny("llama", tmp_path / "llama", initializer_range=0.1)
-    kw = {"model": str(d), "dtype": "float32", "num_pages": 64}
+def test_colocated_decode_worker_speculates_and_reports(tiny_dir):
+    kw = {"model": str(tiny_dir), "dtype": "float32", "num_pages": 64}
     prompt = [5, 6, 7, 8] * 6
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     plain = DecodeWorker(kw, serve_kv=False)
@@ -75,15 +73,14 @@ def test_colocated_decode_worker_speculates_and_reports(tmp_path):
         assert_engine_empty(w.llm)
 
 
-def test_local_backend_reports_spec_counters(tmp_path):
+def test_local_backend_reports_spec_counters(tiny_dir):
     import asyncio
 
     from cluster.local_backend import LocalEngineBackend
     from cluster.serving_api import GenerateRequest
     from engine.llm import LLM
 
-    d = write_tiny("llama", tmp_path / "llama", initializer_range=0.1)
-    llm = LLM(model=str(d), dtype="float32", num_pages=64,
+    llm = LLM(model=str(tiny_dir), dtype="float32", num_pages=64,
               speculative={"proposer": "ngram", "gate": False, "proposer_options": {"min_ngram": 1}})
     backend = LocalEngineBackend(llm)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -20,7 +20,7 @@ from cluster.server import BackgroundServer
 from engine import SamplingParams
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
-from tests.tiny_models import write_tiny
+from tests.tiny_models import write_tiny_llama
 
 PROMPT = [5, 9, 33, 7, 81, 4]
 N = 12
@@ -31,7 +31,7 @@ TEMPLATE = "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}t5"
 def served(tmp_path_factory):
     from tokenizers import AddedToken, Tokenizer
 
-    d = write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
+    d = write_tiny_llama(tmp_path_factory)  # its own copy: the test changes its files
     ref = LLM(model=str(d), dtype="float32", num_pages=64).generate(
         [PROMPT], SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True))[0].token_ids
     k = next(i for i in range(2, N - 4) if ref[i] not in ref[:i])
