@@ -72,8 +72,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention_context import AttentionContext, AttnGroup
-from engine.kv_cache.backend import BACKENDS, RawKVBackend, torch_dtype
 from engine.kv_cache.quantized import hadamard
+from engine.kv_cache.raw import RawKVBackend, torch_dtype
 from engine.kv_cache import spec as spec_mod
 from engine.kv_cache.spec import KVPageSpec
 
@@ -330,5 +330,3 @@ class KIVIBackend(RawKVBackend):
         ext = (j // ps == (own - first.view(b, 1)).unsqueeze(-1)) & (j % ps <= (pos % ps).unsqueeze(-1))
         return torch.cat([main, ext], -1).unsqueeze(1)  # [B, 1, q_len, n + E * ps]
 
-
-BACKENDS["kivi4"] = KIVIBackend

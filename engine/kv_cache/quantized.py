@@ -29,7 +29,7 @@ import torch
 
 from engine import kernels
 from engine.attention_context import AttentionContext, AttnGroup
-from engine.kv_cache.backend import BACKENDS, RawKVBackend, torch_dtype
+from engine.kv_cache.raw import RawKVBackend, torch_dtype
 from engine.kv_cache.spec import KVPageSpec
 
 SCALE_BYTES = 2  # one float16 per (token, head)
@@ -141,5 +141,4 @@ class QuantizedKVBackend(RawKVBackend):
         return _rotate(super()._attend_group(layer, _rotate(q, self.h), g, ctx), self.h.T)
 
 
-QUANTIZED_FORMATS = tuple(_QMAX)
-BACKENDS.update({fmt: QuantizedKVBackend for fmt in QUANTIZED_FORMATS})
+QUANTIZED_FORMATS = tuple(_QMAX)  # the names `backend.BACKENDS` maps to QuantizedKVBackend

@@ -122,7 +122,7 @@ def _decode_context(lens, ps=4, observe=None, window=None):
 def test_backend_takes_the_kernel_for_bf16_decode_groups_only(dtype, monkeypatch):
     lens = [5, 17, 9]
     calls = []
-    import engine.kv_cache.backend as kb
+    import engine.kv_cache.raw as kb  # the raw format module holds the kernel call
     real = kb.attend_decode_bf16
     monkeypatch.setattr(kb, "attend_decode_bf16", lambda *a: calls.append(1) or real(*a))
     spec = KVPageSpec(1, 2, 16, 4, dtype, "raw")

@@ -98,7 +98,7 @@ def test_sparse_attention_equals_masked_full_attention(fmt):
 @pytest.mark.parametrize("select_per", ["kv_head", "row"])
 def test_bf16_kernel_reads_the_chosen_pages_in_place(select_per, monkeypatch):
     """Both choices go to the paged kernel (a table per row, or per (row, KV head)), never the gather."""
-    import engine.kv_cache.backend as kb
+    import engine.kv_cache.raw as kb  # the raw format module holds the kernel call
 
     cfg = SparseAttentionConfig(budget=8, sink_pages=1, recent=6, min_context=12, select_per=select_per)
     be, g, q = _pool("bfloat16", cfg=cfg)

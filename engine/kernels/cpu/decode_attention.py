@@ -24,7 +24,7 @@ of each slot row at a time; C: the same call with `tables` = kv_heads).
 Math: scores, softmax and the weighted sum in float32; exp is a polynomial (`_exp`, relative error
 < 5e-6, far under bf16's 4e-3) so LLVM can vectorize it (numba calls libm's expf one value at a time);
 the output rounded once to bf16. Grouped-query heads: q head i reads KV head i // (q_heads // kv_heads).
-Used by `RawKVBackend` for decode groups of bf16 pages on CPU (`kv_cache/backend.py`); float32 keeps
+Used by `RawKVBackend` for decode groups of bf16 pages on CPU (`kv_cache/raw.py`); float32 keeps
 SDPA (its logits must match transformers'), as do groups that record attention (eviction observers).
 At head_dim 64 (from `NATIVE_MIN_ROWS` rows: 1), where the CPU has AVX512-BF16 and a C compiler is
 found (`engine.kernels.cpu.native`), the same call runs the C kernel of `engine/kernels/cpu/csrc/decode_attention_bf16.c`

@@ -1,6 +1,6 @@
 """Paged attention on CUDA in Triton: queries of a few tokens per row read K/V where they lie in the page pool.
 
-Who calls it: `RawKVBackend` (engine/kv_cache/backend.py) for decode groups (one query per row) and verify
+Who calls it: `RawKVBackend` (engine/kv_cache/raw.py) for decode groups (one query per row) and verify
 groups (1 + k queries per row) on CUDA, eagerly or inside a captured CUDA graph (engine/kernels/cuda/
 graph_decode.py). Reference: `engine.kernels.reference.paged_attention` (plain torch, the test oracle).
 
