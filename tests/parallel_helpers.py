@@ -9,8 +9,9 @@ import torch
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal, assert_logits_close
+from tests.prompts import COUNT, MIXED, SHORT
 
-PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 23]
+PROMPTS = [MIXED, SHORT, COUNT, [7] * 23]
 # 16-token budget: the 40- and 23-token prompts are prefilled in chunks beside the others' decodes
 BATCHING = dict(max_num_batched_tokens=16, max_num_seqs=4, page_size=4, num_pages=96)
 

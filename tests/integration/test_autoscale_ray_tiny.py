@@ -17,10 +17,11 @@ from cluster.spec import parse_spec
 from engine import SamplingParams
 from tests.cluster_helpers import Load, assert_cluster_empty, greedy_reference
 from tests.exactness import assert_greedy_equal
+from tests.prompts import CLUSTER_PROMPTS
 
 pytestmark = pytest.mark.faults
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 9]
+PROMPTS = CLUSTER_PROMPTS
 BUSY = 4.0  # req/s above which the fake model asks for 2 replicas
 
 

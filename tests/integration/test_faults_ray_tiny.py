@@ -39,10 +39,11 @@ from engine import LLM, SamplingParams
 from kv_transfer.fault_transport import FAULTS, FaultyTransport
 from tests.cluster_helpers import assert_cluster_empty
 from tests.exactness import assert_greedy_equal
+from tests.prompts import MIXED
 
 pytestmark = pytest.mark.faults
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-PROMPT = [5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17]
+PROMPT = MIXED
 LONG = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)  # still streaming when it matters
 
 

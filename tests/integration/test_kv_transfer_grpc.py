@@ -18,9 +18,10 @@ from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, decode_all, drive, hand_frames, prefill_held, wire
+from tests.prompts import COUNT, MIXED, SHORT
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-PROMPTS = [list(range(10, 50)), [60, 61, 62], [5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17]]
+PROMPTS = [COUNT, SHORT, MIXED]
 
 
 @pytest.fixture(scope="module")

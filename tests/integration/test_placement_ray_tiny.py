@@ -31,10 +31,11 @@ from cluster.spec import parse_spec
 from engine import SamplingParams
 from tests.cluster_helpers import assert_cluster_empty, collect, greedy_reference, ray_test_cluster
 from tests.exactness import assert_greedy_equal
+from tests.prompts import COUNT, MIXED, SHORT
 
 pytestmark = pytest.mark.faults
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 40))]
+PROMPTS = [MIXED, SHORT, COUNT[:30]]
 TYPES = {"prefill": load_hardware("h100-80g-sxm").accelerator_type,  # Splitwise-HA: "H100" and "A100"
          "decode": load_hardware("a100-80g").accelerator_type}
 BOUND_S = 2.0  # reliability.placement_timeout_s of the specs here

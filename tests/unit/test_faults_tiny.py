@@ -26,10 +26,11 @@ from prefill_worker.worker import PrefillWorker
 from tests.cluster_helpers import assert_cluster_empty, greedy_reference
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
+from tests.prompts import CLUSTER_PROMPTS
 
 PAGE = 4
 LONG = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 9]
+PROMPTS = CLUSTER_PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,11 @@ from kv_transfer.fake_transport import FakeTransport
 from prefill_worker.worker import PrefillWorker
 from tests.cluster_helpers import assert_cluster_empty, serving, greedy_reference
 from tests.exactness import assert_greedy_equal
+from tests.prompts import CLUSTER_PROMPTS
 
 PAGE = 4
 LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 9]
+PROMPTS = CLUSTER_PROMPTS
 LATE = [100, 3, 8, 8]  # a request that arrives while the pool has no worker
 
 

@@ -20,6 +20,7 @@ from cluster.server import BackgroundServer
 from engine import SamplingParams
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
+from tests.prompts import MIXED
 from tests.tiny_models import write_tiny_llama
 
 MAX_LEN, LIMIT = 64, 128 * 1024  # the engine's max_model_len; the frontend's body limit (bytes)
@@ -216,7 +217,7 @@ def test_chunked_body_over_the_limit_is_413_without_content_length(served):
 
 def test_the_whole_table_while_a_stream_runs_leaves_it_unharmed(served):
     llm, _, srv = served
-    prompt = [5, 9, 33, 7, 81, 4]
+    prompt = MIXED[:6]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     expected = LLM(model=llm.model_dir, dtype="float32", num_pages=64).generate([prompt], params)[0].token_ids
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True,

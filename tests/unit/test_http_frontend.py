@@ -24,11 +24,12 @@ from engine import SamplingParams
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
+from tests.prompts import COUNT, MIXED, SHORT
 from tests.tiny_models import write_tiny_llama
 
 KEY = "test-key-123"
 TEMPLATE = "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}{% if add_generation_prompt %}t5{% endif %}"
-PROMPTS = [[5, 9, 33, 7, 81, 4], [60, 61, 62], list(range(10, 40)), [100, 7, 7, 8]]
+PROMPTS = [MIXED[:6], SHORT, COUNT[:30], [100, 7, 7, 8]]
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,11 @@ from engine.batch import SeqStep, StepBatch
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
+from tests.prompts import TINY_PROMPTS
 from tests.tiny_models import write_tiny
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50))]
+PROMPTS = TINY_PROMPTS
 
 
 class FakeClock:

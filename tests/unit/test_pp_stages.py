@@ -19,6 +19,7 @@ from engine.model import LlamaForward
 from engine.parallel.errors import ParallelConfigError
 from engine.parallel.rank_worker import without_logits
 from engine.parallel.stages import micro_batches, stage_kv_spec, stage_layers, stage_wants, validate_pp
+from tests.prompts import MIXED
 from tests.tiny_models import write_tiny
 
 
@@ -79,7 +80,7 @@ def test_micro_batches_cut_by_tokens_and_agree_without_logits():
 def test_stages_in_sequence_equal_the_whole_model(tiny5):
     cfg, full = load_config(tiny5), load_weights(tiny5)
     spec = KVPageSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, "float32")
-    ids = torch.tensor([5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17])
+    ids = torch.tensor(MIXED)
     pos = torch.arange(len(ids))
     ctx = build_context([SeqLayout("a", len(ids), 0, [0, 1])], spec.page_size, cfg.head_dim ** -0.5)
     with torch.inference_mode():

@@ -26,10 +26,10 @@ from prefill_worker.worker import PrefillWorker
 from tests.cluster_helpers import assert_cluster_empty, greedy_reference
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
+from tests.prompts import CLUSTER_PROMPTS
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 9, [100, 3],
-           list(range(200, 230))]
+PROMPTS = CLUSTER_PROMPTS + [[100, 3], list(range(200, 230))]
 PAGE = 4
 
 

@@ -28,10 +28,11 @@ from kv_transfer.fake_transport import FakeTransport
 from prefill_worker.worker import PrefillWorker
 from tests.cluster_helpers import Load, assert_cluster_empty, greedy_reference
 from tests.exactness import assert_greedy_equal
+from tests.prompts import CLUSTER_PROMPTS
 
 PAGE = 4
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17], [60, 61, 62], list(range(10, 50)), [7] * 9]
+PROMPTS = CLUSTER_PROMPTS
 
 
 @pytest.fixture(scope="module")

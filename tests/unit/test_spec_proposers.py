@@ -12,6 +12,7 @@ from engine import InvalidRequestError
 from engine.spec_decode.proposers import PROPOSERS, DraftState, ProposerContext, make_proposer
 from engine.spec_decode.proposers.ngram import NgramProposer
 from engine.spec_decode.proposers.recycling import MAX_BYTES, RecyclingProposer
+from tests.prompts import MIXED
 from tests.tiny_models import write_tiny
 
 
@@ -63,7 +64,7 @@ def test_recycling_matrix_fits_in_2_mb_for_smollm2_and_drafts_the_best_path():
 def test_draft_model_rolls_its_cache_back_to_what_the_target_committed(tiny_dir):
     ctx = ProposerContext(256, tiny_dir, "float32")
     warm = make_proposer("draft_model", ctx, page_size=2, num_pages=64)
-    ids = [5, 9, 33, 7, 81, 4]
+    ids = MIXED[:6]
     first = warm.propose(DraftState("r", ids, 4, 4))
     assert len(first) == 4
     assert warm.tables.get("r").num_slots == len(ids) + 3  # the last draft was never fed

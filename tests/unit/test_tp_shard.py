@@ -22,6 +22,7 @@ from engine.model import LlamaForward
 from engine.parallel.errors import ParallelConfigError
 from engine.parallel.shard import (kv_head_range, kv_replicas, local_config, q_head_range, shard_kv_spec,
                                    shard_weights, validate_tp)
+from tests.prompts import MIXED
 from tests.tiny_models import write_tiny
 
 
@@ -131,7 +132,7 @@ def run_forward(model: LlamaForward, spec: KVPageSpec, ids: list[int]) -> torch.
 def test_sharded_forward_equals_full_forward(tiny84, size):
     cfg, full = load_config(tiny84), load_weights(tiny84)
     spec = KVPageSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, "float32")
-    ids = [5, 9, 33, 7, 81, 4, 4, 19, 200, 3, 17]
+    ids = list(MIXED)
     reference = run_forward(LlamaForward(cfg, full, torch.float32), spec, ids)
     reducer, out = ThreadAllReduce(size), [None] * size
 

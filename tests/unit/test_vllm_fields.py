@@ -20,9 +20,10 @@ from cluster.server import BackgroundServer
 from engine import SamplingParams
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
+from tests.prompts import MIXED
 from tests.tiny_models import write_tiny_llama
 
-PROMPT = [5, 9, 33, 7, 81, 4]
+PROMPT = MIXED[:6]
 N = 12
 TEMPLATE = "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}t5"
 
