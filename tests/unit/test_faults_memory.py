@@ -15,7 +15,7 @@ import threading
 from cluster.serving_api import GenerateRequest
 from engine import SamplingParams
 from tests.cluster_helpers import assert_cluster_empty
-from tests.unit.test_faults_tiny import cluster, run, tiny_dir  # noqa: F401 (tiny_dir: fixture)
+from tests.unit.test_faults_tiny import cluster, run
 
 CYCLES, MEASURE_AT = 50, 10
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
