@@ -18,4 +18,4 @@ test: venv
 	.venv/bin/python -m pytest tests --durations=20 $(PYTEST_ARGS)
 
 bench: venv
-	.venv/bin/python bench/engine_bench.py
+	.venv/bin/python bench/engine/engine_bench.py

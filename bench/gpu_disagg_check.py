@@ -15,7 +15,7 @@ hook, as the sender hooks every layer of the prefill engine (on CUDA that path s
 the reference decodes from the very KV that travels.
 Throughput: KV payload bytes / wall time from the first reserve to the last commit, beside a bare gRPC push
 of the held handoff's chunks (same sizes and streams, frames made before the clock, a sink that only takes
-them: bench/kv_transfer_bench.NullSink) in the same run, best of two.
+them: kv_transfer/null_sink.py) in the same run, best of two.
 
 Models: `tiny` (tests/tiny_models), any name `LLM` takes (`smollm2-135m`: real weights), or
 `random:<deploy/models name>` (random weights made on the device). Comma-separate several.
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.kv_transfer_bench import NullSink  # noqa: E402
+from kv_transfer.null_sink import NullSink  # noqa: E402
 from decode_worker.worker import DecodeWorker  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from kv_transfer import codec, kv_transfer_pb2 as pb  # noqa: E402

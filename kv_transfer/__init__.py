@@ -13,6 +13,7 @@ Map (each module opens with its own):
                    pages pinned for them (off the engine thread), commits through
                    `LLM.add_prefilled_request`; `inbound` is its per-transfer record.
 - `grpc_transport` the only hand-written module importing grpc; `fake_transport` its in-process twin.
+- `null_sink`      a push handler that keeps nothing: the bare transport, for the benches to measure.
 - `kv_transfer_pb2*` generated from `proto/kv_transfer.proto` by `stubs` (committed; a test regenerates).
 
 Importing this package imports nothing; transports are imported by name on first use.

@@ -1,4 +1,4 @@
-"""Small pinned cases of the KV quality gates (the full figures come from bench/kv_quality.py): SmolLM2 in
+"""Small pinned cases of the KV quality gates (the full figures come from bench/kv/kv_quality.py): SmolLM2 in
 bfloat16 (what serving uses) prefills 1,024 tokens of held-out text into pages of each format, then
 scores the next 256 through those pages in chunks of 128.
 int8 / fp8: the mean KL divergence per scored token from raw pages' next-token distribution, int8 < 0.005
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.kv_quality import corpus_ids, perplexity_of, scored_logprobs
+from engine.kv_cache.quality import corpus_ids, perplexity_of, scored_logprobs
 from engine import LLM
 from tests.conftest import assert_engine_empty
 
@@ -47,7 +47,7 @@ def test_kivi4_keeps_the_next_token_distribution_at_the_gate_size():
     """kivi4 at the issue's own size (2,048 prefill + 512 scored in chunks of 128; ~10 s a run), judged as
     int8 and fp8 are: the KL per scored token from raw pages (measured 0.0093 nats; int8 0.0021) and a 3%
     sanity bound on this window's perplexity. Its 1% perplexity gate is the harness's, on the mean of six
-    windows (`bench/kv_quality.py --configs raw,kivi4 --only ppl`: +0.22% +- 0.30% on the AMD machine of
+    windows (`bench/kv/kv_quality.py --configs raw,kivi4 --only ppl`: +0.22% +- 0.30% on the AMD machine of
     stop 20): this first window alone read +0.37% on one machine and +1.43% on another (+1.59% against
     raw read through SDPA instead of the native prefill kernel), with raw's own perplexity moving 0.2%
     between those two attention paths."""
@@ -72,7 +72,7 @@ def test_h2o_bounds_decode_memory_and_keeps_the_passkey_at_a_generous_budget():
     more than keep + slack slots after any step."""
     import random
 
-    from bench.kv_quality import passkey_prompt
+    from engine.kv_cache.quality import passkey_prompt
     from engine import SamplingParams
 
     policy = {"method": "h2o", "budget": 0.9, "min_prompt": 64, "slack": 16}

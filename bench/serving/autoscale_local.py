@@ -1,8 +1,8 @@
 """The SLO autoscaler here, end to end: `pdserve serve` on deploy/colocated.yaml, 1..2 replicas autoscaled vs
 a static 2-replica run, on the same arrivals, side by side in one run.
 
-    python bench/autoscale_local.py                   # ~15 min per run (two runs); needs a quiet machine
-    python bench/autoscale_local.py --minutes 2       # a smoke run
+    python bench/serving/autoscale_local.py                   # ~15 min per run (two runs); needs a quiet machine
+    python bench/serving/autoscale_local.py --minutes 2       # a smoke run
 
 Arrivals: the Azure conversation trace's arrival pattern (its gaps, `cluster.bench.workload`, lengths
 scaled to CPU: --input-scale / --output-scale) with its rate stepped low -> high -> low over thirds of
@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

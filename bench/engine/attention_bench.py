@@ -9,7 +9,7 @@
             K/V come from memory as in a real step (one pool would stay in cache)
 
 Order per case: warm-up of both, then native, other, native, other ... `--repeats` times; medians.
-Run: .venv/bin/python bench/attention_bench.py [--repeats 15] [--layers 30]
+Run: .venv/bin/python bench/engine/attention_bench.py [--repeats 15] [--layers 30]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    print(f"reproduce: .venv/bin/python bench/attention_bench.py --repeats {args.repeats} --layers {args.layers}")
+    print(f"reproduce: .venv/bin/python bench/engine/attention_bench.py --repeats {args.repeats} --layers {args.layers}")
     return 0
 
 

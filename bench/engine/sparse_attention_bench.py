@@ -1,6 +1,6 @@
 """Decode step time, sparse (Quest) vs full attention, on SmolLM2 bf16, one thread.
 
-    PYTHONPATH=$PWD python bench/sparse_attention_bench.py --contexts 8128 --batches 8 --steps 6
+    .venv/bin/python bench/engine/sparse_attention_bench.py --contexts 8128 --batches 8 --steps 6
 
 For each (context, batch): one engine per mode in the same process (full; the default config, a choice per
 KV head; a per-row choice; the same choosing in layers 0 and 15 only, the other layers reusing it; bf16
@@ -12,18 +12,24 @@ mode's mean step time (wall clock) and its ratio to full attention measured in t
 same from the thread's CPU time (steadier on a shared machine: time the process waited for a core is not
 counted), and the median wall-clock ratio of the per-step pairs. `--modes` picks a subset (full always
 runs). SmolLM2's context is 8192 tokens: "8k" here is 8128 (+ the generated tokens).
-Quality is `bench/kv_quality.py`'s business.
+Quality is `bench/kv/kv_quality.py`'s business.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from engine import SamplingParams
-from engine.llm import LLM
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain script folder: make `engine` importable without an install
+    sys.path.insert(0, str(ROOT))
+
+from engine import SamplingParams  # noqa: E402
+from engine.llm import LLM  # noqa: E402
 
 MODES = {"full": None,
          "default": {"method": "quest", "budget": 1024},  # SparseAttentionConfig's defaults: per KV head

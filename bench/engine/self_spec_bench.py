@@ -1,6 +1,6 @@
 """Self-speculation (`self_sparse`) vs plain decoding at long context: output tokens/s side by side, as ratios.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/self_spec_bench.py --cells 4096:1 8192:8 --new 32
+    .venv/bin/python bench/engine/self_spec_bench.py --cells 4096:1 8192:8 --new 32
 
 For each context length, one real-text prompt (Python's own documentation) is prefilled once by a plain
 engine and its KV exported (`page_io.export_kv`); each cell (context x batch) then builds a plain engine
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -13,7 +13,7 @@ speculated, the gate's last cost estimate (`gate cost`) and its measured cost of
 in units of one decode row (`draft tok`). `verify` measures the forward cost the gate learns: one
 decode step at batch B with k + 1 tokens per sequence against 1 token (context ~300).
 
-Run:   .venv/bin/python bench/spec_decode_bench.py [--dtype bfloat16] [--proposer ngram] [--repeats 2]
+Run:   .venv/bin/python bench/engine/spec_decode_bench.py [--dtype bfloat16] [--proposer ngram] [--repeats 2]
                                                    [--quick] [--only copy chat verify] [--cells chat:16]
 Writes bench/out/spec_decode_<proposer>_<dtype>.json (or --out). The machine is shared and noisy: read
 ratios from one interleaved run, not absolute numbers.
@@ -31,7 +31,7 @@ import torch
 from pydoc_data.topics import topics
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,7 +1,7 @@
 """How many requests a decode worker holds at once in a fixed KV memory budget, with and without compression.
 
 For each config (storage format, optionally an eviction policy on the prefill side -- the same strings as
-bench/kv_quality.py), a prefill engine and a decode engine run in this process with the in-process fake
+bench/kv/kv_quality.py), a prefill engine and a decode engine run in this process with the in-process fake
 transport (the real sender, receiver, reservations and admission; only the wire is skipped). The decode
 engine gets `--budget-mb` of KV pages in its format (pages = budget / bytes per page). `--requests`
 prompts of `--prompt` tokens (real text) with `--output` new tokens each are offered at once; a request
@@ -12,7 +12,7 @@ wall time. The ratio of peaks vs raw is the capacity gain.
 kivi4 (engine/kv_cache/kivi.py) ships whole pages only (keep `--prompt` a multiple of the page size, 16)
 and keeps a full-precision staging copy of the page each running sequence is filling, outside the page
 budget: `staging_mb` reports its high-water mark on the decode side.
-Run:  .venv/bin/python bench/kv_capacity.py [--configs raw,int8,snapkv:0.3+int8] [--budget-mb 32]
+Run:  .venv/bin/python bench/kv/kv_capacity.py [--configs raw,int8,snapkv:0.3+int8] [--budget-mb 32]
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.kv_quality import corpus_ids, parse_config  # noqa: E402
+from engine.kv_cache.quality import corpus_ids, parse_config  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.errors import OutOfPagesError  # noqa: E402
 from kv_transfer.config import ReceiverConfig, SenderConfig  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> None:
     out = Path(a.out) if a.out else ROOT / "bench" / "out" / "kv_capacity.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
-    print(f"reproduce: .venv/bin/python bench/kv_capacity.py {' '.join(sys.argv[1:])}\nwrote {out}")
+    print(f"reproduce: .venv/bin/python bench/kv/kv_capacity.py {' '.join(sys.argv[1:])}\nwrote {out}")
 
 
 if __name__ == "__main__":

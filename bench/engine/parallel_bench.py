@@ -6,7 +6,7 @@ checkpoint stays small enough to write in seconds) is written once under bench/o
 same engine API runs: prefill of `--prompt` tokens at batch 1 (time to first token), then decode steps at
 each `--batch` (median step time over `--steps` steps). Ratios are against the first layout (TP=1).
 
-Run:   .venv/bin/python bench/parallel_bench.py [--device cuda] [--dtype bfloat16] [--layouts tp1 tp2 pp2]
+Run:   .venv/bin/python bench/engine/parallel_bench.py [--device cuda] [--dtype bfloat16] [--layouts tp1 tp2 pp2]
                                                 [--preset llama3-8b|tiny] [--layers 4] [--batch 1 16]
 On CPU (gloo, one thread per rank) this mostly measures the cost of all-reduces and process hops; the
 numbers that matter come from a CUDA machine (NCCL). Writes bench/out/parallel_<preset>_<device>.json.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine import SamplingParams  # noqa: E402

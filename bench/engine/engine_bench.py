@@ -11,7 +11,7 @@ times, median reported):
           1 GiB float32 tensor written first; best of a few runs)                            target <= 2.5x
 
 Order: load engine + HF model -> each figure in turn (setup, warm-up, interleaved runs) -> table -> JSON.
-Run:   .venv/bin/python bench/engine_bench.py [--dtype float32] [--repeats 3] [--quick] [--only step16 ...]
+Run:   .venv/bin/python bench/engine/engine_bench.py [--dtype float32] [--repeats 3] [--quick] [--only step16 ...]
 Writes bench/out/engine_<dtype>.json (engine_<dtype>_quick.json with --quick) or --out PATH.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from pydoc_data.topics import topics
 
 torch.set_num_threads(1)  # before any op: the issue's comparison is one thread on both sides
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain script folder: make `engine` importable without an install
     sys.path.insert(0, str(ROOT))
 
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
     b = load(args)
-    command = shlex.join([".venv/bin/python", "bench/engine_bench.py", *argv])
+    command = shlex.join([".venv/bin/python", "bench/engine/engine_bench.py", *argv])
     print(f"pdserve engine vs transformers {transformers.__version__} | torch {torch.__version__} | "
           f"{args.dtype} | 1 thread | repeats {args.repeats}{' | quick' if args.quick else ''}", flush=True)
     runners = {"single": fig_single, "step16": fig_step16, "batch": fig_batch, "floor": fig_floor}

@@ -2,8 +2,8 @@
 model, deploy/hardware.yaml), a colocated pool of TP1 replicas, the Azure conversation trace tiled into a
 diurnal rate curve; autoscaled vs static peak provisioning, side by side, in one run.
 
-    python bench/autoscale_sim.py                 # defaults below; ~2-4 minutes on one core
-    python bench/autoscale_sim.py --compress 1    # the full 24 hours (about 12x longer)
+    python bench/serving/autoscale_sim.py                 # defaults below; ~2-4 minutes on one core
+    python bench/serving/autoscale_sim.py --compress 1    # the full 24 hours (about 12x longer)
 
 Order: (1) arrivals: the trace's inter-arrival gaps (its bursts) tiled end to end and time-warped so their
 rate follows rate(t) = peak x (low + (1 - low) x (1 - cos(2 pi (t - 4 h) / day)) / 2) (trough at 04:00,
@@ -32,7 +32,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -18,7 +18,7 @@ child and an end stamped here measure one interval. Per dtype (bfloat16, float32
 Runs of different kinds are interleaved (socket, grpc, full, socket, ...; alone, sending, alone, ...) so
 load from other processes hits each alike; best-of is reported, medians beside it, and CPU ms per transfer
 (every thread, sender + receiver process), which background load barely moves.
-Run: .venv/bin/python bench/kv_transfer_bench.py [--reps 3] [--dtypes bfloat16,float32] [--parts throughput,
+Run: .venv/bin/python bench/kv/kv_transfer_bench.py [--reps 3] [--dtypes bfloat16,float32] [--parts throughput,
 overlap,p99]; writes bench/out/kv_transfer.json (or --out PATH).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -46,7 +46,8 @@ from engine.kv_cache.page_io import export_kv, stored_token_head_bytes  # noqa: 
 from kv_transfer import codec  # noqa: E402
 from kv_transfer import kv_transfer_pb2 as pb  # noqa: E402
 from kv_transfer.config import ReceiverConfig, SenderConfig  # noqa: E402
-from kv_transfer.contract import PushResult, TransferDescriptor, TransferState, make_transport  # noqa: E402
+from kv_transfer.contract import TransferDescriptor, TransferState, make_transport  # noqa: E402
+from kv_transfer.null_sink import NullSink  # noqa: E402
 from kv_transfer.receiver import KVReceiver  # noqa: E402
 from kv_transfer.sender import KVSender  # noqa: E402
 
@@ -196,15 +197,6 @@ class Remote:
     def call(self, op: str, **kw) -> dict:
         self.start(op, **kw)
         return self.result()
-
-
-class NullSink:
-    """Bare gRPC: take each frame's bytes as gRPC hands them over, nothing else."""
-
-    def handle_push(self, frames, token) -> PushResult:
-        n = sum(map(len, frames))
-        self.t_end = time.monotonic()
-        return PushResult("done", bytes_accepted=n)
 
 
 # time_*: (seconds, sender CPU seconds, receiver CPU seconds) of one transfer. CPU time (every thread of
