@@ -9,9 +9,10 @@ Map (in the order a run uses them):
                  prefix blocks for Mooncake; a new round of prompts per probe
     server.py    `pdserve serve SPEC` as a child process on a free port; `--set` spec variants
     runner.py    per target: warm-up, unloaded run (SLO reference), rate probes, goodput search
-    loadgen.py   one probe: asyncio + httpx streaming, one RequestRecord per request
+    loadgen.py   one probe: asyncio + httpx streaming, one RequestRecord (record.py) per request
     server_stats.py  the server's /metrics counters before and after a probe (KV bytes, prefix hits)
-    metrics.py   TTFT/TPOT/e2e, attainment, summaries, goodput bisection; pure, no clock
+    metrics.py   TTFT/TPOT/e2e, attainment, summaries, goodput bisection; pure, no clock (percentiles:
+                 cluster/stats.py, shared with the planner)
     qoe.py       Andes QoE per request (token arrivals against a reader's expected TTFT and pace); pure
     report.py    bench.json, summary.md, PNGs, the --compare ratio and its SLO-scale sweep
 Only loadgen and server touch the network; nothing here imports ray or torch at import time.

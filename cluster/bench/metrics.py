@@ -1,7 +1,7 @@
 """Bench metrics: per-request latencies, SLO attainment, goodput. Pure Python, no network, no clock.
 
-Who calls it: `loadgen.py` produces one `RequestRecord` per request (client-side times, seconds from the
-start of the run); `runner.py` turns records into `RequestMetrics` and `Summary` and searches the goodput
+Who calls it: `loadgen.py` produces one `RequestRecord` (`record.py`) per request (client-side times,
+seconds from the start of the run); `runner.py` turns records into `RequestMetrics` and `Summary` and searches the goodput
 with `find_goodput`; `report.py` reads the same functions to redo attainment at other SLO scales.
 
 Definitions (the ones `vllm bench serve` users expect, measured at the client):
@@ -13,6 +13,7 @@ Definitions (the ones `vllm bench serve` users expect, measured at the client):
             TPOT <= tpot_slo. A failed request (HTTP error, error event, timeout, no output token)
             misses the SLO. A 1-token request meets the TPOT target by definition (no gap to miss): it
             is judged on TTFT alone.
+    percentiles: `cluster.stats.percentile` (linear interpolation, numpy's default, as `vllm bench serve`)
     goodput = the highest request rate at which attainment >= target (default 0.9): `find_goodput`
             measures the given rates, then bisects between the highest rate that attains (every lower
             measured rate attaining too) and the next one that does not.
@@ -20,33 +21,12 @@ Definitions (the ones `vllm bench serve` users expect, measured at the client):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from cluster.bench.qoe import QoESetting, qoe_stats, request_qoe
-
-
-@dataclass
-class RequestRecord:
-    """What the client saw for one request; times are seconds since the run started (monotonic clock)."""
-    index: int
-    arrival_s: float  # when it was scheduled to be sent
-    input_len: int  # prompt tokens asked for
-    max_tokens: int  # output tokens asked for
-    sent_s: float | None = None
-    chunk_s: list[float] = field(default_factory=list)  # arrival time of each chunk carrying tokens
-    chunk_tokens: list[int] = field(default_factory=list)  # tokens in that chunk (1 per text chunk if unknown)
-    end_s: float | None = None
-    output_tokens: int = 0  # usage.completion_tokens when the server reports it, else counted chunks
-    prompt_tokens: int | None = None  # usage.prompt_tokens
-    finish_reason: str | None = None
-    error: str | None = None
-    timeline: dict[str, float] | None = None  # server events (unix times), pdserve only
-    sent_unix: float | None = None  # wall-clock send time, to place the timeline next to client times
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.sent_s is not None and bool(self.chunk_s) and self.output_tokens > 0
+from cluster.bench.record import RequestRecord  # its own module (qoe.py reads it too); callers import it here
+from cluster.stats import percentile
 
 
 @dataclass
@@ -79,17 +59,6 @@ def attainment(ms: list[RequestMetrics], ttft_slo_s: float, tpot_slo_s: float) -
     if not ms:
         return 0.0
     return sum(meets(m, ttft_slo_s, tpot_slo_s) for m in ms) / len(ms)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]; nan for no values."""
-    if not values:
-        return math.nan
-    v = sorted(values)
-    pos = (len(v) - 1) * q / 100.0
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
 def _stats(values: list[float]) -> dict[str, float]:

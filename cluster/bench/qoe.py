@@ -37,10 +37,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # metrics.py imports this module: no import back at run time
-    from cluster.bench.metrics import RequestRecord
+from cluster.bench.record import RequestRecord
+from cluster.stats import percentile
 
 READING_TDS = 4.8  # tokens/s: human reading speed in the Andes paper (listening: 3.3)
 EXPECTED_TTFT_S = 1.0
@@ -82,14 +81,14 @@ def qoe(arrivals_s: list[float], ttft_s: float = EXPECTED_TTFT_S, tds: float = R
     return max(0.0, 1.0 - lag / s_expected)  # s_expected >= l / (2 tds) > 0
 
 
-def token_arrivals(r: "RequestRecord") -> list[float]:
+def token_arrivals(r: RequestRecord) -> list[float]:
     """Per token, its chunk's arrival time relative to the send (a chunk of n tokens gives n entries)."""
     if r.sent_s is None:
         return []
     return [t - r.sent_s for t, n in zip(r.chunk_s, r.chunk_tokens) for _ in range(n)]
 
 
-def request_qoe(r: "RequestRecord", setting: QoESetting) -> float:
+def request_qoe(r: RequestRecord, setting: QoESetting) -> float:
     """QoE of a bench record: 0.0 for a failed request, else `qoe` of its token arrivals."""
     arrivals = token_arrivals(r) if r.ok else []
     return qoe(arrivals, setting.ttft_s, setting.tds) if arrivals else 0.0
@@ -97,8 +96,6 @@ def request_qoe(r: "RequestRecord", setting: QoESetting) -> float:
 
 def qoe_stats(values: list[float]) -> dict[str, float]:
     """Mean, low percentiles (the unhappy readers are the low tail), min, and the share >= GOOD."""
-    from cluster.bench.metrics import percentile
-
     n = len(values)
     return {"mean": sum(values) / n if n else math.nan, "p10": percentile(values, 10),
             "p50": percentile(values, 50), "p90": percentile(values, 90),

@@ -36,10 +36,11 @@ from typing import Callable
 from cluster.bench import server_stats
 from cluster.bench.loadgen import Target, run_load, run_sequential
 from cluster.bench.metrics import (GoodputResult, RatePoint, RequestRecord, Summary, find_goodput, meets,
-                                   percentile, request_metrics, summarize)
+                                   request_metrics, summarize)
 from cluster.bench.qoe import QoESetting
 from cluster.bench.server import BenchServerError, SpecServer, SpecVariant
 from cluster.bench.workload import RequestSpec, Workload
+from cluster.stats import percentile
 
 
 @dataclass

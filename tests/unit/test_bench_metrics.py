@@ -7,7 +7,8 @@ import math
 import pytest
 
 from cluster.bench.metrics import (RatePoint, RequestRecord, attainment, find_goodput, goodput_from_points,
-                                   meets, percentile, request_metrics, summarize)
+                                   meets, request_metrics, summarize)
+from cluster.stats import percentile
 
 
 def rec(index, sent, chunks, tokens=None, end=None, error=None, output_tokens=None):
@@ -72,7 +73,14 @@ def test_percentile_matches_numpy_linear():
     assert percentile(vals, 50) == 3.0
     assert percentile(vals, 90) == pytest.approx(4.6)
     assert percentile(vals, 0) == 1.0 and percentile(vals, 100) == 5.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5  # between the middle two (nearest rank said 2.0)
     assert math.isnan(percentile([], 50))
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 100):
+        xs = rng.exponential(size=n).tolist()
+        for q in (0, 10, 50, 90, 99, 100):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12, abs=1e-15)
 
 
 def test_summary_counts_and_throughput():
