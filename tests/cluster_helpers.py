@@ -1,10 +1,12 @@
 """Helpers for router tests (in-process workers and Ray): collect a stream, the cluster leak check, serving a
-backend over HTTP on the test's own event loop, a steady load of callers (`Load`), the tiny Llama and its
-greedy reference, and a multi-node Ray on this machine (`ray_test_cluster`)."""
+backend over HTTP on the test's own event loop, a steady load of callers (`Load`), the tiny Llama's greedy
+reference, the in-process tiny cluster's workers and router (`TinyCluster`), and a multi-node Ray on this
+machine (`ray_test_cluster`)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import secrets
 import shutil
@@ -13,7 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import GenerateRequest
+from decode_worker.worker import DecodeWorker
+from engine.tokenizer import Tokenizer
+from kv_transfer.config import ReceiverConfig, SenderConfig
+from prefill_worker.worker import PrefillWorker
+from tests.tiny_models import TINY
 
 
 async def collect(router, rid, prompt, params, model, **kw):
@@ -93,6 +101,62 @@ def greedy_reference(model_dir, prompts, params, page_size: int) -> list[list[in
 
     alone = LLM(model=str(model_dir), dtype="float32", num_pages=128, page_size=page_size)
     return [o.token_ids for o in alone.generate(prompts, params)]
+
+
+MODEL_NAME = "tiny"  # the name the routers of the tiny cluster serve
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyCluster:
+    """The in-process cluster over the tiny Llama that the router, fault, heal, scale and prefix tests build
+    (workers on `WorkerLoop` threads, KV over one fake transport): the workers' engine settings and the
+    router's limits, each by name; a test changes one with `dataclasses.replace`. `prefill`, `decode` and
+    `colocated` build one worker (a test may pass its own subclass); `router` the router over started pools."""
+    model_dir: Path | str
+    page_size: int = 4  # tokens a KV page holds: small, so every prompt spans several pages
+    max_model_len: int = 128  # prompt + output tokens
+    prefill_pages: int = 64  # KV pages of a prefill worker
+    decode_pages: int = 96  # KV pages of a decode or colocated worker
+    prefill_budget: int = 32  # tokens one prefill step takes (max_num_batched_tokens): longer prompts chunk
+    kv_chunk_bytes: int = 1024  # bytes of KV a chunk carries: one layer of a prompt ships in several
+    storage: str = "raw"  # KV storage format of every pool
+    prefix_caching: bool = False
+    max_queued_requests: int = 64
+    request_timeout_s: float = 60.0
+    drain_timeout_s: float = 0.1  # the router's long poll for a worker's events
+
+    def engine_kwargs(self, num_pages: int, **kw) -> dict:
+        return dict(model=str(self.model_dir), dtype="float32", page_size=self.page_size, num_pages=num_pages,
+                    max_model_len=self.max_model_len, kv_storage=self.storage,
+                    enable_prefix_caching=self.prefix_caching, **kw)
+
+    def prefill(self, transport, cls=PrefillWorker):
+        return cls(self.engine_kwargs(self.prefill_pages, max_num_batched_tokens=self.prefill_budget),
+                   SenderConfig(chunk_bytes=self.kv_chunk_bytes), transport)
+
+    def decode(self, transport, policy: str = "fail", cls=DecodeWorker):
+        """`policy`: what the worker does when a transfer fails ("fail" or "recompute")."""
+        return cls(self.engine_kwargs(self.decode_pages), ReceiverConfig(), transport, policy)
+
+    def colocated(self, cls=DecodeWorker):
+        return cls(self.engine_kwargs(self.decode_pages), serve_kv=False)
+
+    def router_config(self, mode: str, **cfg) -> RouterConfig:
+        """`cfg`: any other `RouterConfig` field (timeouts, recoveries, replicas, prefix routing)."""
+        limits = dict(max_queued_requests=self.max_queued_requests, request_timeout_s=self.request_timeout_s,
+                      drain_timeout_s=self.drain_timeout_s)
+        prefill_tokens = self.prefill_pages * self.page_size if mode == "disaggregated" else None
+        return RouterConfig(mode, MODEL_NAME, TINY["vocab_size"], self.max_model_len,
+                            self.decode_pages * self.page_size, prefill_tokens, **{**limits, **cfg})
+
+    def router(self, mode: str, pools: dict, spawner=None, clock=None, **cfg) -> ClusterRouter:
+        """The router over `pools` ({pool: started worker handles}); `spawner` starts replacements and new
+        replicas, `clock` replaces the monotonic clock (tests that move time)."""
+        extra = {"spawner": spawner} if spawner is not None else {}
+        if clock is not None:
+            extra["clock"] = clock
+        return ClusterRouter(self.router_config(mode, **cfg), pools, Tokenizer(self.model_dir), self.page_size,
+                             **extra)
 
 
 # Every node's processes inherit these (set before the nodes start): loopback-only Ray and Ray token auth (the

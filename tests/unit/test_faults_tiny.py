@@ -14,16 +14,13 @@ import time
 
 import pytest
 
-from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError, GenerateRequest
 from cluster.serving.worker_loop import start_local
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
-from engine.tokenizer import Tokenizer
-from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.fake_transport import FakeTransport
 from prefill_worker.worker import PrefillWorker
-from tests.cluster_helpers import assert_cluster_empty, greedy_reference
+from tests.cluster_helpers import TinyCluster, assert_cluster_empty, greedy_reference
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
 from tests.prompts import CLUSTER_PROMPTS
@@ -63,26 +60,25 @@ class FakeClock:
         return time.monotonic() + self.offset
 
 
-def cluster(tiny_dir, n_prefill=1, n_decode=2, policy="fail", fault=None, prefill_delay=0.0, decode_delay=0.02,
-            timeout_s=60.0, clock=None, **cfg):
-    transport = FakeTransport(fault)
-    kw = dict(model=str(tiny_dir), dtype="float32", page_size=PAGE, max_model_len=128)
+def cluster(tiny_dir, n_prefill=1, n_decode=2, policy="fail", fault=None, prefill_delay=0.0,
+            decode_delay=SlowDecode.delay_s, timeout_s=60.0, clock=None, **cfg):
+    """A disaggregated tiny cluster whose steps take at least the given delays; `fault`: the fake
+    transport's hook, `policy`: the decode side's on a failed transfer, `cfg`: `RouterConfig` fields."""
+    shape, transport = TinyCluster(tiny_dir, page_size=PAGE, request_timeout_s=timeout_s), FakeTransport(fault)
 
     def prefill():
-        w = SlowPrefill(dict(kw, num_pages=64, max_num_batched_tokens=32), SenderConfig(chunk_bytes=1024), transport)
+        w = shape.prefill(transport, cls=SlowPrefill)
         w.delay_s = prefill_delay
         return w
 
     def decode():
-        w = SlowDecode(dict(kw, num_pages=96), ReceiverConfig(), transport, policy)
+        w = shape.decode(transport, policy, cls=SlowDecode)
         w.delay_s = decode_delay
         return w
 
     pools = {"prefill": [start_local("prefill", f"prefill-{i}", prefill) for i in range(n_prefill)],
              "decode": [start_local("decode", f"decode-{i}", decode) for i in range(n_decode)]}
-    config = RouterConfig("disaggregated", "tiny", 256, 128, 96 * PAGE, 64 * PAGE, max_queued_requests=64,
-                          request_timeout_s=timeout_s, drain_timeout_s=0.1, **cfg)
-    return ClusterRouter(config, pools, Tokenizer(tiny_dir), PAGE, **({"clock": clock} if clock else {}))
+    return shape.router("disaggregated", pools, clock=clock, **cfg)
 
 
 async def collect(router, rid, prompt, params=LONG, **kw):

@@ -15,16 +15,11 @@ import time
 import httpx
 import pytest
 
-from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving.worker_loop import LocalPools
 from cluster.serving_api import GenerateRequest
-from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
-from engine.tokenizer import Tokenizer
-from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.fake_transport import FakeTransport
-from prefill_worker.worker import PrefillWorker
-from tests.cluster_helpers import assert_cluster_empty, serving, greedy_reference
+from tests.cluster_helpers import TinyCluster, assert_cluster_empty, greedy_reference, serving
 from tests.exactness import assert_greedy_equal
 from tests.prompts import CLUSTER_PROMPTS
 
@@ -45,7 +40,7 @@ class Factories:
     pool named in `hang` block until `unhang` is set (a hung kernel)."""
 
     def __init__(self, tiny_dir, mode):
-        self.kw = dict(model=str(tiny_dir), dtype="float32", page_size=PAGE, max_model_len=128)
+        self.shape = TinyCluster(tiny_dir, page_size=PAGE)
         self.transport, self.mode = FakeTransport(None), mode
         self.gate, self.unhang = threading.Event(), threading.Event()
         self.gate.set()
@@ -74,21 +69,19 @@ class Factories:
 
     def _worker(self, pool):
         if pool == "prefill":
-            return PrefillWorker(dict(self.kw, num_pages=64, max_num_batched_tokens=32), SenderConfig(chunk_bytes=1024),
-                                 self.transport)
+            return self.shape.prefill(self.transport)
         if pool == "decode":
-            return DecodeWorker(dict(self.kw, num_pages=96), ReceiverConfig(), self.transport, "fail")
-        return DecodeWorker(dict(self.kw, num_pages=96), serve_kv=False)
+            return self.shape.decode(self.transport)
+        return self.shape.colocated()
 
 
 def cluster(tiny_dir, mode="disaggregated", step_timeout_s=None, **cfg):
+    """One worker per pool, started (and replaced) by `LocalPools` through `Factories`."""
     f = Factories(tiny_dir, mode)
     names = ("prefill", "decode") if mode == "disaggregated" else ("colocated",)
     spawner = LocalPools({n: f.factory(n) for n in names}, step_timeout_s)
     pools = {n: [spawner.start(n, f"{n}-0")] for n in names}
-    config = RouterConfig(mode, "tiny", 256, 128, 96 * PAGE, 64 * PAGE if mode == "disaggregated" else None,
-                          max_queued_requests=64, request_timeout_s=60.0, drain_timeout_s=0.1, **cfg)
-    return ClusterRouter(config, pools, Tokenizer(tiny_dir), PAGE, spawner=spawner), f
+    return f.shape.router(mode, pools, spawner=spawner, **cfg), f
 
 
 async def until(cond, timeout_s=30.0):

@@ -16,22 +16,18 @@ import random
 import pytest
 
 from cluster.http.metrics import FrontendMetrics
-from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError
 from cluster.serving.worker_loop import start_local
-from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
 from engine.llm import LLM
-from engine.tokenizer import Tokenizer
-from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.fake_transport import FakeTransport
-from prefill_worker.worker import PrefillWorker
-from tests.cluster_helpers import assert_cluster_empty
+from tests.cluster_helpers import TinyCluster, assert_cluster_empty
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
 from tests.unit.leak_checks import assert_allocator_empty
 
 PS = 4
+PREFILL_BUDGET = 16  # prefill chunks of 4 pages: a cached prefix ends inside or between chunks
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 rng = random.Random(5)
 BASE = [rng.randrange(3, 256) for _ in range(30)]
@@ -52,9 +48,11 @@ class Cluster:
 
     def __init__(self, tiny_dir, cache=True, n_prefill=1, n_decode=1, routing=None, decode_load_tokens=64.0,
                  fault=None, policy="fail", decode_pages=96, refresh_s=5.0):
+        """`routing`: prefix-aware routing (None: where workers cache); `refresh_s`: how often the router
+        replaces its prefix index by the workers' reports."""
         transport = FakeTransport(fault)
-        kw = dict(model=str(tiny_dir), dtype="float32", page_size=PS, max_model_len=128,
-                  enable_prefix_caching=cache)
+        shape = TinyCluster(tiny_dir, page_size=PS, decode_pages=decode_pages, prefill_budget=PREFILL_BUDGET,
+                            prefix_caching=cache, drain_timeout_s=0.2)
         self.engines: dict[str, LLM] = {}
 
         def build(name, make):
@@ -64,15 +62,10 @@ class Cluster:
                 return w
             return start_local(name.split("-")[0], name, factory)
 
-        pools = {"prefill": [build(f"prefill-{i}", lambda: PrefillWorker(
-            dict(kw, num_pages=64, max_num_batched_tokens=16), SenderConfig(chunk_bytes=1024), transport))
-            for i in range(n_prefill)],
-                 "decode": [build(f"decode-{i}", lambda: DecodeWorker(dict(kw, num_pages=decode_pages), ReceiverConfig(),
-                                                                       transport, policy)) for i in range(n_decode)]}
-        cfg = RouterConfig("disaggregated", "tiny", 256, 128, decode_pages * PS, 64 * PS, request_timeout_s=60.0,
-                           drain_timeout_s=0.2, prefix_routing=routing, decode_load_tokens=decode_load_tokens,
-                           prefix_refresh_s=refresh_s)
-        self.router = ClusterRouter(cfg, pools, Tokenizer(tiny_dir), PS)
+        pools = {"prefill": [build(f"prefill-{i}", lambda: shape.prefill(transport)) for i in range(n_prefill)],
+                 "decode": [build(f"decode-{i}", lambda: shape.decode(transport, policy)) for i in range(n_decode)]}
+        self.router = shape.router("disaggregated", pools, prefix_routing=routing,
+                                   decode_load_tokens=decode_load_tokens, prefix_refresh_s=refresh_s)
 
     async def run(self, i, prompt):
         return (await collect_stream(self.router, f"r{i}", prompt, GREEDY, "tiny"))[0]
@@ -215,12 +208,9 @@ def test_a_failed_transfer_into_shared_pages_recomputes_or_fails_and_frees_them(
 
 def test_colocated_replicas_route_a_shared_prefix_to_the_warm_one(tiny_dir, reference):
     async def main():
-        kw = dict(model=str(tiny_dir), dtype="float32", page_size=PS, max_model_len=128, num_pages=96,
-                  enable_prefix_caching=True)
-        pools = {"colocated": [start_local("colocated", f"colocated-{i}", lambda: DecodeWorker(kw, serve_kv=False))
-                               for i in range(2)]}
-        cfg = RouterConfig("colocated", "tiny", 256, 128, 96 * PS, request_timeout_s=60.0, drain_timeout_s=0.2)
-        router = ClusterRouter(cfg, pools, Tokenizer(tiny_dir), PS)
+        shape = TinyCluster(tiny_dir, page_size=PS, prefix_caching=True, drain_timeout_s=0.2)
+        pools = {"colocated": [start_local("colocated", f"colocated-{i}", shape.colocated) for i in range(2)]}
+        router = shape.router("colocated", pools)
         try:
             got = [(await collect_stream(router, f"r{i}", p, GREEDY, "tiny"))[0]
                    for i, p in enumerate([BASE, BASE + TAIL[4], BASE[:9] + TAIL[1]])]

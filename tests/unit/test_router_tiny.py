@@ -11,19 +11,14 @@ import asyncio
 import pytest
 
 from cluster.http.metrics import FrontendMetrics
-from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving_api import BackendUnavailableError, GenerateRequest
 from cluster.serving.worker_loop import start_local
-from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
 from engine.kv_cache.spec import KVPageSpec
 from engine.llm import LLM
 from engine.loader import load_config
-from engine.tokenizer import Tokenizer
-from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.fake_transport import FakeTransport
-from prefill_worker.worker import PrefillWorker
-from tests.cluster_helpers import assert_cluster_empty, greedy_reference
+from tests.cluster_helpers import TinyCluster, assert_cluster_empty, greedy_reference
 from tests.cluster_helpers import collect as collect_stream
 from tests.exactness import assert_greedy_equal
 from tests.prompts import CLUSTER_PROMPTS
@@ -31,6 +26,9 @@ from tests.prompts import CLUSTER_PROMPTS
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = CLUSTER_PROMPTS + [[100, 3], list(range(200, 230))]
 PAGE = 4
+# This file's cluster: 64 decode pages (256 tokens, every request fits), requests up to 256 tokens.
+SHAPE = dict(page_size=PAGE, decode_pages=64, max_model_len=256, drain_timeout_s=0.2)
+N_COLOCATED = 2
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +36,18 @@ def reference(tiny_dir):
     return greedy_reference(tiny_dir, PROMPTS, GREEDY, PAGE)
 
 
-def cluster(tiny_dir, mode="disaggregated", decode_pages=64, n_decode=2, policy="fail", fault=None,
-            timeout_s=60.0, max_model_len=256, storage="raw"):
+def cluster(tiny_dir, mode="disaggregated", n_decode=2, policy="fail", fault=None, **shape):
+    """Disaggregated: one prefill worker and `n_decode` decode workers (`policy` on a failed transfer, `fault`
+    the fake transport's hook); colocated: `N_COLOCATED` replicas. `shape`: `TinyCluster` fields."""
+    s = TinyCluster(tiny_dir, **{**SHAPE, **shape})
     transport = FakeTransport(fault)
-    kw = dict(model=str(tiny_dir), dtype="float32", page_size=PAGE, max_model_len=max_model_len, kv_storage=storage)
-    pools = {}
     if mode == "disaggregated":
-        pools["prefill"] = [start_local("prefill", "prefill-0", lambda: PrefillWorker(
-            dict(kw, num_pages=64, max_num_batched_tokens=32), SenderConfig(chunk_bytes=1024), transport))]
-        pools["decode"] = [start_local("decode", f"decode-{i}", lambda: DecodeWorker(
-            dict(kw, num_pages=decode_pages), ReceiverConfig(), transport, policy)) for i in range(n_decode)]
+        pools = {"prefill": [start_local("prefill", "prefill-0", lambda: s.prefill(transport))],
+                 "decode": [start_local("decode", f"decode-{i}", lambda: s.decode(transport, policy))
+                            for i in range(n_decode)]}
     else:
-        pools["colocated"] = [start_local("colocated", f"colocated-{i}", lambda: DecodeWorker(
-            dict(kw, num_pages=decode_pages), serve_kv=False)) for i in range(2)]
-    cfg = RouterConfig(mode, "tiny", 256, max_model_len, decode_pages * PAGE, 64 * PAGE, max_queued_requests=64,
-                       request_timeout_s=timeout_s, drain_timeout_s=0.2)
-    return ClusterRouter(cfg, pools, Tokenizer(tiny_dir), PAGE)
+        pools = {"colocated": [start_local("colocated", f"colocated-{i}", s.colocated) for i in range(N_COLOCATED)]}
+    return s.router(mode, pools)
 
 
 async def collect(router, rid, prompt, params=GREEDY, **kw):

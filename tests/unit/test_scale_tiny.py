@@ -16,21 +16,17 @@ import httpx
 import pytest
 
 from cluster import cli
-from cluster.serving.router import ClusterRouter, RouterConfig
 from cluster.serving.scaling import ScaleError
 from cluster.serving.worker_loop import LocalPools
 from cluster.serving_api import GenerateRequest
-from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
-from engine.tokenizer import Tokenizer
-from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.fake_transport import FakeTransport
-from prefill_worker.worker import PrefillWorker
-from tests.cluster_helpers import Load, assert_cluster_empty, greedy_reference
+from tests.cluster_helpers import Load, TinyCluster, assert_cluster_empty, greedy_reference
 from tests.exactness import assert_greedy_equal
 from tests.prompts import CLUSTER_PROMPTS
 
 PAGE = 4
+MAX_REPLICAS = 2  # each test grows a pool to 2 and back to 1
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 PROMPTS = CLUSTER_PROMPTS
 
@@ -41,19 +37,15 @@ def reference(tiny_dir):
 
 
 def cluster(tiny_dir, mode="disaggregated", **cfg):
-    kw = dict(model=str(tiny_dir), dtype="float32", page_size=PAGE, max_model_len=128)
-    transport = FakeTransport(None)
-    factories = {"prefill": lambda: PrefillWorker(dict(kw, num_pages=64, max_num_batched_tokens=32),
-                                                  SenderConfig(chunk_bytes=1024), transport),
-                 "decode": lambda: DecodeWorker(dict(kw, num_pages=96), ReceiverConfig(), transport, "fail"),
-                 "colocated": lambda: DecodeWorker(dict(kw, num_pages=96), serve_kv=False)}
+    """One replica per pool, each pool allowed `MAX_REPLICAS`; `LocalPools` starts the new ones."""
+    shape, transport = TinyCluster(tiny_dir, page_size=PAGE), FakeTransport(None)
+    factories = {"prefill": lambda: shape.prefill(transport), "decode": lambda: shape.decode(transport),
+                 "colocated": shape.colocated}
     names = ("prefill", "decode") if mode == "disaggregated" else ("colocated",)
     spawner = LocalPools({n: factories[n] for n in names})
     pools = {n: [spawner.start(n, f"{n}-0")] for n in names}
-    cfg = {"max_replicas": {n: 2 for n in names}, **cfg}
-    config = RouterConfig(mode, "tiny", 256, 128, 96 * PAGE, 64 * PAGE if mode == "disaggregated" else None,
-                          max_queued_requests=64, request_timeout_s=60.0, drain_timeout_s=0.1, **cfg)
-    return ClusterRouter(config, pools, Tokenizer(tiny_dir), PAGE, spawner=spawner), spawner
+    cfg = {"max_replicas": {n: MAX_REPLICAS for n in names}, **cfg}
+    return shape.router(mode, pools, spawner=spawner, **cfg), spawner
 
 
 @pytest.mark.parametrize("mode,pool,drain_s", [("disaggregated", "decode", 30.0), ("disaggregated", "decode", 0.0),
