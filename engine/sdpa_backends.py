@@ -2,7 +2,7 @@
 
 Why: with every backend enabled (PyTorch's default), one decode-shaped `scaled_dot_product_attention` call
 cost ~2 ms of host time on an H100 (torch 2.11+cu130), the whole of a small-batch decode step (30 layers:
-~60 ms), against 30-150 us with the backends named (bench/gpu_sdpa_probe.py; figures in
+~60 ms), against 30-150 us with the backends named (measured by a probe since retired; figures in
 bench/gpu_results/). Flash first, then memory-efficient attention (it takes the masks of bucketed decode
 groups and chunked prefill), then math as the fallback every shape has. cuDNN is left out by default.
 `PDSERVE_CUDA_SDPA=cudnn,flash,...` names another list (A/B runs); CPU keeps PyTorch's own choice.

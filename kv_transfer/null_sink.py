@@ -2,7 +2,7 @@
 nothing: no parsing, no checksum, no reservation, no pages. Served by a transport (`serve(NullSink(), config)`)
 it measures the bare transport, the floor the real `KVReceiver` is compared with.
 
-Who uses it: bench/kv/kv_transfer_bench.py (the `grpc` row) and bench/gpu_disagg_check.py (bare gRPC beside
+Who uses it: bench/kv/kv_transfer_bench.py (the `grpc` row) and bench/gpu/disagg_check.py (bare gRPC beside
 the full path). Only `handle_push` of the `KVSink` protocol: nothing reserves or commits through it.
 """
 from __future__ import annotations

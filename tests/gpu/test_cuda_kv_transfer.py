@@ -1,7 +1,7 @@
 """KV transfer with CUDA pages (skipped without a GPU; needs no bundled weights): page_io's device path (pinned
 staging, non-blocking copies, the receive side's copy stream behind a reservation fence) moves exactly the
 bytes the CPU path moves, and a prefill engine -> loopback gRPC -> decode engine handoff on one GPU
-(bench/gpu_disagg_check.py's core) gives one engine's greedy tokens in float32, both engines ending empty."""
+(bench/gpu/disagg_check.py's core) gives one engine's greedy tokens in float32, both engines ending empty."""
 from __future__ import annotations
 
 import random
@@ -50,7 +50,7 @@ def test_cuda_pages_round_trip_like_cpu_pages(kind, span):
 
 @pytest.mark.parametrize("graphs", ["auto", "off"])
 def test_handoff_on_one_gpu_equals_one_engine(tmp_path, graphs):
-    from bench.gpu_disagg_check import Check, check
+    from bench.gpu.disagg_check import Check, check
 
     c = Check("tiny", device="cuda", dtype="float32", prompts=3, prompt_len=40, tokens=12, page_size=16,
               graphs=graphs)

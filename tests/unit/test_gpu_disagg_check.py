@@ -1,4 +1,4 @@
-"""bench/gpu_disagg_check.py on CPU with a tiny model: the disaggregated handoff over loopback gRPC (layer-wise
+"""bench/gpu/disagg_check.py on CPU with a tiny model: the disaggregated handoff over loopback gRPC (layer-wise
 and held) gives the colocated reference's greedy tokens, both engines end empty, no push thread is left --
 also with page_io's device path forced (the code CUDA pages take: staging buffers, `ready()` waited on by the
 push thread); and the bf16 comparison reports the first divergence with the reference's top-2 logit gap."""
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from bench.gpu_disagg_check import Check, check, compare
+from bench.gpu.disagg_check import Check, check, compare
 from engine.kv_cache import page_io
 from tests.conftest import assert_engine_empty
 

@@ -1,5 +1,5 @@
 """`pdserve profile`'s GPU path on CPU (the gpu-tiny grid), random:<name> models, the fit's forms on GPU-shaped
-steps, and bench/gpu_profile_check.py's predictions (issue 32's profile row). No wall-clock asserts."""
+steps, and bench/gpu/profile_check.py's predictions (issue 32's profile row). No wall-clock asserts."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ import pytest
 from cluster.planner import profiler
 from cluster.planner.errors import BadConfigError
 from cluster.planner.fit import fit_decode, fit_prefill
-from cluster.planner.random_model import model_shapes, random_llm, random_model_dir
+from cluster.planner.calibrate.random_model import model_shapes, random_llm, random_model_dir
 from tests.conftest import assert_engine_empty
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +99,7 @@ def test_fit_forms_hold_on_gpu_shaped_steps():
 
 def test_profile_check_predicts_each_row(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from bench import gpu_profile_check as chk
+    from bench.gpu import profile_check as chk
 
     coeffs = {"prefill": [0.005, 3e-5, 5e-10], "decode": [0.006, 4e-8, 2e-5]}
     prof = tmp_path / "p.json"

@@ -6,16 +6,16 @@ a + b*T + c*SQ, decode a + b*C + c*B, exactly what `pdserve plan --profile` simu
 measured median, their ratio, and whether every row is within [--lo, --hi] (0.8-1.25 by default).
 
 Measured steps it reads (any mix, several files):
-  floor_*.json  (bench/gpu_decode_floor.py) decode rows {batch, mode, context, median_ms, kv}: the rows of
+  floor_*.json  (bench/gpu/decode_floor.py) decode rows {batch, mode, context, median_ms, kv}: the rows of
                 --mode (default graphs, the engine's CUDA default) with bf16 pages; C = batch x (context + 1)
                 (context: the rows' mean computed tokens; a step also attends its new token);
-  steps_*.json  (bench/gpu_step_power.py) cases {phase, size, median_ms}: prefill of one `size`-token
+  steps_*.json  (bench/gpu/step_power.py) cases {phase, size, median_ms}: prefill of one `size`-token
                 prompt (T = size, SQ = size^2); decode of `size` rows whose context grew from the file's
                 `context` over the timed steps (mean: context + 4 + steps / 2 per row);
   rows.json     {"rows": [{"phase": "prefill", "lengths": [..], "median_ms": ..} | {"phase": "decode",
                 "batch": B, "context": per-row tokens attended, "median_ms": ..}]}: anything else.
 
-Run:  python bench/gpu_profile_check.py --profile OUT/profile_llama-3-8b.json --steps OUT/floor_random_llama-3-8b.json
+Run:  python bench/gpu/profile_check.py --profile OUT/profile_llama-3-8b.json --steps OUT/floor_random_llama-3-8b.json
       [--json OUT/profile_check.json]     exit 0: every row within; 1: some row outside; 2: bad input
 Pure Python (no torch, no pydantic: the GPU machine lacks it): it runs there right after the measurements,
 or here on the files they wrote. The profile is read as `pdserve plan --profile` reads its `tp.1` entry.
@@ -28,7 +28,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

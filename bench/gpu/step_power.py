@@ -4,14 +4,14 @@ What it measures, per model: one prefill step of N prompt tokens (one request, t
 and one decode step of B running requests at a context of about L tokens, each repeated for --seconds of
 wall time after a warm-up; the step's median time, and the GPU's power over the repeats from `nvidia-smi
 -lms 100` (power.draw, the driver's 1 s average, and power.draw.instant where the driver has it), SM clock
-and utilization, plus the idle power before anything runs. `bench/gpu_step_compare.py` (CPU, pure Python)
+and utilization, plus the idle power before anything runs. `bench/gpu/step_compare.py` (CPU, pure Python)
 then puts these beside the planner's GPU step model and `deploy/hardware.yaml`'s power.
 
 Models: `smollm2-135m` (or any name `LLM` takes) with its real weights, or `random:<deploy/models name>`:
 that model's shapes (config from deploy/models/*.yaml) with random bfloat16 weights made on the GPU as the
 engine asks for each tensor (no checkpoint on disk: an 8B model's 16 GB never leave the device).
 
-Run:  python bench/gpu_step_power.py --model random:llama-3-8b --out DIR [--seconds 4]
+Run:  python bench/gpu/step_power.py --model random:llama-3-8b --out DIR [--seconds 4]
 Writes DIR/steps_<model>.json (and .csv of the raw power samples).
 """
 from __future__ import annotations
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cluster.planner.random_model import RandomWeights, random_model_dir  # noqa: E402,F401 (gpu_decode_floor imports them here)
+from cluster.planner.calibrate.random_model import RandomWeights, random_model_dir  # noqa: E402,F401 (gpu_decode_floor imports them here)
 from engine import LLM, SamplingParams  # noqa: E402
 
 FIELDS = ("power.draw", "power.draw.instant", "clocks.sm", "utilization.gpu", "temperature.gpu")

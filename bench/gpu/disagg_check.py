@@ -19,9 +19,9 @@ them: kv_transfer/null_sink.py) in the same run, best of two.
 
 Models: `tiny` (tests/tiny_models), any name `LLM` takes (`smollm2-135m`: real weights), or
 `random:<deploy/models name>` (random weights made on the device). Comma-separate several.
-Run (GPU):  python bench/gpu_disagg_check.py --device cuda --model random:smollm2-135m,random:llama-3-8b \
+Run (GPU):  python bench/gpu/disagg_check.py --device cuda --model random:smollm2-135m,random:llama-3-8b \
                 --prompt-len 512 --out DIR   [--graphs off: eager decode, for the bit-exact transfer check]
-     (CPU):  .venv/bin/python bench/gpu_disagg_check.py --model tiny --dtype float32 --prompt-len 24 --tokens 16
+     (CPU):  .venv/bin/python bench/gpu/disagg_check.py --model tiny --dtype float32 --prompt-len 24 --tokens 16
 Prints a markdown table per model; writes DIR/gpu_disagg_<model>.json. Exit 1 if a check failed.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -81,10 +81,10 @@ def make_llm(c: Check, tmp: Path, graphs: str) -> LLM:
     if not c.model.startswith("random:"):
         return LLM(model=c.model, **kw)
     import engine.llm as engine_llm
-    from bench.gpu_step_power import RandomWeights, random_model_dir
+    from bench.gpu.step_power import RandomWeights, random_model_dir
 
     model_dir, shapes = random_model_dir(c.model.split(":", 1)[1], tmp / "model")
-    real = engine_llm.load_weights  # (as bench/gpu_decode_floor.py: the engine has no weights hook)
+    real = engine_llm.load_weights  # (as bench/gpu/decode_floor.py: the engine has no weights hook)
     engine_llm.load_weights = lambda _d: RandomWeights(shapes, c.device, getattr(torch, c.dtype))  # seeded: alike
     try:
         return LLM(model=str(model_dir), **kw)

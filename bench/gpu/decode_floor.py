@@ -8,11 +8,13 @@ stepped --steps times under each mode in turn:
 For graphs, the GPU time of each replay (CUDA events around it) is reported too: step - GPU is the host's
 part (scheduling, inputs, sampling, detokenizing), which nothing overlaps with the GPU yet.
 `--kv int8` adds int8-page rows (a second engine, the first freed): graphs mode, ratio to bf16 graphs.
+`--sparse BUDGET` adds Quest rows (sparse attention with that token budget; a second engine; its path: Triton
+eager, as a user gets it) beside the full-attention rows of the same batch and context (e.g. 8 x 32k).
 The floor: (weight bytes + K/V bytes the step reads) / the device-to-device copy bandwidth measured at the
 start of the run (bytes read + written per second), so ratio = step / floor. Steps are whole `LLM.step()`
 calls (scheduling, sampling and detokenizing included), synchronised before and after.
 
-Run:  python bench/gpu_decode_floor.py --model random:llama-3-8b --context 2048 --batches 1,16,64,128 --out DIR
+Run:  python bench/gpu/decode_floor.py --model random:llama-3-8b --context 2048 --batches 1,16,64,128 --out DIR
       (CPU, tiny: --device cpu --model random:tiny --context 64 --batches 1,4 --steps 3; Triton's interpreter)
 Writes DIR/floor_<model>.json and prints a markdown table.
 """
@@ -29,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu_step_power import RandomWeights, random_model_dir  # noqa: E402
+from bench.gpu.step_power import RandomWeights, random_model_dir  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 MODES = ("graphs", "triton", "torch")
@@ -64,12 +66,13 @@ def headroom(max_batch: int, steps: int) -> int:
     return 2 * steps + max_batch // 2 + 64
 
 
-def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp: Path, kv: str = "raw") -> LLM:
+def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp: Path, kv: str = "raw",
+          sparse: dict | None = None) -> LLM:
     ps = 16
     per_row = -(-(context + headroom(max_batch, steps) + 16) // ps)
     kw = dict(dtype="bfloat16", device=device, num_pages=max_batch * per_row + 8, max_num_seqs=max_batch,
               max_num_batched_tokens=8192 if device.startswith("cuda") else 256, num_threads=None, page_size=ps,
-              max_model_len=context + headroom(max_batch, steps) + 16, kv_storage=kv)
+              max_model_len=context + headroom(max_batch, steps) + 16, kv_storage=kv, sparse_attention=sparse)
     if not model.startswith("random:"):
         return LLM(model=model, **kw)
     import engine.llm as engine_llm
@@ -221,6 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", type=int, default=0, metavar="K",
                     help="also a static verify step of 1 + K tokens a row vs a plain one, at batch 16")
     ap.add_argument("--kv", default="", help="int8: also int8-page rows at the largest batch (graphs mode)")
+    ap.add_argument("--sparse", type=int, default=0, metavar="BUDGET",
+                    help="also Quest rows (token budget BUDGET) at the largest batch, Triton eager")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -250,6 +255,20 @@ def main(argv=None) -> int:
             llm = build(a.model, a.device, max(batches), a.context, (a.steps + 3) * len(modes), Path(tmp), a.kv)
             result["rows"].extend(run_batch(llm, a.device, max(batches), a.context, a.steps, ["graphs"],
                                             llm.decode_graphs, bw))
+        if a.sparse:
+            del llm, graphs
+            if a.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            cfg = {"method": "quest", "budget": a.sparse}
+            llm = build(a.model, a.device, max(batches), a.context, (a.steps + 3) * len(modes), Path(tmp),
+                        sparse=cfg)
+            rows = run_batch(llm, a.device, max(batches), a.context, a.steps, ["triton"], None, bw)
+            full = [r for r in result["rows"] if r["batch"] == max(batches) and r["mode"] in ("graphs", "triton")]
+            for r in rows:
+                r["kv"] = f"quest{a.sparse}"
+                r["over_full"] = {f["mode"]: round(r["median_ms"] / f["median_ms"], 3) for f in full}
+                print(json.dumps(r), flush=True)
+            result["rows"].extend(rows)
     tag = a.model.replace(":", "_").replace("/", "_")
     (a.out / f"floor_{tag}.json").write_text(json.dumps(result, indent=1))
     print(table(result))

@@ -1,4 +1,4 @@
-"""Measured CUDA step times and power (bench/gpu_step_power.py's JSON) beside the planner's tables.
+"""Measured CUDA step times and power (bench/gpu/step_power.py's JSON) beside the planner's tables.
 
 For each measured case: the engine's median step time against the planner's GPU step model for the same
 step on the same hardware entry (`profiles.latency_model`, TP 1: a prefill of N tokens; a decode step of
@@ -6,7 +6,7 @@ B rows at the mean context the timed steps saw), and the GPU's mean power (nvidi
 driver's 1 s average, over the case's steady part) against `deploy/hardware.yaml`'s prefill_w / decode_w.
 Pure Python on any machine: the measuring was done on the GPU.
 
-Run:  .venv/bin/python bench/gpu_step_compare.py bench/gpu_results/h100-2026-11-26/after/steps_*.json
+Run:  .venv/bin/python bench/gpu/step_compare.py bench/gpu_results/h100-2026-11-26/after/steps_*.json
       [--hardware h100] [--model-name random:llama-3-8b=llama-3-8b ...]
 Prints a markdown table (and writes it with --out FILE).
 """
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
