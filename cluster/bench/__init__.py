@@ -15,5 +15,9 @@ Map (in the order a run uses them):
                  cluster/stats.py, shared with the planner)
     qoe.py       Andes QoE per request (token arrivals against a reader's expected TTFT and pace); pure
     report.py    bench.json, summary.md, PNGs, the --compare ratio and its SLO-scale sweep
+Beside `pdserve bench`, for bench/checks/external_clients.py (real clients against the same server):
+    external_clients.py  GuideLLM's scenario and AIPerf's argv for one rate, their environment and venvs
+    external_results.py  their output files parsed into rows, the table and verdicts against pdserve bench,
+                         several runs pooled; pure apart from files
 Only loadgen and server touch the network; nothing here imports ray or torch at import time.
 """

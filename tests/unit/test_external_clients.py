@@ -1,6 +1,7 @@
-"""bench/external_clients.py and bench/external_results.py without a server: the GuideLLM and AIPerf output
-parsers on outputs recorded from real short runs (tests/data/external_clients, each file says how it was
-made), the commands built for both clients, the before/after baseline, and the table's ratios and verdicts."""
+"""cluster/bench/external_clients.py and external_results.py (bench/checks/external_clients.py's library)
+without a server: the GuideLLM and AIPerf output parsers on outputs recorded from real short runs
+(tests/data/external_clients, each file says how it was made), the commands built for both clients, the
+before/after baseline, the table's ratios and verdicts, and several runs pooled (--pool)."""
 from __future__ import annotations
 
 import copy
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import external_clients as ec
-from bench import external_results as er
+from cluster.bench import external_clients as ec
+from cluster.bench import external_results as er
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "external_clients"
 
@@ -153,3 +154,25 @@ def test_baseline_pools_the_runs_before_and_after_and_flags_a_drifting_machine()
     busier = er.pdserve_result(run(0.2, 0.02), 1.0, run(0.2, 0.03))  # decode 1.5x slower in the second run
     assert er.verdict(busier, None) == "baseline drifted (after/before): ITL p50 x1.50"
     assert er.pdserve_result(run(0.2, 0.02), 1.0).drift is None  # one run: nothing to compare
+
+
+def test_pool_takes_one_median_per_client_and_rate_over_every_runs_requests(tmp_path):
+    from dataclasses import asdict
+
+    from cluster.bench.metrics import RequestRecord
+
+    for k, (ttft, gap) in enumerate(((0.2, 0.02), (0.22, 0.02))):
+        run = tmp_path / f"run{k}"
+        (run / "aiperf@1").mkdir(parents=True)
+        recs = [RequestRecord(i, 0.0, 8, 3, sent_s=0.0, chunk_s=[ttft, ttft + gap, ttft + 2 * gap],
+                              chunk_tokens=[1, 1, 1], end_s=ttft + 2 * gap, output_tokens=3) for i in range(2)]
+        (run / "pdserve@1.json").write_text(json.dumps([asdict(r) for r in recs]))
+        guide = {"time_to_first_token_ms": 1040 * ttft, "inter_token_latency_ms": 1000 * gap}
+        (run / "guidellm@1.json").write_text(json.dumps({"benchmarks": [{"requests": {"successful": [guide] * 2}}]}))
+        rec = {"metrics": {"time_to_first_token": {"value": 1500 * ttft}, "inter_token_latency": {"value": 1000 * gap}}}
+        lines = [json.dumps(rec)] * 2 + [json.dumps({"metrics": {}})]  # a failed request: no latencies, not counted
+        (run / "aiperf@1" / "profile_export.jsonl").write_text("\n".join(lines))
+    md = er.pooled([tmp_path / "run0", tmp_path / "run1"])
+    assert "| pdserve | 1 | 4 | 210 | 20.0 | 1.00 | 1.00 | yes |" in md  # medians over both runs' requests
+    assert "| guidellm | 1 | 4 | 218 | 20.0 | 1.04 | 1.00 | yes |" in md
+    assert "| aiperf | 1 | 4 | 315 | 20.0 | 1.50 | 1.00 | no |" in md

@@ -1,12 +1,13 @@
-"""What bench/external_clients.py measured: one row per client and rate, the clients' own output files
-parsed into it, and the table with ratios against pdserve bench. Pure apart from reading and writing files
-under a run's folder; no network, no subprocess.
+"""What bench/checks/external_clients.py measured: one row per client and rate, the clients' own output files
+parsed into it, and the table with ratios against pdserve bench; and several finished runs pooled. Pure
+apart from reading and writing files under a run's folder; no network, no subprocess.
 
     parse_guidellm(doc, rate, sent) / parse_aiperf(doc, rate, sent) -> ClientResult   # a loaded JSON
     read_result(client, rate, sent, out_dir)      # finds and parses what a client left for `rate`
     pdserve_result(records, rate)                 # cluster/bench RequestRecords -> the baseline row
     table(rows) -> markdown; verdict(row, baseline) -> "ok" or what fails the issue's acceptance
     report(rows, out_dir, args) / reparse(out_dir)   # summary.md + results.json, and back
+    pooled(run_dirs) -> markdown lines           # --pool: per-request medians over several runs
 
 The baseline at a rate is pdserve bench's load generator run twice, before and after the clients, pooled:
 a shared machine's load drifts over minutes, and the two halves say by how much (`note`). A drift beyond
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -161,3 +163,67 @@ def reparse(out: Path) -> tuple[list[ClientResult], dict]:
     doc = json.loads((out / "results.json").read_text())
     rows = [ClientResult(**r) for r in doc["results"]]
     return [r if r.client == "pdserve" else read_result(r.client, r.rate, r.sent, out) for r in rows], doc["args"]
+
+
+# ---- several finished runs, pooled ---------------------------------------------------------------------
+# On a 2-core machine one run's p50 over 12-30 requests moved as much as the acceptance band (pdserve bench's
+# own before/after runs differed by 0.84-1.16x); runs made the same way, pooled, are a larger sample of the
+# same thing. Each tool's own per-request numbers, nothing recomputed from raw timestamps except pdserve
+# bench's (its RequestRecords, as `pdserve bench` computes them):
+#   pdserve   pdserve@RATE.json: TTFT = first token chunk - send; ITL = (last chunk - first) / (tokens - 1)
+#   guidellm  guidellm@RATE.json benchmarks[0].requests.successful[*]: time_to_first_token_ms,
+#             inter_token_latency_ms
+#   aiperf    aiperf@RATE/profile_export.jsonl records: time_to_first_token, inter_token_latency (ms)
+# The median is the same (linear-interpolated) for all three, so the tools' percentile methods drop out.
+def pdserve_rows(path: Path) -> list[tuple[float, float]]:
+    """(TTFT ms, ITL ms) of each completed request of a pdserve@RATE.json (one output token: no ITL, left out)."""
+    from cluster.bench.metrics import RequestRecord, request_metrics
+
+    out = []
+    for raw in json.loads(path.read_text()):
+        m = request_metrics(RequestRecord(**raw))
+        if m.ok and m.tpot_s is not None:
+            out.append((m.ttft_s * 1000, m.tpot_s * 1000))
+    return out
+
+
+def guidellm_rows(path: Path) -> list[tuple[float, float]]:
+    reqs = json.loads(path.read_text())["benchmarks"][0]["requests"]["successful"]
+    return [(r["time_to_first_token_ms"], r["inter_token_latency_ms"]) for r in reqs]
+
+
+def aiperf_rows(path: Path) -> list[tuple[float, float]]:
+    out = []
+    for line in path.read_text().splitlines():
+        m = json.loads(line).get("metrics") or {}
+        if "time_to_first_token" in m and "inter_token_latency" in m:
+            out.append((m["time_to_first_token"]["value"], m["inter_token_latency"]["value"]))
+    return out
+
+
+def rows_of(run: Path, client: str, rate: str) -> list[tuple[float, float]]:
+    """One run's per-request (TTFT ms, ITL ms) for a client at `rate` (as its file names spell it)."""
+    if client == "pdserve":
+        return pdserve_rows(run / f"pdserve@{rate}.json")
+    if client == "guidellm":
+        return guidellm_rows(run / f"guidellm@{rate}.json")
+    return aiperf_rows(run / f"aiperf@{rate}" / "profile_export.jsonl")
+
+
+def pooled(runs: list[Path]) -> list[str]:
+    """Markdown: per rate and client, the median TTFT and ITL over every run's requests, each as a ratio to
+    pdserve bench's pooled requests, and whether both are within the acceptance band."""
+    rates = sorted({p.stem.split("@")[1] for r in runs for p in r.glob("pdserve@*.json")}, key=float)
+    out = [f"pooled over {', '.join(str(r) for r in runs)}", "",
+           "| client | rate | requests | TTFT p50 (ms) | ITL p50 (ms) | TTFT p50 vs pdserve | ITL p50 vs pdserve | "
+           f"within {100 * ACCEPT_P50:.0f}% |", "|---|---|---|---|---|---|---|---|"]
+    for rate in rates:
+        base = None
+        for client in ("pdserve", *CLIENTS):
+            rows = [x for r in runs for x in rows_of(r, client, rate)]
+            ttft, itl = statistics.median(x[0] for x in rows), statistics.median(x[1] for x in rows)
+            base = base or (ttft, itl)
+            rt, ri = ttft / base[0], itl / base[1]
+            ok = "yes" if abs(rt - 1) <= ACCEPT_P50 and abs(ri - 1) <= ACCEPT_P50 else "no"
+            out.append(f"| {client} | {rate} | {len(rows)} | {ttft:.0f} | {itl:.1f} | {rt:.2f} | {ri:.2f} | {ok} |")
+    return out

@@ -1,10 +1,11 @@
 """Real clients agree: GuideLLM and AIPerf against `pdserve serve`, beside `pdserve bench`'s own load
 generator, at the same rates on the same synthetic workload (issue 22).
 
-    python bench/external_clients.py                       # deploy/local.yaml, 0.5 and 1 req/s, 20 requests
-    python bench/external_clients.py --rates 0.5,1 --num-requests 30 --input 256 --output 64 --out DIR
-    python bench/external_clients.py --parse-only DIR      # the table again from a finished run's files
-    python bench/external_clients.py --install-only        # just build the clients' venvs
+    python bench/checks/external_clients.py                       # deploy/local.yaml, 0.5 and 1 req/s, 20 requests
+    python bench/checks/external_clients.py --rates 0.5,1 --num-requests 30 --input 256 --output 64 --out DIR
+    python bench/checks/external_clients.py --parse-only DIR      # the table again from a finished run's files
+    python bench/checks/external_clients.py --install-only        # just build the clients' venvs
+    python bench/checks/external_clients.py --pool DIR DIR ...    # several finished runs pooled (below)
 
 Order:
   1. one throwaway venv per client (default ~/.cache/pdserve/external-clients/<client>, `python -m venv`,
@@ -16,16 +17,20 @@ Order:
      ignore_eos):
        pdserve   cluster/bench/loadgen.py (token-id prompts of exact length; options under `pdserve`),
                  before the clients and again after them: the baseline pools both, and their ratio shows
-                 how much a shared machine drifted meanwhile (bench/external_results.py)
+                 how much a shared machine drifted meanwhile (cluster/bench/external_results.py)
        guidellm  `guidellm run --scenario` (constant profile, synthetic_text, max_requests; it always sends
                  top-level `ignore_eos: true`, `stop: null`, stream_options.continuous_usage_stats; text prompts)
        aiperf    `aiperf profile` (constant arrival pattern, synthetic text prompts with stddev 0,
                  `--extra-inputs ignore_eos:true` at the top level, server token counts)
   4. each client's JSON (GuideLLM's benchmarks.json, AIPerf's profile_export_aiperf.json) is parsed and a
-     table printed (bench/external_results.py): client x rate x {TTFT p50/p90, ITL p50/p90, completed/sent},
+     table printed (cluster/bench/external_results.py): client x rate x {TTFT p50/p90, ITL p50/p90, completed/sent},
      each ratio against pdserve bench at the same rate; also in DIR/summary.md and DIR/results.json.
 Acceptance (issue 22): every client completes every request at both rates, and its TTFT and ITL p50 are
 within 10% of pdserve bench's.
+--pool DIR DIR ...: on this 2-core machine one run's p50 over 12-30 requests moved as much as the band
+(pdserve bench's own before/after runs differed by 0.84-1.16x); runs made the same way, pooled, are a larger
+sample: one median per client and rate over every run's requests, each tool's own per-request numbers
+(`external_results.pooled`), against pdserve bench's pooled requests.
 
 Each number is the tool's own. ITL: pdserve bench's TPOT, (last token - first) / (tokens - 1) per request,
 linear-interpolated percentiles; GuideLLM's inter_token_latency_ms, the same per request, its distribution
@@ -55,73 +60,12 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain script folder: make `bench`, `cluster` importable without an install
     sys.path.insert(0, str(ROOT))
-from bench.external_results import (CLIENTS, ClientResult, fmt, pdserve_result, read_result, report,  # noqa: E402
-                                    reparse, verdict)
-
-PINS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}  # the versions whose outputs were read
-NEEDS_TORCH = {"guidellm"}  # its data loader imports torch
-
-
-# ---- the clients' commands ---------------------------------------------------------------------------
-def guidellm_scenario(url: str, model: str, tokenizer: str, rate: float, n: int, n_in: int, n_out: int,
-                      out: Path, timeout_s: float, seed: int = 0) -> dict:
-    return {"spec": {
-        "backend": {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
-                    "http2": False, "timeout": timeout_s, "extras": {"body": {"temperature": 0.0}}},
-        "profile": {"kind": "constant", "rate": [rate]},
-        "constraints": [{"kind": "max_requests", "count": n}],
-        "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
-        "data": [{"kind": "synthetic_text", "prompt_tokens": n_in, "output_tokens": n_out}],
-        "seed": {"kind": "static", "value": seed},
-        "outputs": [{"kind": "json", "path": str(out)}]}}
-
-
-def aiperf_argv(url: str, model: str, tokenizer: str, rate: float, n: int, n_in: int, n_out: int,
-                out_dir: Path, timeout_s: float, seed: int = 0) -> list[str]:
-    return ["profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
-            "--tokenizer", tokenizer, "--synthetic-input-tokens-mean", str(n_in),
-            "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", str(n_out),
-            "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "temperature:0.0",
-            "--use-server-token-count",
-            "--request-rate", f"{rate:g}", "--arrival-pattern", "constant", "--request-count", str(n),
-            "--request-timeout-seconds", f"{timeout_s:g}", "--random-seed", str(seed),
-            "--artifact-dir", str(out_dir), "--ui", "none", "--workers-max", "1", "--record-processors", "1",
-            "--no-server-metrics", "--no-auto-plot"]
-
-
-def client_env(hub_offline: bool = True) -> dict[str, str]:
-    """No hub (the tokenizer is a local directory), one thread and one worker process (the clients share the
-    cores with the server), none of the project's paths."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", GUIDELLM__MAX_WORKER_PROCESSES="1")  # not 10
-    if hub_offline:  # AIPerf's offline mode looks a tokenizer up in the hub cache only, never at a local path
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    return env
-
-
-def requirements(client: str) -> list[str]:
-    from importlib.metadata import version
-
-    # GuideLLM needs torch: the project's own version, so a CPU machine gets no CUDA build
-    return [PINS[client]] + ([f"torch=={version('torch')}"] if client in NEEDS_TORCH else [])
-
-
-def ensure_venv(client: str, root: Path) -> Path:
-    """The client's venv (created and installed if its stamp is missing or stale); returns its bin dir."""
-    venv, reqs = root / client, requirements(client)
-    stamp, want = venv / ".external-client", json.dumps(reqs)
-    if stamp.exists() and stamp.read_text() == want:
-        return venv / "bin"
-    print(f"[clients] installing {' '.join(reqs)} into {venv} (a few minutes, once)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *reqs], check=True,
-                   env=client_env())
-    stamp.write_text(want)
-    return venv / "bin"
-
+from cluster.bench.external_clients import aiperf_argv, client_env, ensure_venv, guidellm_scenario  # noqa: E402
+from cluster.bench.external_results import (CLIENTS, ClientResult, fmt, pdserve_result, pooled,  # noqa: E402
+                                            read_result, report, reparse, verdict)
 
 CLIENT_NICE = 10  # set from --client-nice; the priority the client processes run at
 
@@ -275,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="output folder (default bench/out/external-clients-<time>)")
     p.add_argument("--parse-only", type=Path, metavar="DIR", help="re-read a finished run's files, print the table")
     p.add_argument("--install-only", action="store_true", help="build the clients' venvs and stop")
+    p.add_argument("--pool", type=Path, nargs="+", metavar="DIR",
+                   help="finished runs: per-request TTFT and ITL medians over all of them, per client and rate")
     args = p.parse_args(argv)
     if args.num_requests < 1 or args.input < 1 or args.output < 2:
         p.error("--num-requests and --input must be >= 1, --output >= 2 (ITL needs two tokens)")
@@ -287,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     global CLIENT_NICE
     CLIENT_NICE = args.client_nice
+    if args.pool:
+        if missing := [str(d) for d in args.pool if not d.is_dir()]:
+            print(f"--pool: not a folder: {', '.join(missing)}", file=sys.stderr)
+            return 2
+        print("\n".join(pooled(args.pool)))
+        return 0
     if args.parse_only:
         rows, run_args = reparse(args.parse_only)
         print(report(rows, args.parse_only, run_args))
