@@ -1,4 +1,4 @@
-"""bench/planner_check.py: the planner's simulator replays what a bench probe sent on a spec's pools, and
+"""bench/checks/planner_check.py: the planner's simulator replays what a bench probe sent on a spec's pools, and
 the comparison table applies issue 11's bounds (attainment within 5 points; P90s within 15% / 25%)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cluster.planner.workload import Request
 from cluster.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-from bench import planner_check as pc  # noqa: E402
+from bench.checks import planner_check as pc  # noqa: E402
 
 SLO_ = SLO(2.0, 0.15, 0.9)
 

@@ -20,7 +20,7 @@ from cluster.planner.profiles import latency_model, load_profile
 from cluster.planner.vidur_tables import ProfileTableError, load_tables
 
 ROOT = Path(__file__).resolve().parents[2]
-from bench import planner_gpu_check as check  # noqa: E402
+from bench.checks import planner_gpu_check as check  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "data" / "gpu_tables"  # made from these constants by the model itself
 KNOWN = {"gemm": {"eff": 0.7, "mem_eff": 0.85, "floor_us": 6.0, "sharpness": 8.0, "n_half": 64.0},

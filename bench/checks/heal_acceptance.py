@@ -1,8 +1,8 @@
 """Issue 23's healing acceptance on the real deploy specs, unchanged but for float32, with SmolLM2: SIGKILL of
 each worker role's process mid-stream, on a private local Ray started as `pdserve serve` starts it.
 
-    python bench/heal_acceptance.py                                   # every spec x role, 1 kill each
-    python bench/heal_acceptance.py --specs deploy/local-2d.yaml --roles decode --cycles 20
+    python bench/checks/heal_acceptance.py                                   # every spec x role, 1 kill each
+    python bench/checks/heal_acceptance.py --specs deploy/local-2d.yaml --roles decode --cycles 20
 
 Order, per spec:
   1. `start_cluster(spec)` (its own Ray: loopback, token); a fault-free round of --streams greedy streams
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

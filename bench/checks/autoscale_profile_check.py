@@ -1,11 +1,11 @@
 """The planner's CPU profile, as the autoscaler plans with it, against the engine it plans for: one
 `engine.LLM` of the spec's model (one torch thread, as each served replica runs) timed on prefill and decode
-steps at the sizes bench/autoscale_local.py reaches (prompts ~64-512 tokens, decode batches 1-8 at ~300
+steps at the sizes bench/serving/autoscale_local.py reaches (prompts ~64-512 tokens, decode batches 1-8 at ~300
 tokens of context each), side by side with the step times of `capacity_for_spec(spec)` (the profile's fit
 with its `serving` calibration for the pool's mode, what `PlannerCapacity` simulates) and of the bare fit.
 
-    python bench/autoscale_profile_check.py                 # deploy/colocated.yaml, ~1 minute
-    python bench/autoscale_profile_check.py --clock cpu     # this process's CPU time (the profile's clock)
+    python bench/checks/autoscale_profile_check.py                 # deploy/colocated.yaml, ~1 minute
+    python bench/checks/autoscale_profile_check.py --clock cpu     # this process's CPU time (the profile's clock)
 
 Order: build the planner's model first (no engine), then the engine, a warm-up batch, then each grid point
 `--repeats` times (median; `cluster.planner.profiler._run_batch`, the profiler's own timing); print per point
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

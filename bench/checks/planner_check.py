@@ -1,10 +1,10 @@
 """Planner predictions against `pdserve bench` on the same spec, workload and SLO (issue 11's check).
 
-    python bench/planner_check.py --spec deploy/local.yaml --profile cpu-local-smollm2 \
+    python bench/checks/planner_check.py --spec deploy/local.yaml --profile cpu-local-smollm2 \
         --workload random:input=256,output=64 --ttft-ms 2000 --tpot-ms 150 --rates 0.5,1,2 --out DIR
-    python bench/planner_check.py ... --goodput 1.2           # skip the goodput search (measured before)
-    python bench/planner_check.py ... --from-bench DIR/bench.json   # re-predict a finished run, no server
-    python bench/planner_check.py ... --calibrate-rate 0.15  # serving calibration just before the probes
+    python bench/checks/planner_check.py ... --goodput 1.2           # skip the goodput search (measured before)
+    python bench/checks/planner_check.py ... --from-bench DIR/bench.json   # re-predict a finished run, no server
+    python bench/checks/planner_check.py ... --calibrate-rate 0.15  # serving calibration just before the probes
 
 Order: (1) unless --goodput is given, `pdserve bench --spec` bisects the spec's measured goodput at the
 SLO; (2) `pdserve bench` probes 25%, 50% and 75% of it (--fractions), no bisection, no early stop;

@@ -1,7 +1,7 @@
 """How long the design search takes for 32 GPUs across two machine types (issue 26: < 60 s).
 
-    python bench/hetero_plan_time.py                          # llama-2-70b, h100 + a100, 2 x 8 each
-    python bench/hetero_plan_time.py --model llama-3-8b --hardware h100,l40s --objective power
+    python bench/checks/hetero_plan_time.py                          # llama-2-70b, h100 + a100, 2 x 8 each
+    python bench/checks/hetero_plan_time.py --model llama-3-8b --hardware h100,l40s --objective power
 
 Runs `hetero.plan_designs` (every pairing, colocated per type, whole-plan checks) on the Azure conversation
 trace at a rate the smaller type can serve, and prints the search's wall-clock seconds next to the winner.
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from cluster.planner.cost import parse_hardware_list  # noqa: E402
 from cluster.planner.hardware import load_hardware  # noqa: E402
@@ -24,7 +24,7 @@ from cluster.planner.models import load_model  # noqa: E402
 from cluster.planner.search import PlanRequest  # noqa: E402
 from cluster.planner.workload import clamp, subsample, trace_lengths  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[1] / "data" / "workloads" / "azure_llm_2023_conv.csv"
+TRACE = Path(__file__).resolve().parents[2] / "data" / "workloads" / "azure_llm_2023_conv.csv"
 
 
 def main(argv=None) -> int:

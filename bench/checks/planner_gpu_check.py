@@ -1,7 +1,7 @@
 """The planner's GPU step model against measured GPU steps (issue 24), offline from Vidur's published tables.
 
-    python bench/planner_gpu_check.py                       # tables in data/gpu_profiles/vidur
-    python bench/planner_gpu_check.py --tables DIR --out bench/out/planner-gpu-check
+    python bench/checks/planner_gpu_check.py                       # tables in data/gpu_profiles/vidur
+    python bench/checks/planner_gpu_check.py --tables DIR --out bench/out/planner-gpu-check
 
 Order: (1) fit the step model's constants (`gpu_fit`) on the FITTED rows only: A100 Llama-3-8B and
 Llama-2-7B compute tables, the Llama-3-8B A100 attention points and the A100 NVSwitch (DGX) all-reduce
@@ -53,7 +53,7 @@ from cluster.planner.models import ModelSpec
 from cluster.planner.roofline import RooflineLatency
 from cluster.planner.vidur_tables import AllReduceTable, AttentionTable, ComputeTable, load_tables
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TABLES = ROOT / "data" / "gpu_profiles" / "vidur"
 PREFILL = (128, 512, 1024, 2048, 4096)
 DECODE = tuple((b, c) for c in (512, 2048) for b in (1, 8, 32, 128))
