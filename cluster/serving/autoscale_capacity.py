@@ -1,5 +1,5 @@
 """`PlannerCapacity`: the autoscaler's `CapacityModel` (autoscale_policy.py) over the planner's latency model
-and simulators. Pure Python (the planner's core); the bench (`bench/autoscale_sim.py`) uses it as the live
+and simulators. Pure Python (the planner's core); the bench (`bench/serving/autoscale_sim.py`) uses it as the live
 autoscaler does.
 
     needed(pool, load, correction, (lo, hi))   a walk over [lo, hi] replicas from the last answer (attainment

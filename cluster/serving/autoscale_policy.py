@@ -38,7 +38,7 @@ Each `Policy.step(window, replicas)`, per autoscaled pool:
      the smaller of the two needs, after `scale_up_cooldown_s`, unless the forecast less `scale_up_tolerance`
      (10%) still fits the current count: "tolerance", Kubernetes' HPA tolerance; at GPU scale the pool
      sized to the SLO runs near its targets, and a tolerance dropped there too added replicas: 0.723x
-     static GPU-hours against 0.687x in bench/autoscale_sim.py); "slo_miss" (the window's
+     static GPU-hours against 0.687x in bench/serving/autoscale_sim.py); "slo_miss" (the window's
      attainment is below target: up by one); "latency" (the model asks for more, the demonstrated capacity
      says no, and the latencies near the targets: up by one); the model asking for more within what was
      carried is a hold ("demonstrated"). Down one replica at a time, only after `down` stayed below the

@@ -1,7 +1,7 @@
 """KV eviction at the end of a prefill: which prompt tokens' K/V to keep, and compacting them in place.
 
 Who calls it: `engine.llm.LLM` when the chunk that completes a prompt has run (the first token is being
-sampled) for a request whose policy applies; `bench/kv_quality.py` for the quality figures. Order:
+sampled) for a request whose policy applies; `bench/kv/kv_quality.py` for the quality figures. Order:
 
     policy.applies(prompt_len) -> observe(policy) (ObserveSpec for that last chunk, or None) -> the step
     runs -> keep = keep_slots(policy, prompt_len, window attention per layer) -> compact(backend, pages,

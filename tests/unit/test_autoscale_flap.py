@@ -37,7 +37,7 @@ def truth(rate: float, n: int, slowdown: float = 1.0) -> tuple[float, float]:
 
 
 def cfg(**kw):
-    # the bench's timing (bench/autoscale_local.py defaults)
+    # the bench's timing (bench/serving/autoscale_local.py defaults)
     base = dict(bounds={"colocated": (1, 2)}, interval_s=10, window_s=60, up_cooldown_s=20, down_cooldown_s=60,
                 down_headroom=0.2, down_stable=2, min_samples=5, smoothing=0.5)
     return AutoscaleConfig(**{**base, **kw})

@@ -30,7 +30,7 @@ At head_dim 64 (from `NATIVE_MIN_ROWS` rows: 1), where the CPU has AVX512-BF16 a
 found (`engine.kernels.cpu.native`), the same call runs the C kernel of `engine/kernels/cpu/csrc/decode_attention_bf16.c`
 instead (same contract; its module map says how). On the AMD EPYC machine of stop 20, SmolLM2's heads,
 16 rows x ~300 slots: 0.17 vs 0.39 ms a layer with the pages in cache, 0.53 vs 0.79 ms read from memory
-(`bench/attention_bench.py`); the batch-16 decode step 69.1 vs 75.3 ms (interleaved in one process).
+(`bench/engine/attention_bench.py`); the batch-16 decode step 69.1 vs 75.3 ms (interleaved in one process).
 """
 from __future__ import annotations
 

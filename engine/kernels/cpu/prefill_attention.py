@@ -4,7 +4,7 @@ the AVX512-BF16 kernel of `engine/kernels/cpu/csrc/attention_bf16.c` (built by `
 Why: torch's CPU flash attention (what SDPA runs) reaches ~35 GFLOP/s on a core without AMX, ~30% of a
 512-token prefill step of SmolLM2 on the development machine (AMD EPYC, one thread); the kernel reads K/V
 straight from the pages (no gather) and does its dot products with vdpbf16ps. Measured there
-(`bench/attention_bench.py`, a layer, SmolLM2's heads): 512-token causal prompt 2.3 vs 8.6 ms, a 128-token
+(`bench/engine/attention_bench.py`, a layer, SmolLM2's heads): 512-token causal prompt 2.3 vs 8.6 ms, a 128-token
 chunk after 384 cached slots 1.0 vs 2.4 ms, a 4-token verify step after 300 0.10 vs 0.14 ms.
 
     prefill_attention_bf16(q, k_pool, v_pool, page_index, ctx_lens, q_len, scale) -> out
