@@ -159,6 +159,20 @@ class TinyCluster:
                              **extra)
 
 
+# A pool of the tiny Llama on the local Ray of 2 CPUs: half a CPU per actor (four actors fit), 64 pages of 8.
+TINY_RAY_POOL = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128}
+
+
+def tiny_ray_spec(model_dir, mode: str = "disaggregated", pools: dict | None = None, **sections):
+    """A spec serving the tiny Llama (float32) on Ray: each pool of `mode` is `TINY_RAY_POOL` updated by
+    `pools[name]` (replicas, max_replicas); `sections`: other top-level spec sections (server, reliability)."""
+    from cluster.spec import parse_spec
+
+    names = ("prefill", "decode") if mode == "disaggregated" else ("colocated",)
+    pools = {n: {**TINY_RAY_POOL, **(pools or {}).get(n, {})} for n in names}
+    return parse_spec({"model": str(model_dir), "dtype": "float32", "mode": mode, "pools": pools, **sections})
+
+
 # Every node's processes inherit these (set before the nodes start): loopback-only Ray and Ray token auth (the
 # token file: RAY_AUTH_TOKEN_PATH, set by `ray_test_cluster`).
 RAY_TEST_ENV = {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}

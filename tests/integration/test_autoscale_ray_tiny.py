@@ -13,9 +13,8 @@ import pytest
 
 from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest
-from cluster.spec import parse_spec
 from engine import SamplingParams
-from tests.cluster_helpers import Load, assert_cluster_empty, greedy_reference
+from tests.cluster_helpers import Load, assert_cluster_empty, greedy_reference, tiny_ray_spec
 from tests.exactness import assert_greedy_equal
 from tests.prompts import CLUSTER_PROMPTS
 
@@ -34,14 +33,11 @@ class TwoWhenBusy:
 
 
 def spec_for(model_dir):
-    pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128,
-            "max_replicas": 2}
-    return parse_spec({"model": str(model_dir), "dtype": "float32", "mode": "colocated", "pools": {"colocated": pool},
-                       "slo": {"ttft_ms": 30000, "tpot_ms": 10000},
-                       "autoscaling": {"enabled": True, "interval_s": 0.5, "window_s": 2.0, "scale_up_cooldown_s": 0,
-                                       "scale_down_cooldown_s": 2.0, "scale_down_stable_intervals": 2,
-                                       "min_samples": 3, "pools": {"colocated": {"min_replicas": 1,
-                                                                                 "max_replicas": 2}}}})
+    return tiny_ray_spec(model_dir, "colocated", {"colocated": {"max_replicas": 2}},
+                         slo={"ttft_ms": 30000, "tpot_ms": 10000},
+                         autoscaling={"enabled": True, "interval_s": 0.5, "window_s": 2.0, "scale_up_cooldown_s": 0,
+                                      "scale_down_cooldown_s": 2.0, "scale_down_stable_intervals": 2,
+                                      "min_samples": 3, "pools": {"colocated": {"min_replicas": 1, "max_replicas": 2}}})
 
 
 async def paced(router, outputs, stop, every_s=0.5):

@@ -34,10 +34,9 @@ import pytest
 
 from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest
-from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
 from kv_transfer.fault_transport import FAULTS, FaultyTransport
-from tests.cluster_helpers import assert_cluster_empty
+from tests.cluster_helpers import assert_cluster_empty, tiny_ray_spec
 from tests.exactness import assert_greedy_equal
 from tests.prompts import MIXED
 
@@ -48,11 +47,9 @@ LONG = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)  # still
 
 
 def spec_for(model_dir, **sections):
-    pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128}
-    return parse_spec({"model": str(model_dir), "dtype": "float32", "mode": "disaggregated",
-                       "pools": {"prefill": pool, "decode": pool},
-                       "server": {"request_timeout_s": 120.0},
-                       "reliability": {"actor_max_restarts": 1, "heartbeat_timeout_s": 60.0}, **sections})
+    sections = {"server": {"request_timeout_s": 120.0},
+                "reliability": {"actor_max_restarts": 1, "heartbeat_timeout_s": 60.0}, **sections}
+    return tiny_ray_spec(model_dir, **sections)
 
 
 def test_kv_chunk_faults_over_grpc_are_recomputed_and_outputs_unchanged(ray_session, tiny_dir):
@@ -98,10 +95,8 @@ def test_a_prefill_actor_killed_before_its_kv_left_is_re_prefilled_elsewhere(ray
     prompts = [[(5 * i + j) % 250 + 3 for j in range(10 + 4 * i)] for i in range(4)]
     alone = LLM(model=str(tiny_dir), dtype="float32", num_pages=64)
     ref = [alone.generate([p], PARAMS)[0].token_ids for p in prompts]
-    pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128}
-    spec = parse_spec({"model": str(tiny_dir), "dtype": "float32", "mode": "disaggregated",
-                       "pools": {"prefill": {**pool, "replicas": 2}, "decode": pool},
-                       "server": {"request_timeout_s": 120.0}, "kv_transfer": {"push_timeout_s": 60.0}})
+    spec = tiny_ray_spec(tiny_dir, pools={"prefill": {"replicas": 2}}, server={"request_timeout_s": 120.0},
+                         kv_transfer={"push_timeout_s": 60.0})
     stall = FaultyTransport({"delay": 1.0, "delay_s": 0.5})  # every chunk waits: the KV leaves slowly
     router = start_cluster(spec, transport=stall)
 

@@ -15,9 +15,8 @@ import pytest
 
 from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest
-from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
-from tests.cluster_helpers import assert_cluster_empty
+from tests.cluster_helpers import assert_cluster_empty, tiny_ray_spec
 from tests.exactness import assert_greedy_equal
 
 pytestmark = pytest.mark.faults
@@ -29,12 +28,6 @@ PROMPTS = [[(5 * i + j) % 250 + 3 for j in range(10 + 4 * i)] for i in range(3)]
 def reference(tiny_dir):
     alone = LLM(model=str(tiny_dir), dtype="float32", num_pages=64)
     return [o.token_ids for o in alone.generate(PROMPTS, LONG)]
-
-
-def spec_for(model_dir, mode="disaggregated", **sections):
-    pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128}
-    pools = {"prefill": pool, "decode": pool} if mode == "disaggregated" else {"colocated": pool}
-    return parse_spec({"model": str(model_dir), "dtype": "float32", "mode": mode, "pools": pools, **sections})
 
 
 async def _until(cond, what, timeout_s=60.0):
@@ -90,7 +83,7 @@ def test_a_killed_actor_of_each_role_is_replaced_and_no_request_is_lost(ray_sess
     import ray
 
     total = ray.cluster_resources()
-    router = start_cluster(spec_for(tiny_dir, mode))
+    router = start_cluster(tiny_ray_spec(tiny_dir, mode))
 
     async def kill(w):
         ray.kill(w.handle.actor, no_restart=True)
@@ -109,7 +102,7 @@ def test_a_hung_step_is_caught_by_the_watchdog_and_the_actor_replaced(ray_sessio
     import ray
 
     total = ray.cluster_resources()
-    router = start_cluster(spec_for(tiny_dir, reliability={"step_timeout_s": 2.0}))
+    router = start_cluster(tiny_ray_spec(tiny_dir, reliability={"step_timeout_s": 2.0}))
 
     async def hang(w):
         await w.handle.actor.hang_steps.remote()
@@ -140,9 +133,7 @@ def test_twenty_kill_cycles_leave_the_survivors_memory_and_ray_as_they_were(ray_
     import ray
 
     total = ray.cluster_resources()
-    pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128}
-    router = start_cluster(parse_spec({"model": str(tiny_dir), "dtype": "float32", "mode": "disaggregated",
-                                       "pools": {"prefill": pool, "decode": {**pool, "replicas": 2}}}))
+    router = start_cluster(tiny_ray_spec(tiny_dir, pools={"decode": {"replicas": 2}}))
 
     async def survivors():
         ws = [router.workers["prefill"][0], router.workers["decode"][0]]

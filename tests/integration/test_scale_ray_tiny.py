@@ -11,9 +11,8 @@ import time
 import pytest
 
 from cluster.serving.ray_pools import start_cluster
-from cluster.spec import parse_spec
 from engine import LLM, SamplingParams
-from tests.cluster_helpers import Load, assert_cluster_empty
+from tests.cluster_helpers import Load, assert_cluster_empty, tiny_ray_spec
 from tests.exactness import assert_greedy_equal
 from tests.prompts import CLUSTER_PROMPTS
 
@@ -26,13 +25,6 @@ PROMPTS = CLUSTER_PROMPTS
 def reference(tiny_dir):
     alone = LLM(model=str(tiny_dir), dtype="float32", num_pages=64)
     return [o.token_ids for o in alone.generate(PROMPTS, GREEDY)]
-
-
-def spec_for(model_dir, mode):
-    pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128,
-            "max_replicas": 2}
-    pools = {"prefill": pool, "decode": pool} if mode == "disaggregated" else {"colocated": pool}
-    return parse_spec({"model": str(model_dir), "dtype": "float32", "mode": mode, "pools": pools})
 
 
 def _cpus_back(level):
@@ -49,7 +41,7 @@ def test_a_pool_grows_and_shrinks_under_steady_load(ray_session, tiny_dir, refer
     import ray
 
     total = ray.cluster_resources().get("CPU", 0)
-    router = start_cluster(spec_for(tiny_dir, mode))
+    router = start_cluster(tiny_ray_spec(tiny_dir, mode, {p: {"max_replicas": 2} for p in (pool, "prefill")}))
 
     async def main():
         try:
