@@ -20,7 +20,7 @@ from engine.kv_cache.backend import RawKVBackend, make_backend
 from engine.kv_cache.spec import KVPageSpec
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
-from tests.tiny_models import write_tiny
+from tests.tiny_models import write_tiny_llama
 
 
 def _reference(q, k_pool, v_pool, page_index, lens, scale):
@@ -144,11 +144,10 @@ def test_backend_takes_the_kernel_for_bf16_decode_groups_only(dtype, monkeypatch
 
 
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
+def tiny_dirs(tiny_dir, tmp_path_factory):
     """head_dim 16 (the default tiny config) and 64 (the native kernels' shape)."""
-    return {16: write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1),
-            64: write_tiny("llama", tmp_path_factory.mktemp("tiny64") / "llama", initializer_range=0.1,
-                           hidden_size=128, num_attention_heads=2, num_key_value_heads=1)}
+    return {16: tiny_dir, 64: write_tiny_llama(tmp_path_factory, "tiny64", hidden_size=128, num_attention_heads=2,
+                                               num_key_value_heads=1)}
 
 
 @pytest.mark.parametrize("head_dim,switch", [(16, "paged_kernel"), (64, "paged_kernel"), (64, "prefill_kernel")])

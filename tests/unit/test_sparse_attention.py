@@ -18,7 +18,6 @@ from engine.kv_cache.sparse import SparseAttentionConfig, select
 from engine.kv_cache.spec import KVPageSpec
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
-from tests.tiny_models import write_tiny
 
 PS, KVH, QH, DIM = 4, 2, 4, 16
 CTX = [37, 9, 64]  # rows of one decode group: long, below the threshold, long
@@ -151,11 +150,6 @@ def test_cpu_selection_kernel_chooses_what_the_torch_path_chooses(rows, kvh, qh,
 def test_budget_covering_the_context_chooses_everything():
     be, g, q = _pool(cfg=SparseAttentionConfig(budget=4096))
     assert select(be.sparse, be.summaries.lo[0], be.summaries.hi[0], q, g.page_index, g.ctx_lens, PS) is None
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return write_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", initializer_range=0.1)
 
 
 PROMPTS = [list(range(10, 130)), [7, 8, 9] * 30, list(range(100, 160))]
