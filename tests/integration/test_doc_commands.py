@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +146,85 @@ def test_doc_bench_command_loads_its_workload_and_specs(page, argv, at_root, tmp
     for variants in spec_variants(paths, args.set, tmp_path):
         for v in variants:
             assert cli.main(["validate", v.path]) == 0, capsys.readouterr().err
+
+
+# ---- the scripts under bench/ --------------------------------------------------------------------------
+# Every bench script a page names exists, bench/README.md names every script (one with a `__main__` or a
+# shell script), each finds the repository root from its own folder, and each parses `--help` (its imports
+# resolve: a module moved without its bench scripts fails here, not at a person's next run).
+BENCH_DIR = ROOT / "bench"
+BENCH_README = BENCH_DIR / "README.md"
+BENCH_PATH = re.compile(r"(?<![\w/.-])bench/[\w./-]*?\w\.(?:py|sh)\b")  # not cluster/bench/...
+ROOT_OF = re.compile(r"Path\(__file__\)(?:\.resolve\(\))?(?:\.parents\[(\d+)\]|((?:\.parent)+))")
+
+
+def bench_files(suffixes=(".py", ".sh")) -> list[Path]:
+    """The tracked files under bench/ (every file without git: an exported tree), results folders aside."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "bench"], cwd=ROOT, capture_output=True, check=True, timeout=60)
+        files = [ROOT / n for n in out.stdout.decode().split("\0") if n]
+    except (OSError, subprocess.SubprocessError):
+        files = []
+    files = files or [p for p in BENCH_DIR.rglob("*") if not {"out", "__pycache__"} & set(p.parts)]
+    return sorted(p for p in files if p.suffix in suffixes and p.is_file()
+                  and not any(part.endswith("results") for part in p.relative_to(BENCH_DIR).parts))
+
+
+def bench_scripts() -> list[Path]:
+    """The runnable files under bench/: shell scripts and modules with a `__main__` block (the rest are
+    libraries of a script beside them)."""
+    return [p for p in bench_files() if p.suffix == ".sh" or "__main__" in p.read_text()]
+
+
+def test_every_bench_script_the_docs_name_exists():
+    missing = {}
+    for page in [*PAGES, BENCH_README]:
+        gone = sorted({m.group(0) for m in BENCH_PATH.finditer(page.read_text())}
+                      - {str(p.relative_to(ROOT)) for p in BENCH_DIR.rglob("*")})
+        if gone:
+            missing[str(page.relative_to(ROOT))] = gone
+    assert not missing, f"pages name bench scripts that do not exist: {missing}"
+
+
+def test_bench_readme_names_every_script():
+    named = {m.group(0) for m in BENCH_PATH.finditer(BENCH_README.read_text())}
+    text = BENCH_README.read_text()
+    # a row may name a second script of its folder by its file name alone (`step_power.py` / `step_compare.py`)
+    unnamed = [str(p.relative_to(ROOT)) for p in bench_scripts()
+               if str(p.relative_to(ROOT)) not in named and f"`{p.name}`" not in text]
+    assert not unnamed, f"bench/README.md does not name: {unnamed}"
+    assert len(bench_scripts()) >= 20
+
+
+def test_every_bench_script_finds_the_repository_root_from_its_own_folder():
+    wrong = []
+    for p in bench_files((".py",)):
+        for m in ROOT_OF.finditer(p.read_text()):
+            up = int(m.group(1)) if m.group(1) is not None else m.group(2).count(".parent") - 1
+            if up >= 1 and p.resolve().parents[up] != ROOT:  # parents[0] is the script's own folder
+                wrong.append(f"{p.relative_to(ROOT)}: {m.group(0)} is {p.resolve().parents[up]}")
+    assert not wrong, wrong
+
+
+def test_every_bench_script_parses_help(tmp_path):
+    """One interpreter runs each script's `--help` as `python bench/...` would (`__main__`, argv), from a
+    folder outside the repository: a few seconds in all, where a process per script would import torch ~20
+    times."""
+    scripts = [str(p) for p in bench_scripts() if p.suffix == ".py"]
+    probe = ("import contextlib, io, runpy, sys\n"
+             "bad = []\n"
+             "for path in sys.argv[1:]:\n"
+             "    sys.argv, out = [path, '--help'], io.StringIO()\n"
+             "    try:\n"
+             "        with contextlib.redirect_stdout(out):\n"
+             "            runpy.run_path(path, run_name='__main__')\n"
+             "        bad.append(f'{path}: no exit')\n"
+             "    except SystemExit as e:\n"
+             "        if e.code not in (0, None) or 'usage' not in out.getvalue():\n"
+             "            bad.append(f'{path}: exit {e.code}')\n"
+             "    except Exception as e:\n"
+             "        bad.append(f'{path}: {type(e).__name__}: {e}')\n"
+             "print('\\n'.join(bad))\n")
+    r = subprocess.run([sys.executable, "-c", probe, *scripts], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr[-3000:]
