@@ -35,10 +35,10 @@ STEPS = 6
 
 
 def planner_models(spec_path: str):
-    from cluster.planner.hardware import load_hardware
-    from cluster.planner.latency import Parallel
-    from cluster.planner.models import load_model
-    from cluster.planner.profiles import latency_model
+    from cluster.planner.inputs.hardware import load_hardware
+    from cluster.planner.inputs.models import load_model
+    from cluster.planner.latency.base import Parallel
+    from cluster.planner.latency.profiles import latency_model
     from cluster.serving.autoscale_capacity import capacity_for_spec, profile_for
     from cluster.spec import load_spec
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "autoscale-profile-check.json"))
     a = ap.parse_args(argv)
-    from cluster.planner.profiler import CLOCKS, _run_batch
+    from cluster.planner.calibrate.profiler import CLOCKS, _run_batch
     from engine import LLM
 
     spec, served, bare, pname = planner_models(a.spec)

@@ -16,13 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.planner.cost import parse_hardware_list  # noqa: E402
-from cluster.planner.hardware import load_hardware  # noqa: E402
-from cluster.planner.hetero import plan_designs  # noqa: E402
-from cluster.planner.metrics import SLO  # noqa: E402
-from cluster.planner.models import load_model  # noqa: E402
-from cluster.planner.search import PlanRequest  # noqa: E402
-from cluster.planner.workload import clamp, subsample, trace_lengths  # noqa: E402
+from cluster.planner.inputs.hardware import load_hardware  # noqa: E402
+from cluster.planner.inputs.models import load_model  # noqa: E402
+from cluster.planner.inputs.workload import clamp, subsample, trace_lengths  # noqa: E402
+from cluster.planner.search.cost import parse_hardware_list  # noqa: E402
+from cluster.planner.search.designs import plan_designs  # noqa: E402
+from cluster.planner.search.request import PlanRequest  # noqa: E402
+from cluster.planner.sim.metrics import SLO  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "workloads" / "azure_llm_2023_conv.csv"
 

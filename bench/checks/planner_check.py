@@ -15,7 +15,7 @@ P90 TTFT and P90 TPOT (relative error), each against the issue's bound: attainme
 within 15% at the first two rates and 25% at the third.
 
 With --calibrate-rate R, a low-rate run (other arrivals: seed + 1000) right before the probes calibrates
-the profile's serving overheads for the spec's mode (`cluster/planner/serving.py`, written to
+the profile's serving overheads for the spec's mode (`cluster/planner/calibrate/serving_fit.py`, written to
 DIR/profile.json) and the prediction uses them: on a shared machine a calibration from another hour is
 off by the drift between the two.
 
@@ -32,17 +32,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.planner.hardware import load_hardware
-from cluster.planner.latency import Parallel
-from cluster.planner.metrics import SLO, SimResult, percentile
-from cluster.planner.models import load_model
-from cluster.planner.paths import read_data
-from cluster.planner.bus import Sharing
-from cluster.planner.profiles import corun_of, latency_model, load_profile, profile_path
-from cluster.planner.serving import add_serving
-from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
-from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
-from cluster.planner.workload import Request
+from cluster.planner.calibrate.serving_fit import add_serving
+from cluster.planner.inputs.hardware import load_hardware
+from cluster.planner.inputs.models import load_model
+from cluster.planner.inputs.paths import read_data
+from cluster.planner.inputs.workload import Request
+from cluster.planner.latency.base import Parallel
+from cluster.planner.latency.profiles import corun_of, latency_model, load_profile, profile_path
+from cluster.planner.sim.bus import Sharing
+from cluster.planner.sim.coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim.disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
+from cluster.planner.sim.metrics import SLO, SimResult, percentile
 from cluster.spec import ClusterSpec, load_spec
 
 BOUNDS = ((5.0, 0.15), (5.0, 0.15), (5.0, 0.25))  # (attainment points, P90 relative error) per probe

@@ -45,13 +45,13 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cluster.planner.gpu_fit import carry_links, fit_constants, rank_shape
-from cluster.planner.gpu_latency import layer_terms, step_terms
-from cluster.planner.hardware import load_hardware
-from cluster.planner.latency import Parallel
-from cluster.planner.models import ModelSpec
-from cluster.planner.roofline import RooflineLatency
-from cluster.planner.vidur_tables import AllReduceTable, AttentionTable, ComputeTable, load_tables
+from cluster.planner.calibrate.gpu_fit import carry_links, fit_constants, rank_shape
+from cluster.planner.calibrate.vidur_tables import AllReduceTable, AttentionTable, ComputeTable, load_tables
+from cluster.planner.inputs.hardware import load_hardware
+from cluster.planner.inputs.models import ModelSpec
+from cluster.planner.latency.base import Parallel
+from cluster.planner.latency.gpu_latency import layer_terms, step_terms
+from cluster.planner.latency.roofline import RooflineLatency
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TABLES = ROOT / "data" / "gpu_profiles" / "vidur"

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cluster.planner.latency import Coeffs, FittedLatency, Parallel  # noqa: E402
+from cluster.planner.latency.base import Coeffs, FittedLatency, Parallel  # noqa: E402
 
 
 class StepsFileError(ValueError):

@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cluster.planner.hardware import load_hardware  # noqa: E402
-from cluster.planner.latency import Parallel  # noqa: E402
-from cluster.planner.models import load_model  # noqa: E402
-from cluster.planner.profiles import latency_model  # noqa: E402
+from cluster.planner.inputs.hardware import load_hardware  # noqa: E402
+from cluster.planner.inputs.models import load_model  # noqa: E402
+from cluster.planner.latency.base import Parallel  # noqa: E402
+from cluster.planner.latency.profiles import latency_model  # noqa: E402
 
 WARM_STEPS = 3  # decode steps gpu_step_power runs before timing
 

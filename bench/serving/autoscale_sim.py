@@ -36,15 +36,15 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cluster.planner.hardware import load_hardware  # noqa: E402
-from cluster.planner.latency import Parallel  # noqa: E402
-from cluster.planner.metrics import SLO  # noqa: E402
-from cluster.planner.models import load_model  # noqa: E402
-from cluster.planner.parallel import instance_memory  # noqa: E402
-from cluster.planner.profiles import latency_model  # noqa: E402
-from cluster.planner.sim_coloc import ColocSetup  # noqa: E402
-from cluster.planner.sim_elastic import ElasticView, simulate_elastic  # noqa: E402
-from cluster.planner.workload import Request  # noqa: E402
+from cluster.planner.inputs.hardware import load_hardware  # noqa: E402
+from cluster.planner.inputs.models import load_model  # noqa: E402
+from cluster.planner.inputs.workload import Request  # noqa: E402
+from cluster.planner.latency.base import Parallel  # noqa: E402
+from cluster.planner.latency.profiles import latency_model  # noqa: E402
+from cluster.planner.search.configs import instance_memory  # noqa: E402
+from cluster.planner.sim.coloc import ColocSetup  # noqa: E402
+from cluster.planner.sim.elastic import ElasticView, simulate_elastic  # noqa: E402
+from cluster.planner.sim.metrics import SLO  # noqa: E402
 from cluster.serving.autoscale_capacity import PlannerCapacity  # noqa: E402
 from cluster.serving.autoscale_policy import AutoscaleConfig, Finished, Load, Policy, Window  # noqa: E402
 
@@ -123,7 +123,7 @@ def static_replicas(reqs, setup, slo: SLO, capacity, peak: Load, day_s: float, t
     """Peak provisioning as an operator would size it: from the model's count at the peak rate, the fewest
     replicas whose simulated attainment over the day's busiest two hours (15:00-17:00 of the compressed
     day, around the 16:00 peak; on the real tiled arrivals: burstier than Poisson) reaches the target."""
-    from cluster.planner.sim_coloc import simulate_colocated
+    from cluster.planner.sim.coloc import simulate_colocated
 
     a, b = day_s * 15 / 24, day_s * 17 / 24
     busy = [r._replace(arrival=r.arrival - a) for r in reqs if a <= r.arrival < b]

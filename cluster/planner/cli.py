@@ -14,17 +14,17 @@ import argparse
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from cluster.planner.plan_cmd import run_plan
+    from cluster.planner.commands.plan_cmd import run_plan
     return run_plan(args)
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from cluster.planner.profiler import run_profile
+    from cluster.planner.calibrate.profiler import run_profile
     return run_profile(args)
 
 
 def _fit_gpu(args: argparse.Namespace) -> int:
-    from cluster.planner.gpu_fit_cmd import run_fit_gpu
+    from cluster.planner.calibrate.gpu_fit_cmd import run_fit_gpu
     return run_fit_gpu(args)
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from cluster.planner.goodput import ZeroLatency
-from cluster.planner.latency import LatencyModel
-from cluster.planner.metrics import SLO, SimResult
-from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
-from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_decode_only, simulate_disaggregated
-from cluster.planner.workload import poisson_requests
+from cluster.planner.inputs.workload import poisson_requests
+from cluster.planner.latency.base import ZeroLatency
+from cluster.planner.latency.base import LatencyModel
+from cluster.planner.sim.coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim.disagg import DecodeSetup, Link, PrefillSetup, simulate_decode_only, simulate_disaggregated
+from cluster.planner.sim.metrics import SLO, SimResult
 from cluster.serving.autoscale_policy import POOL_METRICS, Load
 
 FREE_LINK = Link(1.0, float("inf"), 1)
@@ -117,8 +117,8 @@ class PlannerCapacity:
 def setups_from_spec(spec, model, hw, profile=None) -> dict:
     """One replica's simulator setup per pool of `spec` (a `ClusterSpec`), on `hw` with `model` (planner
     `ModelSpec`) and an optional latency `profile`."""
-    from cluster.planner.latency import Parallel
-    from cluster.planner.profiles import latency_model
+    from cluster.planner.latency.base import Parallel
+    from cluster.planner.latency.profiles import latency_model
 
     out = {}
     for name, pool in spec.pools_in_use().items():
@@ -139,8 +139,8 @@ def profile_for(spec):
     """The latency profile the autoscaler plans with: `autoscaling.profile`, else one under deploy/profiles
     of the spec's model and dtype, else None (the hardware entry's own model)."""
     from cluster.planner.errors import BadConfigError
-    from cluster.planner.paths import deploy_dir
-    from cluster.planner.profiles import load_profile
+    from cluster.planner.inputs.paths import deploy_dir
+    from cluster.planner.latency.profiles import load_profile
 
     if spec.autoscaling.profile is not None:
         return load_profile(spec.autoscaling.profile)
@@ -157,8 +157,8 @@ def profile_for(spec):
 def capacity_for_spec(spec) -> PlannerCapacity:
     """The planner's model of `spec`'s pools (a `PlannerError` naming what is missing when it has none)."""
     from cluster.planner.errors import BadConfigError
-    from cluster.planner.hardware import load_hardware
-    from cluster.planner.models import load_model
+    from cluster.planner.inputs.hardware import load_hardware
+    from cluster.planner.inputs.models import load_model
 
     profile = profile_for(spec)
     gpus = any(p.resources.num_gpus > 0 for p in spec.pools_in_use().values())

@@ -83,8 +83,8 @@ def step_bound(spec, name: str, max_position: int, profiles: list | None = None)
 def _coeffs(spec, profiles):
     """TP-1 fitted coefficients of a profile of the spec's model and dtype, or None."""
     from cluster.planner.errors import BadConfigError
-    from cluster.planner.paths import deploy_dir
-    from cluster.planner.profiles import load_profile
+    from cluster.planner.inputs.paths import deploy_dir
+    from cluster.planner.latency.profiles import load_profile
 
     if profiles is None:
         profiles = []

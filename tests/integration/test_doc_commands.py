@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from cluster import cli
-from cluster.planner import plan_cmd
-from cluster.planner.search import search
+from cluster.planner.commands import plan_cmd
+from cluster.planner.search.plan_search import search
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

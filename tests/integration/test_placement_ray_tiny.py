@@ -23,7 +23,7 @@ import time
 import pytest
 
 from cluster import cli
-from cluster.planner.hardware import load_hardware
+from cluster.planner.inputs.hardware import load_hardware
 from cluster.ray_session import init_ray, shutdown_ray
 from cluster.serving.placement import PlacementError
 from cluster.serving.ray_pools import start_cluster
@@ -59,9 +59,9 @@ def hetero_spec(model_dir, address: str, types: dict[str, str]):
     """What `pdserve plan` writes for a heterogeneous design (`spec_writer.plan_spec`: each pool's
     `accelerator_type` is its phase's hardware type), made servable on this CPU machine: the tiny model,
     half a CPU and no GPU per rank, small KV pages; this cluster's address and a short placement bound."""
-    from cluster.planner.latency import Parallel
-    from cluster.planner.plans import PhaseChoice, Plan
-    from cluster.planner.spec_writer import plan_spec
+    from cluster.planner.emit.spec_writer import plan_spec
+    from cluster.planner.latency.base import Parallel
+    from cluster.planner.search.plans import PhaseChoice, Plan
 
     choices = (PhaseChoice("prefill", Parallel(1, 1), 512, 4096, 8, 40.0),
                PhaseChoice("decode", Parallel(1, 1), 0, 4096, 8, 90.0))

@@ -14,10 +14,10 @@ import dataclasses
 import pytest
 
 from cluster import cli
-from cluster.planner import plan_cmd
-from cluster.planner.hardware import known_hardware
-from cluster.planner.models import known_models, load_model
-from cluster.planner.search import search
+from cluster.planner.commands import plan_cmd
+from cluster.planner.inputs.hardware import known_hardware
+from cluster.planner.inputs.models import known_models, load_model
+from cluster.planner.search.plan_search import search
 from cluster.spec import load_spec
 from engine.config import ARCHITECTURES
 from tests.hub_cache import hub_env, lay_out

@@ -1,14 +1,14 @@
 """The autoscaler's capacity model over the planner (cluster/serving/autoscale_capacity.py) and the elastic
-simulator the GPU-scale bench runs it in (cluster/planner/sim_elastic.py): more rate or a slower model
+simulator the GPU-scale bench runs it in (cluster/planner/sim/elastic.py): more rate or a slower model
 (correction) never needs fewer replicas; a pool that does not change size simulates as `simulate_colocated`
 does; a pool that grows and shrinks finishes every request and pays for what it ran."""
 from __future__ import annotations
 
-from cluster.planner.latency import Coeffs, FittedLatency, Parallel
-from cluster.planner.metrics import SLO
-from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
-from cluster.planner.sim_elastic import simulate_elastic
-from cluster.planner.workload import poisson_requests
+from cluster.planner.inputs.workload import poisson_requests
+from cluster.planner.latency.base import Coeffs, FittedLatency, Parallel
+from cluster.planner.sim.coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim.elastic import simulate_elastic
+from cluster.planner.sim.metrics import SLO
 from cluster.serving.autoscale_capacity import PlannerCapacity, ScaledLatency, capacity_for_spec
 from cluster.serving.autoscale_policy import Load
 from cluster.spec import parse_spec

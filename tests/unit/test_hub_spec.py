@@ -13,9 +13,9 @@ import json
 import pytest
 
 from cluster import cli
+from cluster.planner.emit.spec_writer import model_notes, spec_model
 from cluster.planner.errors import PlannerError
-from cluster.planner.models import known_models, load_model
-from cluster.planner.spec_writer import model_notes, spec_model
+from cluster.planner.inputs.models import known_models, load_model
 from cluster.spec import SpecError, load_spec, parse_spec
 from tests.hub_cache import hub_env, lay_out
 from tests.tiny_models import hf_config

@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "cluster")
 WORKERS = ("prefill_worker", "decode_worker")
 PURE = ("engine.scheduler", "engine.request", "engine.kv_cache.allocator", "engine.kv_cache.block_table")
-# the planner's core (latency models, simulator, search): pure Python; its profiler and report are not
-PLANNER_PURE = tuple(f"cluster.planner.{m}" for m in (
-    "errors", "paths", "models", "hardware", "latency", "roofline", "profiles", "parallel", "workload",
-    "metrics", "events", "stepping", "sim_disagg", "sim_coloc", "goodput", "plans", "placement", "search", "bus",
-    "gpu_constants", "gpu_latency", "gpu_fit", "vidur_tables", "sim_mixed_pool", "step_table"))
+# the planner's core rooms (inputs, latency models, simulators, search; every module in them) and its GPU table
+# readers and fit: pure Python; its profiler and reports are not
+PLANNER_PURE = ("cluster.planner.errors", "cluster.planner.calibrate.gpu_fit", "cluster.planner.calibrate.vidur_tables",
+                *(f"cluster.planner.{room}.{p.stem}" for room in ("inputs", "latency", "sim", "search")
+                  for p in sorted((ROOT / "cluster" / "planner" / room).glob("*.py")) if p.stem != "__init__"))
 PURE += PLANNER_PURE
 NOT_PURE = {"torch", "grpc", "ray"}
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.planner.metrics import SLO
-from cluster.planner.workload import Request
+from cluster.planner.inputs.workload import Request
+from cluster.planner.sim.metrics import SLO
 from cluster.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]

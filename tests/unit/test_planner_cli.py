@@ -77,7 +77,7 @@ def test_workload_trace_is_read(tmp_path, prof, capsys):
 
 def test_trace_lengths_scale_as_the_bench_replays_them(tmp_path, prof, capsys):
     from cluster.bench.workload import TraceScaling
-    from cluster.planner.workload import scale_lengths
+    from cluster.planner.inputs.workload import scale_lengths
 
     pairs = [(1, 1), (10, 3), (999, 77), (5000, 900), (4097, 1)]
     bench = TraceScaling(input_scale=0.25, output_scale=0.5, max_input=1024, max_output=256)
@@ -104,9 +104,9 @@ def test_trace_lengths_scale_as_the_bench_replays_them(tmp_path, prof, capsys):
 
 
 def test_multi_node_gpu_spec_binds_kv_beyond_loopback_with_a_token(tmp_path):
-    from cluster.planner.latency import Parallel
-    from cluster.planner.plans import PhaseChoice, Plan
-    from cluster.planner.spec_writer import plan_spec, write_spec
+    from cluster.planner.emit.spec_writer import plan_spec, write_spec
+    from cluster.planner.latency.base import Parallel
+    from cluster.planner.search.plans import PhaseChoice, Plan
 
     p = PhaseChoice("prefill", Parallel(2, 1), 8192, 500_000, 256, 40.0)
     d = PhaseChoice("decode", Parallel(4, 2), 0, 2_000_000, 256, 90.0)

@@ -8,15 +8,16 @@ import json
 
 import pytest
 
-from cluster.planner.bus import Bus, Corun, Sharing, pack_nodes
 from cluster.planner.errors import BadConfigError
-from cluster.planner.goodput import bisect_rate
-from cluster.planner.latency import Coeffs, FittedLatency, Parallel
-from cluster.planner.metrics import SLO
-from cluster.planner.profiles import corun_of, load_profile
-from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
-from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
-from cluster.planner.workload import Request, poisson_requests
+from cluster.planner.inputs.workload import Request, poisson_requests
+from cluster.planner.latency.base import Coeffs, FittedLatency, Parallel
+from cluster.planner.latency.interference import Corun
+from cluster.planner.latency.profiles import corun_of, load_profile
+from cluster.planner.search.goodput import bisect_rate
+from cluster.planner.sim.bus import Bus, Sharing, pack_nodes
+from cluster.planner.sim.coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim.disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
+from cluster.planner.sim.metrics import SLO
 
 COEFFS = Coeffs(prefill=(0.010, 2e-5, 1e-9), decode=(0.008, 1e-7, 2e-4))
 LINK = Link(kv_bytes_per_token=1000.0, bandwidth=1e12, layers=10)
@@ -151,7 +152,7 @@ def test_plan_report_compares_modes_on_equal_gpus_with_the_slowdown(tmp_path, cl
 
 
 def test_corun_summary_pairs_each_window_with_its_rounds_alone_window():
-    from cluster.planner.corun import summarize
+    from cluster.planner.calibrate.corun import summarize
 
     # (cpu s, wall s) window medians per round: the machine drifts 2x between rounds, the ratio does not
     windows = {("decode", "none"): [(0.05, 0.05), (0.10, 0.10), (0.05, 0.06)],

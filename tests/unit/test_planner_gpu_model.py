@@ -7,15 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.planner.gpu_constants import (SMALL_OPS, AttentionConst, GemmConst, LinkConst, OpConst,
-                                           StepConstants, StepEntry, entry_dict, smooth_max)
-from cluster.planner.gpu_latency import (OperatorLatency, RankShape, gemm_time, layer_terms, sampled_positions,
-                                         step_terms)
-from cluster.planner.hardware import load_hardware
-from cluster.planner.latency import Parallel
-from cluster.planner.models import load_model
-from cluster.planner.profiles import latency_model
-from cluster.planner.roofline import RooflineLatency
+from cluster.planner.inputs.gpu_constants import (SMALL_OPS, AttentionConst, GemmConst, LinkConst, OpConst,
+                                                  StepConstants, StepEntry, entry_dict, smooth_max)
+from cluster.planner.inputs.hardware import load_hardware
+from cluster.planner.inputs.models import load_model
+from cluster.planner.latency.base import Parallel
+from cluster.planner.latency.gpu_latency import (OperatorLatency, RankShape, gemm_time, layer_terms,
+                                                 sampled_positions, step_terms)
+from cluster.planner.latency.profiles import latency_model
+from cluster.planner.latency.roofline import RooflineLatency
 
 # Round constants, smooth max p = 1 (a plain sum), so every term below is arithmetic on one line.
 HAND = StepConstants(

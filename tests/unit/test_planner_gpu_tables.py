@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
-from cluster.planner.gpu_constants import entry_dict
-from cluster.planner.gpu_fit import fit_constants
-from cluster.planner.gpu_latency import OperatorLatency
-from cluster.planner.hardware import load_hardware
-from cluster.planner.latency import Parallel
-from cluster.planner.models import load_model
-from cluster.planner.profiles import latency_model, load_profile
-from cluster.planner.vidur_tables import ProfileTableError, load_tables
+from cluster.planner.calibrate.gpu_fit import fit_constants
+from cluster.planner.calibrate.vidur_tables import ProfileTableError, load_tables
+from cluster.planner.inputs.gpu_constants import entry_dict
+from cluster.planner.inputs.hardware import load_hardware
+from cluster.planner.inputs.models import load_model
+from cluster.planner.latency.base import Parallel
+from cluster.planner.latency.gpu_latency import OperatorLatency
+from cluster.planner.latency.profiles import latency_model, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 from bench.checks import planner_gpu_check as check  # noqa: E402

@@ -8,22 +8,22 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.planner.cost import parse_hardware_list, parse_overrides, plan_power, require, with_overrides
-from cluster.planner.design_report import front, plot_designs, why_winner
+from cluster.planner.emit.design_report import front, plot_designs, why_winner
+from cluster.planner.emit.spec_writer import plan_spec, write_spec
 from cluster.planner.errors import PlannerError, UnknownHardwareError
-from cluster.planner.goodput import ZeroLatency
-from cluster.planner.hardware import Hardware, load_hardware
-from cluster.planner.hetero import Budget, Design, measure_types, plan_designs
-from cluster.planner.kv_link import cross_type_bandwidth, reshard_cost
-from cluster.planner.latency import Parallel
-from cluster.planner.metrics import SLO
-from cluster.planner.models import ModelSpec
-from cluster.planner.pareto import pareto_front
-from cluster.planner.plans import PhaseChoice, Plan
-from cluster.planner.search import PlanRequest
-from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
-from cluster.planner.spec_writer import plan_spec, write_spec
-from cluster.planner.workload import Request
+from cluster.planner.inputs.hardware import Hardware, load_hardware
+from cluster.planner.inputs.models import ModelSpec
+from cluster.planner.inputs.workload import Request
+from cluster.planner.latency.base import ZeroLatency
+from cluster.planner.latency.base import Parallel
+from cluster.planner.search.cost import parse_hardware_list, parse_overrides, plan_power, require, with_overrides
+from cluster.planner.search.designs import Budget, Design, measure_types, plan_designs
+from cluster.planner.search.kv_link import cross_type_bandwidth, reshard_cost
+from cluster.planner.search.pareto import pareto_front
+from cluster.planner.search.plans import PhaseChoice, Plan
+from cluster.planner.search.request import PlanRequest
+from cluster.planner.sim.disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
+from cluster.planner.sim.metrics import SLO
 
 # 100M parameters: a 1000-token prompt is compute-bound (0.33 s on "fast", 1.3 s on "mem"); a decode step
 # reads the weights (same HBM on both: as fast on either)
@@ -174,7 +174,7 @@ def test_reports_plot_short_labels(tmp_path):
     assert sorted(drawn) == ["D1", "D1", "D2", "D2"]  # two panels, labels only: the names sit in the key/table
     assert (tmp_path / "designs.png").stat().st_size > 1000
 
-    from cluster.planner.report import _plot
+    from cluster.planner.emit.report import _plot
     long = "disaggregated [independent] 3x prefill tp1pp5/b8192 + 2x decode tp4pp1 = 23 GPUs"
     labels = _plot(tmp_path / "attainment.png", request(), {"P1 (chosen)": [(1.0, 0.95), (2.0, 0.5)]})
     assert labels[0] == "P1 (chosen)" and all(long not in x and len(x) <= 25 for x in labels)

@@ -1,4 +1,4 @@
-"""cluster/planner/sim_mixed_pool.py: Splitwise's prompt, token and mixed machine pools (issue 26).
+"""bench/repro/splitwise/mixed_pool.py: Splitwise's prompt, token and mixed machine pools (issue 26).
 
 A made-up table keeps the arithmetic checkable: a prompt iteration costs 1 ms per batch token (x1.1 with
 decodes aboard), a token iteration 10 ms whatever its batch. Every test ends with the scheduler's
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.planner.sim_coloc import ColocSetup
-from cluster.planner.sim_disagg import Link
-from cluster.planner.sim_mixed_pool import PoolLimits, _Pools, simulate_mixed_pool
-from cluster.planner.step_table import StepTable, TableLatency
-from cluster.planner.workload import Request
+from bench.repro.splitwise.mixed_pool import PoolLimits, _Pools, simulate_mixed_pool
+from bench.repro.splitwise.step_table import StepTable, TableLatency
+from cluster.planner.inputs.workload import Request
+from cluster.planner.sim.coloc import ColocSetup
+from cluster.planner.sim.disagg import Link
 
 TABLE = TableLatency(StepTable((1.0, 10_000.0), (0.001, 10.0), (0.010, 0.010)))
 LINK = Link(kv_bytes_per_token=1000.0, bandwidth=1e6, layers=1)  # 1 ms per prompt token
@@ -80,7 +80,7 @@ def test_with_nothing_to_borrow_a_request_runs_whole_on_the_least_loaded_machine
 def test_the_artifacts_baseline_router_counts_prompt_tokens_to_compute_not_outputs_to_come():
     """token_jsq (`route="prompts"`) sends a short prompt to the machine decoding a long answer rather than
     behind another machine's long prompt; pdserve's router (outstanding tokens) does the opposite here."""
-    from cluster.planner.sim_coloc import simulate_colocated
+    from cluster.planner.sim.coloc import simulate_colocated
 
     reqs = [Request(0.0, 10, 1000), Request(0.0001, 500, 2), Request(0.001, 10, 2)]
     ttft = {}

@@ -6,13 +6,13 @@ import random
 
 import pytest
 
+from cluster.planner.calibrate.fit import fit_decode, fit_prefill
 from cluster.planner.errors import BadConfigError, UnknownHardwareError, UnknownModelError
-from cluster.planner.fit import fit_decode, fit_prefill
-from cluster.planner.hardware import known_hardware, load_hardware
-from cluster.planner.latency import Coeffs, FittedLatency, Parallel
-from cluster.planner.models import known_models, load_model
-from cluster.planner.profiles import latency_model, load_profile
-from cluster.planner.roofline import RooflineLatency, calibrate
+from cluster.planner.inputs.hardware import known_hardware, load_hardware
+from cluster.planner.inputs.models import known_models, load_model
+from cluster.planner.latency.base import Coeffs, FittedLatency, Parallel
+from cluster.planner.latency.profiles import latency_model, load_profile
+from cluster.planner.latency.roofline import RooflineLatency, calibrate
 
 ALL_MODELS = ["llama-3-8b", "llama-3-70b", "qwen2.5-7b", "qwen2.5-72b", "mistral-7b", "opt-13b", "opt-66b",
               "opt-175b", "smollm2-135m"]

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from cluster import cli
-from cluster.planner import hetero_cmd, plan_cmd
-from cluster.planner.hetero import plan_designs
-from cluster.planner.search import search
+from cluster.planner.commands import designs_cmd, plan_cmd
+from cluster.planner.search.designs import plan_designs
+from cluster.planner.search.plan_search import search
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "data" / "planner_output"
@@ -84,7 +84,7 @@ def run_case(argv: list[str], tmp: Path, monkeypatch) -> dict[str, str]:
     monkeypatch.chdir(ROOT)  # the docs' paths are relative to the repository root
     monkeypatch.setattr(sys, "argv", ["pdserve", *argv])  # the spec's header names the command as typed
     monkeypatch.setattr(plan_cmd, "search", lambda req: search(dataclasses.replace(req, **NARROW)))
-    monkeypatch.setattr(hetero_cmd, "plan_designs",
+    monkeypatch.setattr(designs_cmd, "plan_designs",
                         lambda req, *a: plan_designs(dataclasses.replace(req, **NARROW), *a))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

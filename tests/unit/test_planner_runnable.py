@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from cluster.planner.hardware import load_hardware
-from cluster.planner.models import known_models, load_model
-from cluster.planner.parallel import head_problem, instance_configs
+from cluster.planner.inputs.hardware import load_hardware
+from cluster.planner.inputs.models import known_models, load_model
+from cluster.planner.search.configs import head_problem, instance_configs
 from engine.config import ModelConfig
 from engine.parallel.validate import parallel_problems
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from cluster.planner.errors import InfeasibleSLOError, NoFeasibleConfigError
-from cluster.planner.hardware import Hardware
-from cluster.planner.latency import Coeffs, Parallel
-from cluster.planner.metrics import SLO
-from cluster.planner.models import ModelSpec
-from cluster.planner.parallel import head_problem, instance_configs
-from cluster.planner.profiles import Profile
-from cluster.planner.search import PlanRequest, search
+from cluster.planner.inputs.hardware import Hardware
+from cluster.planner.inputs.models import ModelSpec
+from cluster.planner.latency.base import Coeffs, Parallel
+from cluster.planner.latency.profiles import Profile
+from cluster.planner.search.configs import head_problem, instance_configs
+from cluster.planner.search.plan_search import search
+from cluster.planner.search.request import PlanRequest
+from cluster.planner.sim.metrics import SLO
 
 TINY = ModelSpec("tiny", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=100,
                  max_positions=2048, params=1e6)  # 2 MB of bf16 weights, 512 B of KV per token

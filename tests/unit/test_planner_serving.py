@@ -1,4 +1,4 @@
-"""Serving calibration (`cluster/planner/serving.py`): the runtime's overheads read off a bench run. The
+"""Serving calibration (`cluster/planner/calibrate/serving_fit.py`): the runtime's overheads read off a bench run. The
 calibration recovers known factors from synthetic bench records; the profile loader applies them (or not);
 `admission_s` delays every request by exactly that much; a drift of all-ones spreads changes nothing, a
 wide one spreads the P90s and is a pure function of its inputs."""
@@ -8,15 +8,16 @@ import json
 
 import pytest
 
+from cluster.planner.calibrate.serving_fit import calibrate_serving, spread
 from cluster.planner.errors import BadConfigError
-from cluster.planner.hardware import load_hardware
-from cluster.planner.latency import Coeffs, FittedLatency, Parallel
-from cluster.planner.models import load_model
-from cluster.planner.profiles import latency_model, load_profile
-from cluster.planner.serving import SPREAD_POINTS, Drift, calibrate_serving, spread
-from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
-from cluster.planner.sim_disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
-from cluster.planner.workload import Request, poisson_requests
+from cluster.planner.inputs.hardware import load_hardware
+from cluster.planner.inputs.models import load_model
+from cluster.planner.inputs.workload import Request, poisson_requests
+from cluster.planner.latency.base import Coeffs, FittedLatency, Parallel
+from cluster.planner.latency.drift import SPREAD_POINTS, Drift
+from cluster.planner.latency.profiles import latency_model, load_profile
+from cluster.planner.sim.coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim.disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
 
 COEFFS = Coeffs(prefill=(0.05, 6e-4, 3e-7), decode=(0.066, 1e-5, 6e-5))
 LINK = Link(kv_bytes_per_token=1000.0, bandwidth=1e12, layers=10)

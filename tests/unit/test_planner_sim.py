@@ -6,13 +6,12 @@ import random
 
 import pytest
 
-from cluster.planner.latency import Coeffs, FittedLatency, Parallel
-from cluster.planner.metrics import SLO, percentile
-from cluster.planner.sim_coloc import ColocSetup, simulate_colocated
-from cluster.planner.sim_disagg import (DecodeSetup, Link, PrefillSetup, simulate_decode_only,
-                                        simulate_disaggregated)
-from cluster.planner.stepping import StepRun
-from cluster.planner.workload import Request, poisson_requests
+from cluster.planner.inputs.workload import Request, poisson_requests
+from cluster.planner.latency.base import Coeffs, FittedLatency, Parallel
+from cluster.planner.latency.stepping import StepRun
+from cluster.planner.sim.coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim.disagg import DecodeSetup, Link, PrefillSetup, simulate_decode_only, simulate_disaggregated
+from cluster.planner.sim.metrics import SLO, percentile
 
 COEFFS = Coeffs(prefill=(0.010, 2e-5, 1e-9), decode=(0.008, 1e-7, 2e-4))
 FAST_LINK = Link(kv_bytes_per_token=1000.0, bandwidth=1e12, layers=10)

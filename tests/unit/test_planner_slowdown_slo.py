@@ -3,11 +3,12 @@ end-to-end time over its own time alone, bounded at P50/P90/P99; its share is 1.
 holds; `only` keeps one phase's bounds; the goodput search uses it like the absolute SLO."""
 from __future__ import annotations
 
-from cluster.planner.goodput import COARSE, phase_goodput
-from cluster.planner.latency import Parallel
-from cluster.planner.metrics import SLO, RequestResult, SimResult, SlowdownSLO
-from cluster.planner.profiles import latency_model
-from cluster.planner.sim_disagg import DecodeSetup, PrefillSetup
+from bench.repro.splitwise.slo import SlowdownSLO
+from cluster.planner.latency.base import Parallel
+from cluster.planner.latency.profiles import latency_model
+from cluster.planner.search.goodput import COARSE, phase_goodput
+from cluster.planner.sim.disagg import DecodeSetup, PrefillSetup
+from cluster.planner.sim.metrics import SLO, RequestResult, SimResult
 from tests.unit.test_planner_hetero import MID, hw
 
 # alone: a prompt of n tokens takes n ms, a token step 10 ms

@@ -1,11 +1,12 @@
-"""cluster/planner/step_table.py: the artifact's iteration-time tables as a latency model (issue 26, the
+"""bench/repro/splitwise/step_table.py: the artifact's iteration-time tables as a latency model (issue 26, the
 paper's own inputs), and SlowdownSLO's TBT over all output tokens (splitwise-sim's definition)."""
 from __future__ import annotations
 
 import pytest
 
-from cluster.planner.metrics import RequestResult, SlowdownSLO
-from cluster.planner.step_table import StepTable, StepTableError, TableLatency, interp_extrapolated
+from bench.repro.splitwise.slo import SlowdownSLO
+from bench.repro.splitwise.step_table import StepTable, StepTableError, TableLatency, interp_extrapolated
+from cluster.planner.sim.metrics import RequestResult
 
 
 def test_interpolates_between_points_and_extrapolates_linearly_past_both_ends():

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.planner import profiler
-from cluster.planner.errors import BadConfigError
-from cluster.planner.fit import fit_decode, fit_prefill
+from cluster.planner.calibrate import profiler
+from cluster.planner.calibrate.fit import fit_decode, fit_prefill
 from cluster.planner.calibrate.random_model import model_shapes, random_llm, random_model_dir
+from cluster.planner.errors import BadConfigError
 from tests.conftest import assert_engine_empty
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,10 +84,10 @@ def test_options_keep_cpu_defaults():
 def test_fit_forms_hold_on_gpu_shaped_steps():
     """The 3-term forms fit the planner's own H100 step model of Llama-3-8B over the gpu grid within 2%:
     decode is weights (a) + KV bytes (b*C) + per-row work (c*B); prefill compute-bound (b*T) + attention."""
-    from cluster.planner.hardware import load_hardware
-    from cluster.planner.latency import Parallel
-    from cluster.planner.models import load_model
-    from cluster.planner.profiles import latency_model
+    from cluster.planner.inputs.hardware import load_hardware
+    from cluster.planner.inputs.models import load_model
+    from cluster.planner.latency.base import Parallel
+    from cluster.planner.latency.profiles import latency_model
 
     lm = latency_model(load_model("llama-3-8b"), load_hardware("h100"), Parallel(1, 1))
     prefill_grid, decode_grid = profiler.GRIDS["gpu"]
@@ -129,7 +129,7 @@ def test_profile_check_predicts_each_row(tmp_path):
 def test_profile_command_without_spec_writes_a_profile_the_planner_reads(tiny_deploy, capsys):
     """`pdserve profile --model random:NAME` (no spec: the GPU machine has no pydantic) on the gpu-tiny grid."""
     from cluster import cli
-    from cluster.planner.profiles import load_profile
+    from cluster.planner.latency.profiles import load_profile
 
     out = tiny_deploy / "p.json"
     assert cli.main(["profile", "--model", "random:tiny", "--grid", "gpu-tiny", "--repeats", "1", "--corun-rounds",

@@ -148,7 +148,7 @@ def test_start_pool_creates_each_actor_with_the_restart_policy_and_the_step_boun
 
 
 def test_the_step_bound_comes_from_the_latency_profile_of_the_model_else_a_floor():
-    from cluster.planner.latency import Coeffs
+    from cluster.planner.latency.base import Coeffs
 
     prof = types.SimpleNamespace(model="m", dtype="bfloat16", coeffs={1: Coeffs((0.05, 2e-4, 0.0), (0.06, 1e-4, 1e-4))})
     s = spec(pools={"prefill": {"max_num_batched_tokens": 512}, "decode": {"max_num_seqs": 32, "max_model_len": 1024}})

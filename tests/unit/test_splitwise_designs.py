@@ -1,10 +1,10 @@
-"""bench/splitwise_designs.py: per-machine goodput of a pool of n (interpolated in log2 n between measured pool
+"""bench/repro/splitwise/designs.py: per-machine goodput of a pool of n (interpolated in log2 n between measured pool
 sizes, held beyond them) and the design search over machine counts within a budget (issue 26)."""
 from __future__ import annotations
 
 import pytest
 
-from bench.splitwise_designs import PoolGoodput, best_within, fewest, least_for, machine_numbers
+from bench.repro.splitwise.designs import PoolGoodput, best_within, fewest, least_for, machine_numbers
 
 KEY = ("H100", "colocated")
 
@@ -46,7 +46,7 @@ def test_better_split_climbs_to_the_neighbouring_split_that_serves_most_and_stay
     70 machines); from the sized 40P+30T the search steps 5 at a time to 50P+20T and stops there."""
     from types import SimpleNamespace
 
-    from bench import splitwise_verify as v
+    from bench.repro.splitwise import verify as v
 
     def best(a):
         return 100.0 - abs(a - 50)
