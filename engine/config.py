@@ -2,18 +2,26 @@
 
 Read once by `engine.loader` from `config.json`; the model, the KV page spec and the tokenizer limits all
 come from here. Architectures outside `SUPPORTED` raise `UnsupportedArchitectureError` naming them and
-listing what runs (`check_supported`, also used on a Hub config before any weight is downloaded).
+listing what runs (`check_supported`, also used on a Hub config before any weight is downloaded); so does a
+supported architecture whose config asks for a feature the forward lacks (`unsupported_features`: a RoPE
+type, an activation, an output-projection bias, sliding windows on some layers only, shared experts), so a
+checkpoint is refused instead of served with wrong tokens. Mixture-of-experts configs (Qwen3-MoE, Mixtral)
+carry a `MoEConfig`; the forward's MoE layers are `engine.moe`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import UnsupportedArchitectureError
+from engine.errors import UnsupportedArchitectureError, UnsupportedFeatureError
 
 # model_type -> whether q/k/v projections carry a bias by default
-SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "qwen3_moe": False, "mixtral": False}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+QK_NORM = ("qwen3", "qwen3_moe")  # RMSNorm over each query/key head's dims before RoPE
+ROPE_TYPES = ("default", "linear", "llama3")  # what engine.rope builds (it raises on others too)
+ACTIVATIONS = ("silu", "swish")  # SwiGLU's gate activation, the only one the forward computes
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -21,12 +29,94 @@ def supported_architectures() -> tuple[str, ...]:
 
 
 def check_supported(d: dict[str, Any], model: str | None = None) -> None:
-    """UnsupportedArchitectureError unless config.json `d` is of a model type the engine runs."""
+    """UnsupportedArchitectureError unless config.json `d` is of a model type the engine runs;
+    UnsupportedFeatureError (a subclass) if it is, but asks for something the forward does not compute."""
     mt = d.get("model_type", "?")
     if mt not in SUPPORTED:
         archs = d.get("architectures") or []
         arch = f"{archs[0]} ({mt})" if archs and isinstance(archs[0], str) else mt
         raise UnsupportedArchitectureError(arch, supported_architectures(), model)
+    problems = unsupported_features(d)
+    if problems:
+        raise UnsupportedFeatureError(_arch(d), problems, model)
+
+
+def _arch(d: dict[str, Any]) -> str:
+    archs = d.get("architectures") or []
+    return archs[0] if archs and isinstance(archs[0], str) else d.get("model_type", "?")
+
+
+def _rope(d: dict[str, Any]) -> dict[str, Any]:
+    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", d.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def _window(d: dict[str, Any]) -> int | None:
+    """The one sliding window every layer uses (None: full attention). Per-layer `layer_types` mixing
+    sliding and full layers have no single window: `unsupported_features` names them."""
+    window = d.get("sliding_window")
+    if d["model_type"] in ("qwen2", "qwen3", "qwen3_moe") and not d.get("use_sliding_window", False):
+        return None
+    kinds = set(d.get("layer_types") or [])
+    if kinds == {"full_attention"}:
+        return None
+    return window
+
+
+def unsupported_features(d: dict[str, Any]) -> list[str]:
+    """Each feature config.json `d` (of a supported model type) asks for that the forward does not compute,
+    named by its config key; empty when the engine serves it exactly."""
+    out = []
+    rope = _rope(d)["rope_type"]
+    if rope not in ROPE_TYPES:
+        out.append(f"rope_type={rope} (supported: {', '.join(ROPE_TYPES)})")
+    act = d.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        out.append(f"hidden_act={act} (supported: silu)")
+    if d.get("attention_bias") and d["model_type"] != "qwen2":  # Qwen2's bias is on q/k/v only
+        out.append("attention_bias=true (o_proj bias)")
+    kinds = set(d.get("layer_types") or [])
+    if (d.get("use_sliding_window", True) and d.get("sliding_window") is not None
+            and kinds and kinds != {"sliding_attention"} and kinds != {"full_attention"}):
+        out.append("layer_types mixing sliding and full attention (per-layer sliding windows)")
+    if d.get("shared_expert_intermediate_size") or d.get("n_shared_experts"):
+        out.append("shared experts (shared_expert_intermediate_size)")
+    return out
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of Qwen3-MoE / Mixtral layers: a router picks `top_k` of `num_experts` SwiGLU experts
+    per token (softmax over all experts in float32, then top-k; `norm_topk_prob` renormalises the k
+    weights to sum to 1: Mixtral always, Qwen3-MoE as its config says)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # layer ids with an MoE MLP; the others run the dense MLP
+    weights_in_model_dtype: bool  # Qwen3-MoE casts the routing weights to the model dtype; Mixtral keeps float32
+    naming: str  # checkpoint names: "qwen" (mlp.gate, experts.E.gate_proj/up_proj/down_proj) | "mixtral" (w1/w3/w2)
+
+    @staticmethod
+    def from_hf_dict(d: dict[str, Any]) -> "MoEConfig | None":
+        mt, layers = d["model_type"], d["num_hidden_layers"]
+        # the expert count's key: Hub configs write num_experts (Qwen3-MoE) / num_local_experts (Mixtral);
+        # transformers 5 saves both models' as num_local_experts (an attribute_map alias)
+        experts = d["num_local_experts"] if "num_local_experts" in d else d.get("num_experts")
+        if mt == "mixtral":
+            return MoEConfig(experts or 8, d.get("num_experts_per_tok", 2), d["intermediate_size"],
+                             True, tuple(range(layers)), False, "mixtral")
+        if mt == "qwen3_moe":
+            experts, step = 128 if experts is None else experts, d.get("decoder_sparse_step", 1) or 1
+            only = set(d.get("mlp_only_layers") or [])
+            sparse = tuple(i for i in range(layers) if i not in only and experts > 0 and (i + 1) % step == 0)
+            if not sparse:
+                return None
+            return MoEConfig(experts, d.get("num_experts_per_tok", 8), d.get("moe_intermediate_size", 768),
+                             bool(d.get("norm_topk_prob", False)), sparse, True, "qwen")
+        return None
 
 
 @dataclass(frozen=True)
@@ -47,20 +137,16 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
+    moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral: the layers whose MLP is a mixture of experts
 
     @staticmethod
     def from_hf_dict(d: dict[str, Any]) -> "ModelConfig":
         check_supported(d)
         mt = d["model_type"]
         heads = d["num_attention_heads"]
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        rope.setdefault("rope_theta", d.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        window = d.get("sliding_window")
-        if mt == "qwen2" and not d.get("use_sliding_window", False):
-            window = None
         return ModelConfig(
             model_type=mt,
             vocab_size=d["vocab_size"],
@@ -74,8 +160,10 @@ class ModelConfig:
             max_position=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             qkv_bias=d.get("attention_bias", SUPPORTED[mt]) or SUPPORTED[mt],
-            rope=rope,
-            sliding_window=window,
+            rope=_rope(d),
+            sliding_window=_window(d),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            qk_norm=mt in QK_NORM,
+            moe=MoEConfig.from_hf_dict(d),
         )

@@ -62,6 +62,19 @@ class UnsupportedArchitectureError(PdserveError, ValueError):
         super().__init__(f"{where}architecture {arch!r} is not supported; supported: {', '.join(supported)}")
 
 
+class UnsupportedFeatureError(UnsupportedArchitectureError):
+    """A supported architecture whose config asks for a feature the engine does not compute (a RoPE type, an
+    activation, shared experts, ...); `features` names each by its config key."""
+
+    def __init__(self, arch: str, features: list[str], model: str | None = None):
+        self.field = "model"
+        self.model = model
+        self.features = list(features)
+        where = f"model {model!r}: " if model else ""
+        PdserveError.__init__(self, f"{where}{arch} config asks for what the engine does not compute: "
+                                    f"{'; '.join(features)}; pick a checkpoint without it")
+
+
 class OutOfPagesError(PdserveError):
     """The page pool cannot satisfy an allocation (the scheduler treats this as back-pressure)."""
 

@@ -1,11 +1,13 @@
-"""Llama-family forward (Llama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a paged KV cache.
 
 Called by `engine.runner.ModelRunner` once per step with packed token ids, explicit positions and an
 `AttentionContext`; K/V go to, and attention comes from, the KV backend (keys stored after RoPE). The
 model holds plain tensors (no nn.Module): q/k/v and gate/up projections are fused into one matmul each,
 which is where most of the CPU time goes. GQA, RMSNorm, SwiGLU, tied embeddings. bf16 on CPU: RMSNorm by
 a numba kernel (`cpu_kernels`), SwiGLU's activation by a C kernel (`cpu_activations`), each rounding
-where Hugging Face rounds.
+where Hugging Face rounds. Qwen3 RMS-normalises each query and key head before RoPE (`_qk`); Qwen3-MoE and
+Mixtral layers run a mixture-of-experts MLP (`engine.moe`) where the others run gate_up / down. Those
+models take the torch path on CUDA too (the fused Triton forward covers the plain layer only).
 
 Tensor parallelism (`engine.parallel`): a rank builds this with its shard of the weights, a config with
 its local head counts and an `all_reduce` callable; o and down are then row-parallel (partial sums
@@ -28,6 +30,7 @@ from engine.kernels.cpu import activations as cpu_activations
 from engine.kernels.cpu.activations import swiglu
 from engine.kernels.cpu.numba_kernels import bits, from_bits, rms_norm_bf16
 from engine.linear import Linear
+from engine.moe import MoELayer, load_moe_layer, moe_forward
 from engine.rope import RotaryTable, apply_rotary
 from engine.sdpa_backends import sdpa_context
 
@@ -41,8 +44,11 @@ class LayerWeights:
     qkv: Linear  # [(q_heads + 2 * kv_heads) * head_dim, hidden], bias for Qwen2
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+    gate_up: Linear | None  # [2 * intermediate, hidden]; None in an MoE layer
+    down: Linear | None
+    q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's per-head RMSNorm weights
+    k_norm: torch.Tensor | None = None
+    moe: MoELayer | None = None  # Qwen3-MoE / Mixtral sparse layers: the experts and their router
 
 
 class LlamaForward:
@@ -67,41 +73,48 @@ class LlamaForward:
         if self.is_last:
             self.lm_head = Linear(self.embed if tied else w("lm_head.weight"))
             self.final_norm = w("model.norm.weight")
-        self.layers: list[LayerWeights] = [self._layer(w, i) for i in self.layer_ids]
+        self.layers: list[LayerWeights] = [self._layer(w, i, weights) for i in self.layer_ids]
         self.rotary = RotaryTable(cfg.head_dim, cfg.rope, cfg.max_position, dtype, device)
         self.scale = cfg.head_dim ** -0.5
-        self.fused = kernels.triton_paged_attention(self.device)  # the Triton forward (kernels/cuda/fused_forward)
+        # the Triton forward (kernels/cuda/fused_forward): the plain Llama layer only
+        self.fused = kernels.triton_paged_attention(self.device) and not cfg.qk_norm and cfg.moe is None
         # bf16 on CPU: RMSNorm by the numba kernel (norm weight id -> its bits); float32 keeps F.rms_norm
         self._norm_bits: dict[int, object] | None = None
         if dtype == torch.bfloat16 and self.device.type == "cpu":
             norms = [lw.input_norm for lw in self.layers] + [lw.post_norm for lw in self.layers]
+            norms += [n for lw in self.layers for n in (lw.q_norm, lw.k_norm) if n is not None]
             self._norm_bits = {id(t): bits(t) for t in norms + ([self.final_norm] if self.is_last else [])}
             cpu_activations.available()  # build/load the SwiGLU kernel now, not in a request's first step
 
-    def _layer(self, w: Callable[[str], torch.Tensor], i: int) -> LayerWeights:
+    def _layer(self, w: Callable[[str], torch.Tensor], i: int, weights) -> LayerWeights:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         bias = None
         if self.cfg.qkv_bias:
             bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"])
+        sparse = self.cfg.moe is not None and i in self.cfg.moe.sparse_layers
         return LayerWeights(
             input_norm=w(p + "input_layernorm.weight"),
             qkv=Linear(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]), bias),
             o=Linear(w(a + "o_proj.weight")),
             post_norm=w(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-            down=Linear(w(p + "mlp.down_proj.weight")),
+            gate_up=None if sparse else Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+            down=None if sparse else Linear(w(p + "mlp.down_proj.weight")),
+            q_norm=w(a + "q_norm.weight") if self.cfg.qk_norm else None,
+            k_norm=w(a + "k_norm.weight") if self.cfg.qk_norm else None,
+            moe=load_moe_layer(self.cfg.moe, weights, w, p) if sparse else None,
         )
 
     def weight_bytes(self) -> int:
         """Bytes a decode step must read: every layer, the final norm and the LM head (embedding rows are
-        gathered, not read whole, unless the head is tied to them)."""
+        gathered, not read whole, unless the head is tied to them). MoE layers count every expert: a step
+        reads only its active ones (`engine.moe`)."""
         total = 0
         if self.is_last:
             total += self.lm_head.nbytes() + self.final_norm.numel() * self.final_norm.element_size()
         for lw in self.layers:
-            for part in vars(lw).values():
-                total += part.nbytes() if isinstance(part, Linear) else part.numel() * part.element_size()
+            for part in (p for p in vars(lw).values() if p is not None):
+                total += part.nbytes() if isinstance(part, (Linear, MoELayer)) else part.numel() * part.element_size()
         return total
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -124,21 +137,34 @@ class LlamaForward:
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         cos, sin = self.rotary.lookup(positions)
         x = F.embedding(input_ids, self.embed) if hidden is None else hidden  # [num_tokens, hidden]
-        nh = cfg.num_heads + cfg.num_kv_heads
         with sdpa_context(self.device):  # CUDA: named SDPA backends (engine/sdpa_backends.py)
             for i, lw in zip(self.layer_ids, self.layers):
                 h = self._norm(x, lw.input_norm)
                 qkv = lw.qkv(h)  # [num_tokens, (q_heads + 2 kv_heads) * head_dim]
-                qk = apply_rotary(qkv[:, :nq + nkv].view(t, nh, hd), cos, sin)  # RoPE on q and k heads at once
+                qk = apply_rotary(self._qk(lw, qkv, t), cos, sin)  # RoPE on q and k heads at once
                 q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
                 backend.write(i, ctx.write_slots, k, qkv[:, nq + nkv:].view(t, cfg.num_kv_heads, hd))
                 o = backend.attend(i, q, ctx)  # [num_tokens, q_heads, head_dim]
                 x = self._residual(lw.o, o.reshape(t, nq), x)
                 h = self._norm(x, lw.post_norm)
-                x = self._residual(lw.down, swiglu(lw.gate_up(h)), x)  # silu(gate) * up
+                if lw.moe is None:
+                    x = self._residual(lw.down, swiglu(lw.gate_up(h)), x)  # silu(gate) * up
+                else:  # tensor parallelism refuses MoE models (engine/parallel/validate.py)
+                    x = x + moe_forward(lw.moe, h)
                 if layer_hook is not None:
                     layer_hook(i)
         return self._norm(x, self.final_norm) if self.is_last else x
+
+    def _qk(self, lw: LayerWeights, qkv: torch.Tensor, t: int) -> torch.Tensor:
+        """The query then key heads of `qkv`, [num_tokens, q_heads + kv_heads, head_dim], before RoPE; Qwen3
+        RMS-normalises each head over its head_dim first (q_norm, k_norm)."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        nq, nkv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        if lw.q_norm is None:
+            return qkv[:, :nq + nkv].view(t, cfg.num_heads + cfg.num_kv_heads, hd)
+        q = self._norm(qkv[:, :nq].reshape(t * cfg.num_heads, hd), lw.q_norm)  # [num_tokens * q_heads, head_dim]
+        k = self._norm(qkv[:, nq:nq + nkv].reshape(t * cfg.num_kv_heads, hd), lw.k_norm)
+        return torch.cat([q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd)], dim=1)
 
     def _residual(self, linear: Linear, inp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x + linear(inp); under tensor parallelism the rank's partial product is summed over ranks

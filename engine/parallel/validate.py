@@ -78,6 +78,9 @@ def parallel_problems(cfg: ModelConfig, tp: int, pp: int, speculative: bool = Fa
             check(cfg, size)
         except ParallelConfigError as e:
             out.append(e)
+    if tp > 1 and cfg.moe is not None:  # the shard rules split dense MLPs only (experts would be summed tp times)
+        out.append(UnsupportedWithParallelError("tensor_parallel_size", "mixture-of-experts layers (Qwen3-MoE, "
+                                                                        "Mixtral): expert sharding is not built yet"))
     return out + unsupported(tp, pp, speculative, kv_eviction)
 
 

@@ -1,0 +1,167 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): the router, the experts' SwiGLU, and the one point that
+chooses how a step's tokens reach their experts.
+
+Who calls it: `engine.model.LlamaForward` builds an `MoELayer` for each sparse layer (`load_moe_layer`, from
+the checkpoint's per-expert tensors or transformers' fused 3-D ones) and calls `moe_forward(layer, h)` where
+a dense layer runs its gate_up / down projections. The model's interface, KV pages, prefix caching,
+speculation and KV transfer do not see the difference: only the MLP changes.
+
+Order of `moe_forward(layer, h)`:
+    route: router logits (model dtype) -> softmax over all experts in float32 -> top-k -> renormalised to
+    sum 1 where the config says (Mixtral always, Qwen3-MoE per `norm_topk_prob`) -> the implementation
+    `moe_choice()` names, each summing a token's k weighted expert outputs in ascending expert order
+    (as transformers' `index_add_` does, so float32 results agree):
+  "grouped" (default): the step's (token, expert) assignments sorted by expert; each active expert runs one
+      GEMM over all of its rows, so its weights are read once per step however many tokens chose it.
+  "per_token" (the reference): each token runs its k experts one row at a time: weights read once per
+      assignment. Plain torch; the grouped path's test compares against it.
+  "dense": every expert on every row through two batched matmuls over the stacked weights, unchosen experts
+      weighted 0. No host sync, static shapes: what a CUDA graph can capture (E/k times the FLOPs).
+Choice: `PDSERVE_MOE` = "auto" (grouped; dense while a CUDA graph is being captured, since the grouped path
+reads its per-expert counts on the host), "grouped", "per_token" or "dense".
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import MoEConfig
+from engine.kernels.cpu.activations import swiglu
+from engine.linear import Linear
+
+CHOICES = ("auto", "grouped", "per_token", "dense")
+
+
+@dataclass
+class MoELayer:
+    cfg: MoEConfig
+    router: torch.Tensor  # [num_experts, hidden]
+    gate_up: torch.Tensor  # [num_experts, 2 * expert_intermediate, hidden]: gate rows, then up rows
+    down: torch.Tensor  # [num_experts, hidden, expert_intermediate]
+    gate_up_linear: list[Linear]  # one per expert, over views of `gate_up` (packed / GEMV paths on CPU)
+    down_linear: list[Linear]
+
+    def nbytes(self) -> int:
+        """Every expert's weights and the router (a step reads only its active experts': `expert_bytes`)."""
+        extra = sum(lin.nbytes() - lin.weight.numel() * lin.weight.element_size()
+                    for lin in self.gate_up_linear + self.down_linear)  # float32 copies where bf16 cannot pack
+        return sum(t.numel() * t.element_size() for t in (self.router, self.gate_up, self.down)) + extra
+
+    def expert_bytes(self) -> int:
+        """One expert's weight bytes (gate, up and down)."""
+        return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+
+
+def load_moe_layer(cfg: MoEConfig, weights: Mapping[str, torch.Tensor], w: Callable[[str], torch.Tensor],
+                   prefix: str) -> MoELayer:
+    """The MoE MLP of the layer whose names start with `prefix` ("model.layers.3."). Checkpoints name experts
+    one by one (Qwen3-MoE: mlp.gate, mlp.experts.E.{gate,up,down}_proj; Mixtral: block_sparse_moe.gate,
+    block_sparse_moe.experts.E.{w1,w3,w2}); transformers 5 saved with `save_original_format=False` writes
+    mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I]. `w` reads a tensor in the
+    model's dtype and device."""
+    block = "block_sparse_moe." if cfg.naming == "mixtral" else "mlp."
+    if prefix + "mlp.experts.gate_up_proj" in weights:
+        block = "mlp."
+    p = prefix + block
+    if p + "experts.gate_up_proj" in weights:
+        gate_up, down = w(p + "experts.gate_up_proj"), w(p + "experts.down_proj")
+    else:
+        g, u, d = ("w1", "w3", "w2") if cfg.naming == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        n = range(cfg.num_experts)
+        gate_up = torch.stack([torch.cat([w(f"{p}experts.{e}.{g}.weight"), w(f"{p}experts.{e}.{u}.weight")])
+                               for e in n])
+        down = torch.stack([w(f"{p}experts.{e}.{d}.weight") for e in n])
+    assert gate_up.shape[:2] == (cfg.num_experts, 2 * cfg.intermediate_size), gate_up.shape
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    return MoELayer(cfg, w(p + "gate.weight"), gate_up, down,
+                    [Linear(gate_up[e]) for e in range(cfg.num_experts)],
+                    [Linear(down[e]) for e in range(cfg.num_experts)])
+
+
+# ---- routing and one expert ------------------------------------------------------------------------
+def route(layer: MoELayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [num_tokens, hidden] -> (weights [num_tokens, top_k], expert ids [num_tokens, top_k]), as
+    transformers' routers compute them (weights in float32 for Mixtral, in the model dtype for Qwen3-MoE)."""
+    logits = F.linear(h, layer.router)  # [num_tokens, num_experts], the model dtype (as transformers)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, layer.cfg.top_k, dim=-1)
+    if layer.cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if layer.cfg.weights_in_model_dtype:
+        weights = weights.to(h.dtype)
+    return weights, ids
+
+
+def expert(layer: MoELayer, e: int, x: torch.Tensor) -> torch.Tensor:
+    """Expert `e`'s SwiGLU MLP on rows x [rows, hidden] -> [rows, hidden]."""
+    return layer.down_linear[e](swiglu(layer.gate_up_linear[e](x)))
+
+
+# ---- the implementations ----------------------------------------------------------------------------
+def per_token(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The reference: token by token, its experts one row at a time in ascending expert order."""
+    out = torch.zeros_like(h)  # [num_tokens, hidden]
+    for t, row_ids in enumerate(ids.tolist()):
+        for j in sorted(range(len(row_ids)), key=row_ids.__getitem__):
+            y = expert(layer, row_ids[j], h[t:t + 1]) * weights[t, j:j + 1]  # 1-d: promotes as HF's [n, 1]
+            out[t:t + 1] += y.to(out.dtype)
+    return out
+
+
+def grouped(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Assignments grouped by expert: one GEMM per active expert over all of its rows."""
+    t, k = ids.shape
+    if t == 1:  # one token: its k experts are distinct, nothing to group (and no sort to pay for)
+        return per_token(layer, h, weights, ids)
+    flat = ids.reshape(-1)  # [t * k] expert of each assignment, token-major
+    order = torch.argsort(flat, stable=True)  # assignments by expert, tokens ascending within one
+    counts = torch.bincount(flat, minlength=layer.cfg.num_experts).tolist()  # the host sync (see moe_choice)
+    rows = order // k  # token of each sorted assignment
+    xs = h.index_select(0, rows)  # [t * k, hidden]: each expert's rows side by side
+    ws = weights.reshape(-1).index_select(0, order)[:, None]  # [t * k, 1]
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            outs.append(expert(layer, e, xs[start:start + n]))  # [n, hidden]: expert e's weights read once
+            start += n
+    ys = (torch.cat(outs) * ws).to(h.dtype)  # weighted, rounded to the model dtype as transformers does
+    # one index_add in sorted order: each token's outputs summed in ascending expert order
+    return torch.zeros_like(h).index_add_(0, rows, ys)
+
+
+def dense(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Every expert on every row (batched matmuls), the unchosen weighted 0: no data-dependent shapes."""
+    gate_up = torch.matmul(h.unsqueeze(0), layer.gate_up.transpose(1, 2))  # [E, num_tokens, 2 * inter]
+    act = swiglu(gate_up.flatten(0, 1)).view(gate_up.shape[0], h.shape[0], -1)  # [E, num_tokens, inter]
+    ys = torch.matmul(act, layer.down.transpose(1, 2))  # [E, num_tokens, hidden]
+    full = torch.zeros(h.shape[0], layer.cfg.num_experts, dtype=weights.dtype, device=h.device)
+    full.scatter_(1, ids, weights)  # [num_tokens, E]
+    out = torch.zeros_like(h)
+    for e in range(layer.cfg.num_experts):  # ascending expert order, as the others
+        out += (ys[e] * full[:, e:e + 1]).to(out.dtype)
+    return out
+
+
+IMPLS = {"grouped": grouped, "per_token": per_token, "dense": dense}
+
+
+def moe_choice(device: torch.device) -> str:
+    """The implementation for the next call (read at call time: tests and benches set PDSERVE_MOE)."""
+    choice = os.environ.get("PDSERVE_MOE", "auto") or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"PDSERVE_MOE={choice!r}: name one of {', '.join(CHOICES)}")
+    if choice != "auto":
+        return choice
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "dense"  # a CUDA graph cannot hold grouped's host read of the per-expert counts
+    return "grouped"
+
+
+def moe_forward(layer: MoELayer, h: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    """h [num_tokens, hidden] (post-attention normed) -> the MoE MLP's output [num_tokens, hidden]."""
+    weights, ids = route(layer, h)
+    return IMPLS[impl or moe_choice(h.device)](layer, h, weights, ids)
