@@ -8,8 +8,8 @@ with its `serving` calibration for the pool's mode, what `PlannerCapacity` simul
     python bench/checks/autoscale_profile_check.py --clock cpu     # this process's CPU time (the profile's clock)
 
 Order: build the planner's model first (no engine), then the engine, a warm-up batch, then each grid point
-`--repeats` times (median; `cluster.planner.profiler._run_batch`, the profiler's own timing); print per point
-measured, modelled (served calibration and bare fit) and their ratio, and the geometric mean ratio per
+`--repeats` times (median; `cluster.planner.calibrate.profiler._run_batch`, the profiler's own timing); print
+per point measured, modelled (served calibration and bare fit) and their ratio, and the geometric mean ratio per
 kind; write JSON. On a shared machine wall-clock times include the neighbours: say which clock and load.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ cooldowns and a replica's start delay stay physical seconds). (2) static: the pl
 peak rate with the trace's length mix, bumped until the simulated 15:00-17:00 stretch of the real arrivals
 meets the SLO (they are burstier than the model's Poisson); the pool serves the whole day at that size.
 (3) autoscaled: the live autoscaler's decision logic (`serving/autoscale_policy.Policy`) drives
-`planner/sim_elastic` interval by interval, seeing only what a live one could (arrivals and finished requests
+`planner/sim/elastic` interval by interval, seeing only what a live one could (arrivals and finished requests
 so far); a new replica serves `--start-delay-s` after the decision that asked for it (paid from the decision),
 a removed one drains. (4) report: GPU-hours (and per 24 h), SLO attainment, scale events, and SLO misses among
 requests that arrived inside a transition (from a decision until its replica serves plus one interval, or

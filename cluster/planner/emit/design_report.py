@@ -5,12 +5,14 @@ table beside it), its cost per hour, power and goodput, the Pareto front over (g
 power min) and the homogeneous baselines; says in one sentence why the winner wins (`why_winner`: per
 phase, which machine type serves the most per dollar, watt or GPU). The plot's goodput is each design's
 whole plan simulated (`probe.PlanProbe`; in budget mode the search measured it already).
-matplotlib (Agg) is imported here only. Who calls: `hetero_cmd`, bench/repro/splitwise/repro.py (`design_table`).
+matplotlib (Agg) is imported here only. Who calls: `commands/designs_cmd`, bench/repro/splitwise/repro.py
+(`design_table`).
 """
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +21,7 @@ from cluster.planner.search.cost import pool_watts
 from cluster.planner.search.designs import Design, DesignResult
 from cluster.planner.search.pareto import pareto_front
 from cluster.planner.search.plans import PhaseChoice
+from cluster.planner.search.probe import PlanProbe
 
 UNITS = {"cost": "$/h", "goodput-per-dollar": "$/h", "power": "kW", "gpus": "GPU"}
 
@@ -148,10 +151,6 @@ def plot_designs(path: Path, designs, on_front: set[str], title: str) -> list[st
 
 def whole_plan_goodputs(req, res: DesignResult) -> DesignResult:
     """Rate mode: each design's goodput from its whole plan simulated (budget mode: already so)."""
-    from dataclasses import replace
-
-    from cluster.planner.search.probe import PlanProbe
-
     if res.budget is not None:
         return res
     designs = tuple(replace(d, goodput=PlanProbe(req, d.plan).goodput()) for d in res.designs)
