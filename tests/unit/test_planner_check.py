@@ -1,5 +1,6 @@
-"""bench/checks/planner_check.py: the planner's simulator replays what a bench probe sent on a spec's pools, and
-the comparison table applies issue 11's bounds (attainment within 5 points; P90s within 15% / 25%)."""
+"""cluster/planner/calibrate/bench_check.py (bench/checks/planner_check.py's library): the planner's
+simulator replays what a bench probe sent on a spec's pools, and the comparison table applies issue 11's
+bounds (attainment within 5 points; P90s within 15% / 25%)."""
 from __future__ import annotations
 
 import json
@@ -8,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from cluster.planner.calibrate import bench_check as pc
 from cluster.planner.inputs.workload import Request
 from cluster.planner.sim.metrics import SLO
 from cluster.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-from bench.checks import planner_check as pc  # noqa: E402
 
 SLO_ = SLO(2.0, 0.15, 0.9)
 

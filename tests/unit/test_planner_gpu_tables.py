@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import main
+from cluster.planner.calibrate import gpu_check as check
 from cluster.planner.calibrate.gpu_fit import fit_constants
 from cluster.planner.calibrate.vidur_tables import ProfileTableError, load_tables
 from cluster.planner.inputs.gpu_constants import entry_dict
@@ -20,7 +21,6 @@ from cluster.planner.latency.gpu_latency import OperatorLatency
 from cluster.planner.latency.profiles import latency_model, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
-from bench.checks import planner_gpu_check as check  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "data" / "gpu_tables"  # made from these constants by the model itself
 KNOWN = {"gemm": {"eff": 0.7, "mem_eff": 0.85, "floor_us": 6.0, "sharpness": 8.0, "n_half": 64.0},

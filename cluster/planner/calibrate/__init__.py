@@ -8,4 +8,7 @@
     vidur_tables.py  Vidur's measured operator tables
     gpu_fit.py       the GPU step model fitted to those tables (table_profile: `pdserve plan --profile`)
     gpu_fit_cmd.py   `pdserve fit-gpu`
+Checks of the models against measurements (their command lines: bench/checks/):
+    bench_check.py   the simulator on what a `pdserve bench` run sent, beside what it measured
+    gpu_check.py     the GPU step model against Vidur's measured steps, fitted and held-out rows
 """
