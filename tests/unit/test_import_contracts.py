@@ -1,8 +1,8 @@
 """docs/design.md's import rules as import-linter contracts, and no import cycle between modules.
 
 - `lint-imports` checks the contracts of pyproject.toml's [tool.importlinter] (the layers cluster ->
-  workers -> kv_transfer -> engine, where ray and grpc may be imported, the pure modules, the planner's
-  rooms); it runs in a subprocess (its CLI reconfigures logging, which would leak into other tests);
+  workers -> kv_transfer -> engine, where ray and grpc may be imported, the pure engine modules, the
+  planner's rooms and its pure core); it runs in a subprocess (its CLI reconfigures logging, which would leak into other tests);
 - grimp (import-linter's graph library) builds the import graph of the five packages, and every strongly
   connected set of modules (modules importing each other, directly or round a loop) is listed with the
   imports that close it. Imports inside functions and under TYPE_CHECKING count: a lazy import back is
@@ -21,9 +21,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "cluster")
-# cycles counted by issue 33 whose removal is under way (the planner's rooms split); each must still be a cycle
-# (a fixed one leaves this list) and no other may appear
-PENDING: list[list[str]] = []  # (the planner's two: gone with its rooms, cluster/planner/*/)
 
 
 def strongly_connected(graph: grimp.ImportGraph) -> list[list[str]]:
@@ -103,9 +100,7 @@ def test_no_import_cycle_between_modules():
     unseen = sorted(source_modules() - set(graph.modules))  # a folder without __init__.py is skipped
     assert not unseen, f"modules outside the import graph (a package missing its __init__.py?): {unseen}"
     cycles = strongly_connected(graph)
-    new = [c for c in cycles if c not in PENDING]
-    assert not new, f"{len(new)} import cycle(s):\n" + "\n".join(describe(graph, c) for c in new)
-    assert [c for c in PENDING if c not in cycles] == [], "no longer cycles: take them out of PENDING"
+    assert not cycles, f"{len(cycles)} import cycle(s):\n" + "\n".join(describe(graph, c) for c in cycles)
 
 
 def test_import_linter_contracts_are_kept():
