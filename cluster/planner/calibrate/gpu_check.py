@@ -10,12 +10,11 @@ Order: (1) fit the step model's constants (`gpu_fit`) on the FITTED rows only: A
 Llama-2-7B compute tables, the Llama-3-8B A100 attention points and the A100 NVSwitch (DGX) all-reduce
 curve; (2) carry the compute constants to the H100 by its datasheet (efficiencies are fractions of the
 peaks), so no H100 compute row is fitted on; its collectives come from its own interconnect's curve
-(H100_LINKS, below); (3) per
-model x GPU x TP x case, compose the measured step as Vidur does (layers x (the four projections, both
-norms, rope, activation, add, the attention kernel and KV-cache write where the tables have them, two
-all-reduces when TP > 1) + the embedding row) and the predicted step from the same terms
-(`gpu_latency.layer_terms`); (4) print every case, measured vs predicted and the ratio, and summaries per
-set (fitted / held-out), phase and TP, with the old roofline's ratio beside it.
+(H100_LINKS, below); (3) per model x GPU x TP x case, compose the measured step as Vidur does (layers x
+(the four projections, both norms, rope, activation, add, the attention kernel and KV-cache write where the
+tables have them, two all-reduces when TP > 1) + the embedding row) and the predicted step from the same
+terms (`gpu_latency.layer_terms`); (4) every case, measured vs predicted and the ratio, summarised per set
+(fitted / held-out), phase and TP, with the old roofline's ratio beside it (the script prints them).
 
 Collectives are a property of the interconnect (NVLink generation, NVSwitch, NCCL), not of the GPU's
 datasheet peaks: an A100 NVSwitch curve carried to the H100 keeps the A100's small-message latency (31 us
@@ -23,8 +22,8 @@ for 2 GPUs, fitted on rows of 46-60 us at 8-16 KB), where the H100 NVSwitch tabl
 16 KB; a 2-GPU decode step of Llama-2-7B (8 KB all-reduces, 64 per step) then comes out 1.5x the measured
 step. So the H100's all-reduce is the curve of its own NVSwitch (H100_LINKS: deploy/hardware.yaml's H100
 `allreduce` block, fitted on h100_dgx_all_reduce.csv, the table the measured step takes its all-reduce
-rows from: that one term is in-sample). `--h100 carried` carries the link too (no H100 row at all; the
-2-GPU B=1 decode cases miss); `--h100 entry` takes the whole H100 block (in-sample).
+rows from: that one term is in-sample). `run(h100="carried")` (`--h100 carried`) carries the link too (no
+H100 row at all; the 2-GPU B=1 decode cases miss); "entry" takes the whole H100 block (in-sample).
 Which table: Vidur composes an H100 step on its only H100 node, the DGX (its README; network_device
 h100_dgx, rows with num_workers == devices_per_node == TP); h100_pairwise_nvlink is a 4-GPU node of
 NVLink-bridged pairs (TP 4 crosses PCIe: 2 ms at 64 MB against 0.3 ms on the DGX), not an H100 SXM's.
