@@ -1,7 +1,7 @@
 """pdserve engine: model loading, Llama-family forward over a paged KV cache, sampler, `LLM`."""
 from engine.errors import (GatedModelError, HubModelError, HubRepoNotFoundError, InvalidRequestError,
                            ModelNotCachedError, OutOfPagesError, PdserveError, ReservationError, UnknownModelError,
-                           UnknownRevisionError, UnsupportedArchitectureError)
+                           UnknownRevisionError, UnsupportedArchitectureError, UnsupportedFeatureError)
 from engine.engine_config import EngineConfig
 from engine.kv_cache.spec import KVPageSpec
 from engine.outputs import RequestOutput
@@ -11,7 +11,7 @@ from engine.spec_decode.config import SpeculativeConfig
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "SpeculativeConfig", "RequestOutput", "KVPageSpec", "PdserveError",
            "InvalidRequestError", "UnknownModelError", "UnsupportedArchitectureError", "OutOfPagesError",
            "ReservationError", "HubModelError", "ModelNotCachedError", "GatedModelError", "HubRepoNotFoundError",
-           "UnknownRevisionError"]
+           "UnknownRevisionError", "UnsupportedFeatureError"]
 
 
 def __getattr__(name):  # LLM pulls in torch and transformers; import it lazily
