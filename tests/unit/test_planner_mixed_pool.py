@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import pytest
 
+from bench.repro.splitwise.baseline import ArtifactSetup
 from bench.repro.splitwise.mixed_pool import PoolLimits, _Pools, simulate_mixed_pool
 from bench.repro.splitwise.step_table import StepTable, TableLatency
 from cluster.planner.inputs.workload import Request
-from cluster.planner.sim.coloc import ColocSetup
+from cluster.planner.latency.base import Coeffs, FittedLatency, Parallel
+from cluster.planner.sim.coloc import simulate_colocated
 from cluster.planner.sim.disagg import Link
 
 TABLE = TableLatency(StepTable((1.0, 10_000.0), (0.001, 10.0), (0.010, 0.010)))
 LINK = Link(kv_bytes_per_token=1000.0, bandwidth=1e6, layers=1)  # 1 ms per prompt token
 
 
-def machines(n: int, kv: int = 100_000) -> list[ColocSetup]:
-    return [ColocSetup(TABLE, kv, 2048, 256, True)] * n
+def machines(n: int, kv: int = 100_000) -> list[ArtifactSetup]:
+    return [ArtifactSetup(TABLE, kv, 2048, 256, True)] * n
 
 
 def run(requests, prompt, token, limits=PoolLimits()):
@@ -80,11 +82,23 @@ def test_with_nothing_to_borrow_a_request_runs_whole_on_the_least_loaded_machine
 def test_the_artifacts_baseline_router_counts_prompt_tokens_to_compute_not_outputs_to_come():
     """token_jsq (`route="prompts"`) sends a short prompt to the machine decoding a long answer rather than
     behind another machine's long prompt; pdserve's router (outstanding tokens) does the opposite here."""
-    from cluster.planner.sim.coloc import simulate_colocated
-
     reqs = [Request(0.0, 10, 1000), Request(0.0001, 500, 2), Request(0.001, 10, 2)]
     ttft = {}
     for route in ("prompts", "outstanding"):
-        setups = [ColocSetup(TABLE, 100_000, 2048, 256, True, route)] * 2
+        setups = [ArtifactSetup(TABLE, 100_000, 2048, 256, True, route)] * 2
         ttft[route] = simulate_colocated(reqs, setups).results[2].ttft
     assert ttft["prompts"] < 0.05 < 0.4 < ttft["outstanding"]  # beside a decode vs behind a 500 ms prompt
+
+
+def test_whole_prompts_run_unchunked_and_batch_fcfs_within_the_budget():
+    """ArtifactSetup(whole_prompts=True), Splitwise's baselines (baseline.py): a prompt over the budget runs
+    whole and alone; two that fit together share one step."""
+    m = FittedLatency(Parallel(), Coeffs(prefill=(0.010, 2e-5, 1e-9), decode=(0.008, 1e-7, 2e-4)))
+    long = simulate_colocated([Request(0.0, 1000, 2)], [ArtifactSetup(m, 10_000, 256, whole_prompts=True)]).results[0]
+    assert long.ttft == pytest.approx(m.prefill(1000, 1000 * 1000))
+    # two short prompts queued behind a long one share the next step
+    r = simulate_colocated([Request(0.0, 1000, 1), Request(0.001, 100, 2), Request(0.002, 120, 2)],
+                           [ArtifactSetup(m, 10_000, 256, whole_prompts=True)]).results
+    first = m.mixed(1000, 1000 * 1000, 0, 0)
+    both = m.mixed(220, 100 * 100 + 120 * 120, 0, 0)
+    assert r[1].ttft == pytest.approx(first + both - 0.001) and r[2].ttft == pytest.approx(first + both - 0.002)

@@ -62,20 +62,6 @@ def test_single_request_colocated_chunks_sum_to_the_whole_prompt():
     assert r.e2e == pytest.approx(r.ttft + decode_sum(m, l, out))
 
 
-def test_whole_prompts_run_unchunked_and_batch_fcfs_within_the_budget():
-    """ColocSetup(whole_prompts=True), Splitwise's baselines: a prompt over the budget runs whole and
-    alone; two that fit together share one step."""
-    m = model()
-    long = simulate_colocated([Request(0.0, 1000, 2)], [ColocSetup(m, 10_000, 256, whole_prompts=True)]).results[0]
-    assert long.ttft == pytest.approx(m.prefill(1000, 1000 * 1000))
-    # two short prompts queued behind a long one share the next step
-    r = simulate_colocated([Request(0.0, 1000, 1), Request(0.001, 100, 2), Request(0.002, 120, 2)],
-                           [ColocSetup(m, 10_000, 256, whole_prompts=True)]).results
-    first = m.mixed(1000, 1000 * 1000, 0, 0)
-    both = m.mixed(220, 100 * 100 + 120 * 120, 0, 0)
-    assert r[1].ttft == pytest.approx(first + both - 0.001) and r[2].ttft == pytest.approx(first + both - 0.002)
-
-
 def test_pipeline_parallel_prefill_pipelines_batches():
     m = model(pp=4)
     reqs = [Request(0.0, 1000, 1), Request(0.0, 1000, 1)]

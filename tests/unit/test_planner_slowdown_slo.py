@@ -1,4 +1,4 @@
-"""Splitwise's per-request slowdown SLO (`metrics.SlowdownSLO`, issue 26): each request's TTFT, TBT and
+"""Splitwise's per-request slowdown SLO (`bench/repro/splitwise/slo.py`, issue 26): each request's TTFT, TBT and
 end-to-end time over its own time alone, bounded at P50/P90/P99; its share is 1.0 exactly when every bound
 holds; `only` keeps one phase's bounds; the goodput search uses it like the absolute SLO."""
 from __future__ import annotations

@@ -9,8 +9,8 @@ When every prompt machine has a queue past `prompt_queue_tokens`, a token machin
 and takes prompts too; when every token machine's KV is placed, a prompt machine joins it and takes
 tokens. A machine in the mixed pool goes back to its own pool once it holds nothing. With neither, a
 request runs whole on the least loaded machine (prompt and tokens together, as in a baseline).
-Every machine is a `sim.coloc` replica (whole prompts and decoding requests in one batch, under its
-token budget), so a token machine given a prompt mixes it with its decodes exactly as a baseline would.
+Every machine is an `ArtifactReplica` (baseline.py: whole prompts and decoding requests in one batch, under
+its token budget), so a token machine given a prompt mixes it with its decodes exactly as a baseline would.
 The scheduler's signals are its own bookkeeping, as in the artifact: prompt tokens placed and not yet
 computed plus one per unfinished request; KV tokens placed (prompt + output on the token side, prompt + 1
 on the prompt side) and not yet freed. Pure Python; used by bench/repro/splitwise/verify.py.
@@ -21,8 +21,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
+from bench.repro.splitwise.baseline import ArtifactReplica, ArtifactSetup
 from cluster.planner.inputs.workload import Request
-from cluster.planner.sim.coloc import ColocSetup, _Replica
 from cluster.planner.sim.disagg import Link, RunState, results_of
 from cluster.planner.sim.events import EventQueue
 from cluster.planner.sim.metrics import SimResult
@@ -33,10 +33,10 @@ class PoolLimits:
     prompt_queue_tokens: int = 8192  # a prompt machine with a queue past this takes no more prompts
 
 
-class _Machine(_Replica):
+class _Machine(ArtifactReplica):
     """A replica that also runs prompts whose tokens go elsewhere and tokens whose prompt ran elsewhere."""
 
-    def __init__(self, setup: ColocSetup, ev: EventQueue, st: RunState, pools: "_Pools", home: str):
+    def __init__(self, setup: ArtifactSetup, ev: EventQueue, st: RunState, pools: "_Pools", home: str):
         super().__init__(setup, ev, st)
         self.pools, self.home, self.role = pools, home, home
         self.prompt_only: set[int] = set()  # prompts run here, tokens elsewhere
@@ -179,7 +179,7 @@ class _Pools:
             m.role = m.home
 
 
-def simulate_mixed_pool(requests: list[Request], prompt: list[ColocSetup], token: list[ColocSetup], link: Link,
+def simulate_mixed_pool(requests: list[Request], prompt: list[ArtifactSetup], token: list[ArtifactSetup], link: Link,
                         limits: PoolLimits = PoolLimits()) -> SimResult:
     assert prompt and token and requests
     sim = _Pools(requests, prompt, token, link, limits)

@@ -8,7 +8,7 @@ things the product does not, carried by `PhaseSetup`:
   copies         n identical machines behind the router, goodput per machine (the artifact's JSQ pools;
                  `goodput`'s `copies`);
   lm             the artifact's measured iteration times (`step_table.TableLatency`) instead of the model's;
-  whole_prompts  the baselines' batching: whole prompts FCFS within the token budget (`ColocSetup`);
+  whole_prompts  the baselines' batching: whole prompts FCFS within the token budget (`baseline.py`);
   route          the baselines' router signal, prompt tokens queued ("prompts") instead of outstanding.
 Pure Python; used by repro.py.
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bench.repro.splitwise.baseline import ArtifactSetup
 from cluster.planner.latency.base import LatencyModel
 from cluster.planner.latency.profiles import latency_model
 from cluster.planner.search.configs import InstanceMemory
 from cluster.planner.search.goodput import Precision, coloc_goodput, phase_goodput
 from cluster.planner.search.plans import PhaseChoice
 from cluster.planner.search.request import PlanRequest
-from cluster.planner.sim.coloc import ColocSetup
 from cluster.planner.sim.disagg import DecodeSetup, PrefillSetup
 
 
@@ -46,7 +46,7 @@ def measure_phase(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int,
     elif kind == "decode":
         g = phase_goodput("decode", DecodeSetup(lm, mem.kv_tokens, seqs), pairs, req.slo, prec, req.seed, copies=k)
     else:
-        coloc = ColocSetup(lm, mem.kv_tokens, budget, seqs, setup.whole_prompts, setup.route)
+        coloc = ArtifactSetup(lm, mem.kv_tokens, budget, seqs, setup.whole_prompts, setup.route)
         g = coloc_goodput(coloc, pairs, req.slo, prec, req.seed, copies=k)
     max_seqs = pre_seqs if kind == "prefill" else seqs
     return PhaseChoice(kind, mem.parallel, budget, mem.kv_tokens, max_seqs, g.rate, g.binding)

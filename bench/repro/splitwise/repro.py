@@ -33,7 +33,7 @@ The paper's inputs, as its artifact (github.com/Mutinifni/splitwise-sim) states 
              the artifact's measured iteration times (deploy/profiles/splitwise-perf-model.yaml,
              `step_table.TableLatency`, a mixed iteration 1.1x), its memory (`TableMemory`), its
              batching (whole prompts in batches of 2048 tokens, decodes riding along), its schedulers
-             (baselines: token_jsq, `ColocSetup.route="prompts"`; Splitwise: prompt, token and mixed
+             (baselines: token_jsq, `baseline.ArtifactSetup.route="prompts"`; Splitwise: prompt, token and mixed
              pools, `mixed_pool`, with --verify) and its reading of "alone" and TBT (`slo_for`)
   pools      --pools K1,K2,..: each kind's per-machine goodput measured with K machines behind the router
              (least queued work: the artifact's JSQ schedulers) and interpolated in log2(n) for a pool of

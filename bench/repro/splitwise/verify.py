@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from bench.repro.splitwise.baseline import ArtifactSetup
 from bench.repro.splitwise.designs import DESIGNS, GPUS, MACHINES, MAX_LEN, machine_latency, machine_numbers
 from bench.repro.splitwise.mixed_pool import simulate_mixed_pool
 from bench.repro.splitwise.step_table import TableMemory
@@ -27,7 +28,7 @@ from cluster.planner.latency.base import Parallel
 from cluster.planner.search.configs import instance_memory
 from cluster.planner.search.goodput import bisect_rate
 from cluster.planner.search.request import PlanRequest
-from cluster.planner.sim.coloc import ColocSetup, simulate_colocated
+from cluster.planner.sim.coloc import simulate_colocated
 from cluster.planner.sim.disagg import Link
 from cluster.planner.sim.metrics import SimResult
 
@@ -77,8 +78,8 @@ def artifact_run(model, pairs, design: str, a: int, b: int, rate: float, seconds
     mem = TableMemory.load(model.name)  # (the same on every machine: 8 x 80 GiB)
     requests = poisson_requests(pairs, rate, max(REQUESTS, int(rate * seconds)), seed)
 
-    def machines(kind: str, n: int, route: str = "outstanding") -> list[ColocSetup]:
-        return [ColocSetup(machine_latency(model, kind, "artifact"), mem.kv_tokens, 2048, MAX_SEQS, True, route)] * n
+    def machines(kind: str, n: int, route: str = "outstanding") -> list[ArtifactSetup]:
+        return [ArtifactSetup(machine_latency(model, kind, "artifact"), mem.kv_tokens, 2048, MAX_SEQS, True, route)] * n
 
     if prompt is None:
         return simulate_colocated(requests, machines(token, a, "prompts"))

@@ -56,7 +56,8 @@ def build_request(args: argparse.Namespace) -> tuple[PlanRequest, dict]:
         pairs = distribution_lengths(args.input_len, args.output_len, seed=args.seed)
         workload = f"input {args.input_len}, output {args.output_len}"
     max_len = args.max_len or min(model.max_positions, 32768)
-    req = PlanRequest(model, hw, args.nodes, args.gpus_per_node, tuple(clamp(subsample(pairs, seed=args.seed), max_len)), args.rate,
+    sample = tuple(clamp(subsample(pairs, seed=args.seed), max_len))
+    req = PlanRequest(model, hw, args.nodes, args.gpus_per_node, sample, args.rate,
                       SLO(args.ttft_ms / 1000, args.tpot_ms / 1000, args.attainment), args.dtype, profile,
                       max_len, seed=args.seed)
     latency = describe_latency(profile, hw, args.corun)

@@ -3,7 +3,7 @@
 Between two events a decode batch is fixed (B sequences) and its context grows by B per step, so step j
 takes t(j) = max(a1 + b1*(C0 + jB), a2 + b2*(C0 + jB)) (`LatencyModel.decode_lines`). `run_time(k)` sums
 k steps exactly; `steps_before(limit)` is the most steps that all end before `limit` seconds (bisection
-on the increasing sum). Used by `sim.disagg._Decode` and `sim.coloc._Replica` in decode-only stretches.
+on the increasing sum). Used by `sim.disagg._Decode` and `sim.coloc.Replica` in decode-only stretches.
 """
 from __future__ import annotations
 

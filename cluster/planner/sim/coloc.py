@@ -2,15 +2,15 @@
 
 A replica's step (vLLM/Sarathi chunked prefill, like `engine.LLM`'s scheduler): every running decode
 sequence brings one token; the rest of the token budget goes to prompt chunks, FCFS over admitted
-requests (`whole_prompts`: ORCA-style, whole prompts FCFS within the budget, decodes riding along). A
-request is admitted (FIFO) when its reserved KV (prompt + output) fits the replica's capacity and the
-sequence cap. Step time = `model.mixed(chunk tokens, chunk SQ, B, C)`; a prompt whose last chunk
+requests. A request is admitted (FIFO) when its reserved KV (prompt + output) fits the replica's capacity
+and the sequence cap. Step time = `model.mixed(chunk tokens, chunk SQ, B, C)`; a prompt whose last chunk
 ran gets its first token at the end of that step (TTFT) and decodes from the next step on.
-Requests go to the replica with the fewest outstanding tokens at arrival (`route`: or splitwise-sim's
-signal, the fewest prompt tokens to compute plus unfinished requests). Replicas on one node's memory
-bus (`Sharing`, `bus.py`) slow each other: a step's prompt-chunk part is scaled by the prefill co-run
-factor and its decode part by the decode factor, both read at the step's start. Pure Python; called by
-`search` and `report` on equal terms with `disagg`.
+Requests go to the replica with the fewest outstanding tokens at arrival (`Replica.load`). Replicas on
+one node's memory bus (`Sharing`, `bus.py`) slow each other: a step's prompt-chunk part is scaled by the
+prefill co-run factor and its decode part by the decode factor, both read at the step's start.
+A setup builds its replica (`ColocSetup.replica`): the Splitwise reproduction's baselines batch and route
+their own way by subclassing both (bench/repro/splitwise/baseline.py), and its mixed pools subclass
+`Replica`. Pure Python; called by `search` and `report` on equal terms with `disagg`, and by `elastic`.
 """
 from __future__ import annotations
 
@@ -34,15 +34,13 @@ class ColocSetup:
     kv_tokens: int
     token_budget: int = 2048  # tokens per step: decode tokens first, prompt chunks fill the rest
     max_seqs: int = 256
-    # whole prompts, no chunks (ORCA-style mixed batching, Splitwise's baselines): FCFS prompts while
-    # their tokens fit the budget, the first one always (a longer prompt runs alone), decodes ride along
-    whole_prompts: bool = False
-    # the router's signal: "outstanding" prompt + output tokens not yet done (pdserve's router), or
-    # "prompts": prompt tokens not yet computed plus one per unfinished request (splitwise-sim's token_jsq)
-    route: str = "outstanding"
+
+    def replica(self, ev: EventQueue, st: RunState, bus: tuple[Bus, int] = (ALONE, 0)) -> "Replica":
+        """The simulated engine this setup describes."""
+        return Replica(self, ev, st, bus)
 
 
-class _Replica:
+class Replica:
     def __init__(self, setup: ColocSetup, ev: EventQueue, st: RunState, bus: tuple[Bus, int] = (ALONE, 0)):
         self.s, self.ev, self.st = setup, ev, st
         self.bus, self.me = bus
@@ -55,18 +53,16 @@ class _Replica:
         self.finishing: list[tuple[int, int]] = []
         self.stepping = False
         self.outstanding = 0  # prompt + output tokens not yet done: the router's load signal
-        self.prompt_load = 0  # prompt tokens not yet computed + unfinished requests (route "prompts")
 
     def _need(self, i: int) -> int:
         return self.st.reqs[i].input_len + self.st.reqs[i].output_len
 
     def load(self) -> int:
-        return self.prompt_load if self.s.route == "prompts" else self.outstanding
+        return self.outstanding
 
     def arrive(self, i: int) -> None:
         self.waiting.append(i)
         self.outstanding += self._need(i)
-        self.prompt_load += self.st.reqs[i].input_len + 1
         if not self.stepping:
             self._step()
 
@@ -82,8 +78,6 @@ class _Replica:
 
     def _plan_chunks(self) -> tuple[list[tuple[int, int]], int, float]:
         """Prompt chunks for this step: (request, chunk) pairs, their tokens and attention SQ term."""
-        if self.s.whole_prompts:
-            return self._whole_prompts()
         budget = self.s.token_budget - self.batch
         chunks, tokens, sq = [], 0, 0.0
         for i in self.prefilling:
@@ -93,16 +87,6 @@ class _Replica:
             c = min(self.st.reqs[i].input_len - p, budget)
             chunks.append((i, c))
             tokens, sq, budget = tokens + c, sq + c * (2 * p + c), budget - c
-        return chunks, tokens, sq
-
-    def _whole_prompts(self) -> tuple[list[tuple[int, int]], int, float]:
-        chunks, tokens, sq = [], 0, 0.0
-        for i in self.prefilling:
-            n = self.st.reqs[i].input_len
-            if chunks and tokens + n > self.s.token_budget:
-                break
-            chunks.append((i, n))
-            tokens, sq = tokens + n, sq + n * n
         return chunks, tokens, sq
 
     def _step(self) -> None:
@@ -162,7 +146,6 @@ class _Replica:
         for i, c in chunks:
             self.done_tokens[i] += c
             self.outstanding -= c
-            self.prompt_load -= c
             r = st.reqs[i]
             if self.done_tokens[i] < r.input_len:
                 continue
@@ -187,7 +170,6 @@ class _Replica:
         self.used -= self._need(i)
         self.seqs -= 1
         self.outstanding -= self.st.reqs[i].output_len
-        self.prompt_load -= 1
 
 
 def simulate_colocated(requests: list[Request], replicas: list[ColocSetup], sharing: Sharing | None = None) -> SimResult:
@@ -195,10 +177,10 @@ def simulate_colocated(requests: list[Request], replicas: list[ColocSetup], shar
     assert replicas and requests
     ev, st = EventQueue(), RunState(requests)
     buses = sharing.buses(len(replicas)) if sharing is not None else [(ALONE, k) for k in range(len(replicas))]
-    reps = [_Replica(s, ev, st, b) for s, b in zip(replicas, buses)]
+    reps = [s.replica(ev, st, b) for s, b in zip(replicas, buses)]
 
     def arrive(i: int) -> None:
-        min(reps, key=_Replica.load).arrive(i)
+        min(reps, key=lambda r: r.load()).arrive(i)
 
     late = replicas[0].model.admission_s  # the runtime's routing before a replica sees it
     for i, r in enumerate(requests):

@@ -21,7 +21,7 @@ from typing import Callable
 
 from cluster.planner.inputs.workload import Request
 from cluster.planner.sim.bus import ALONE
-from cluster.planner.sim.coloc import ColocSetup, _Replica
+from cluster.planner.sim.coloc import ColocSetup, Replica
 from cluster.planner.sim.disagg import RunState, results_of
 from cluster.planner.sim.events import EventQueue
 from cluster.planner.sim.metrics import SimResult
@@ -52,10 +52,10 @@ class ElasticResult:
 class _Pool:
     def __init__(self, setup: ColocSetup, ev: EventQueue, st: RunState, start_delay_s: float):
         self.setup, self.ev, self.st, self.delay = setup, ev, st, start_delay_s
-        self.serving: list[_Replica] = []
+        self.serving: list[Replica] = []
         self.starting = 0
         self.cancelled = 0  # starting replicas given up before they served (their start events still fire)
-        self.draining: list[tuple[_Replica, float]] = []  # (replica, paid since)
+        self.draining: list[tuple[Replica, float]] = []  # (replica, paid since)
         self.paid_since: dict[int, float] = {}  # id(replica) -> decision time
         self.paid = 0.0
         self.finished: list[int] = []
@@ -77,7 +77,7 @@ class _Pool:
             self.cancelled -= 1
             self.paid += self.ev.now - since  # paid while it was starting
             return
-        r = _Replica(self.setup, self.ev, self.st, (ALONE, 0))
+        r = self.setup.replica(self.ev, self.st, (ALONE, 0))
         finish = r._finish
 
         def finished(i: int, now: float) -> None:  # the controller's view of finished requests
