@@ -20,6 +20,6 @@ Rooms, each below the next (a room imports only the ones above it in this list, 
 The core (inputs, latency, sim, search) is pure Python: no torch, numpy, ray, engine or cluster.spec.
 `emit/spec_writer.py` alone reaches the engine's config modules (no torch): it checks the spec it writes
 with the cluster's own schema (`cluster.spec`) and names the architectures the engine runs.
-Reproduction-only code (Splitwise's mixed pools, its step tables and slowdown SLO) lives in
-bench/repro/splitwise/, not here.
+Reproduction-only code (Splitwise's mixed pools and baseline machines, its step tables and slowdown SLO, its
+per-instance measurement) lives in bench/repro/splitwise/, not here.
 """
