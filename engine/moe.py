@@ -12,7 +12,8 @@ Order of `moe_forward(layer, h)`:
     `moe_choice()` names, each summing a token's k weighted expert outputs in ascending expert order
     (as transformers' `index_add_` does, so float32 results agree):
   "grouped" (default): the step's (token, expert) assignments sorted by expert; each active expert runs one
-      GEMM over all of its rows, so its weights are read once per step however many tokens chose it.
+      GEMM over all of its rows, so its weights are read once per step however many tokens chose it (up to
+      `HOST_GROUPING_MAX` assignments grouped in Python from the ids instead: no sort kernels at batch 1-4).
   "per_token" (the reference): each token runs its k experts one row at a time: weights read once per
       assignment. Plain torch; the grouped path's test compares against it.
   "dense": every expert on every row through two batched matmuls over the stacked weights, unchosen experts
@@ -34,6 +35,7 @@ from engine.kernels.cpu.activations import swiglu
 from engine.linear import Linear
 
 CHOICES = ("auto", "grouped", "per_token", "dense")
+HOST_GROUPING_MAX = 8  # assignments (tokens x top-k) up to which `grouped` groups on the host (no sort kernels)
 
 
 @dataclass
@@ -115,8 +117,8 @@ def per_token(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torc
 def grouped(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Assignments grouped by expert: one GEMM per active expert over all of its rows."""
     t, k = ids.shape
-    if t == 1:  # one token: its k experts are distinct, nothing to group (and no sort to pay for)
-        return per_token(layer, h, weights, ids)
+    if t * k <= HOST_GROUPING_MAX:
+        return _grouped_on_host(layer, h, weights, ids)
     flat = ids.reshape(-1)  # [t * k] expert of each assignment, token-major
     order = torch.argsort(flat, stable=True)  # assignments by expert, tokens ascending within one
     counts = torch.bincount(flat, minlength=layer.cfg.num_experts).tolist()  # the host sync (see moe_choice)
@@ -131,6 +133,26 @@ def grouped(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.
     ys = (torch.cat(outs) * ws).to(h.dtype)  # weighted, rounded to the model dtype as transformers does
     # one index_add in sorted order: each token's outputs summed in ascending expert order
     return torch.zeros_like(h).index_add_(0, rows, ys)
+
+
+def _grouped_on_host(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`grouped` for a few assignments (decode at small batch): grouped in Python from the ids, an expert
+    chosen once reads its token's row in place; the sort, gather and scatter kernels would cost more than
+    they save."""
+    by_expert: dict[int, list[tuple[int, int]]] = {}  # expert -> (token, slot) pairs, tokens ascending
+    for tok, row in enumerate(ids.tolist()):
+        for j, e in enumerate(row):
+            by_expert.setdefault(e, []).append((tok, j))
+    w = weights.tolist()  # Python floats hold the float32 / bf16 values exactly: y * w rounds as y * tensor
+    out = torch.zeros_like(h)  # [num_tokens, hidden]
+    for e in sorted(by_expert):  # ascending expert order: each token's sum in transformers' order
+        pairs = by_expert[e]
+        tok = pairs[0][0]
+        x = h[tok:tok + 1] if len(pairs) == 1 else h[[p[0] for p in pairs]]  # [rows, hidden]
+        y = expert(layer, e, x)  # expert e's weights read once for all of its rows
+        for r, (tok, j) in enumerate(pairs):
+            out[tok:tok + 1] += (y[r:r + 1] * w[tok][j]).to(out.dtype)
+    return out
 
 
 def dense(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

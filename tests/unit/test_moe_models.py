@@ -5,8 +5,8 @@ index, one in transformers 5's fused expert layout) are served from a directory 
 Hub cache: greedy tokens equal transformers' generate() for one prompt and for 8 ragged prompts run
 together (chunked prefill, continuous batching). The MoE layer's implementations (grouped, per-token
 reference, dense) agree with each other and with transformers' router and sparse block; prefix caching,
-draft-verify decoding and a prefill -> decode KV handoff give the plain engine's tokens; unsupported config
-features and tensor parallelism of experts are typed errors naming what is missing.
+draft-verify decoding and KV transfer (prefill engine -> decode engine) give the plain engine's tokens;
+unsupported config features and tensor parallelism of experts are typed errors naming what is missing.
 """
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig, MoEConfig
 from engine.errors import UnsupportedArchitectureError, UnsupportedFeatureError
+from engine import moe
 from engine.moe import IMPLS, load_moe_layer, moe_forward, route
 from engine.parallel.errors import UnsupportedWithParallelError
 from engine.parallel.validate import check_supported as check_parallel
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
 from tests.hub_cache import hub_env, lay_out
+from tests.kv_helpers import close_all, ship_all
 from tests.tiny_moe_models import hf_greedy, hf_moe_config, write_tiny_moe
 
 NEW = 16
@@ -124,9 +126,11 @@ def test_router_and_block_equal_transformers(arch, over):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 16, 37])
-def test_grouped_equals_the_per_token_reference(dtype, rows):
+@pytest.mark.parametrize("host_max", [moe.HOST_GROUPING_MAX, 0, 10 ** 6])  # default; always sort; never sort
+def test_grouped_equals_the_per_token_reference(dtype, rows, host_max, monkeypatch):
     """Each expert's rows in one GEMM (weights read once) vs one row at a time: the same numbers up to
     rounding (bf16: one bf16 step of the outputs' scale)."""
+    monkeypatch.setattr(moe, "HOST_GROUPING_MAX", host_max)
     _, layer = _layer("qwen3_moe", dtype, seed=5)
     h = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(dtype)
     ref = moe_forward(layer, h, "per_token")
@@ -173,28 +177,15 @@ def test_prefix_caching_and_speculation_keep_plain_tokens(model):
     assert spec.spec.stats.num_drafted > 0
 
 
-def test_prefill_elsewhere_then_decode_equals_one_engine(model):
-    """What KV transfer does, by hand: prefill-only on one engine, its pages copied into another's
-    reservation (another page size), decoding there gives the one-engine tokens."""
+def test_kv_transfer_round_trip_equals_one_engine(model):
+    """A prefill engine ships each prompt's KV layer by layer (KVSender -> KVReceiver over the in-process
+    fake transport) into another page size; decoding there gives the one-engine tokens."""
     d, _ = model("mixtral")
     want = run(make(d), RAGGED[:3])
-    prefill, decode = make(d, page_size=4), make(d, page_size=8)
-    got = []
-    for p in RAGGED[:3]:
-        rid = prefill.add_request(p, GREEDY, prefill_only=True)
-        first = [o for o in prefill.generate_until_idle() if o.request_id == rid][0].token_ids[0]
-        pages, n = prefill.held_pages(rid)
-        res = decode.reserve(n)
-        for layer in range(prefill.config.num_layers):
-            src = torch.tensor([pages[i // 4] * 4 + i % 4 for i in range(n)])
-            dst = torch.tensor([res.pages[i // 8] * 8 + i % 8 for i in range(n)])
-            decode.backend.write(layer, dst, *prefill.backend.read(layer, src))
-        prefill.release_held(rid)
-        did = decode.add_prefilled_request(p, first, res.reservation_id, GREEDY)
-        got.append([o for o in decode.generate_until_idle() if o.request_id == did][-1].token_ids)
+    pre, dec = make(d, page_size=4, max_num_batched_tokens=16), make(d, page_size=8)
+    got, _, (tx, rx, transport) = ship_all(pre, dec, RAGGED[:3], GREEDY)
     assert_greedy_equal(want, got)
-    assert_engine_empty(prefill)
-    assert_engine_empty(decode)
+    close_all(tx, rx, transport, [pre, dec])
 
 
 def test_served_by_hub_id_from_a_sharded_snapshot(model, tmp_path, monkeypatch):
