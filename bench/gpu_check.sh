@@ -29,6 +29,7 @@ if [ "${TINY:-0}" = 1 ]; then
     --kv int8 --verify 4 --out "$W"
   run 300 $PY bench/gpu/decode_floor.py --device cpu --model random:tiny --context 96 --batches 2 --steps 2 \
     --modes graphs,triton --sparse 32 --out "$W/quest"
+  run 120 $PY bench/gpu/int8_cells.py --device cpu --batch 2 --context 40 --heads 4,2,16 --reps 1
   run 300 $PY bench/gpu/profile_step.py --device cpu --model random:tiny --context 64 --batch 4 --steps 2 \
     --modes graphs --kv int8 --host --out "$W"
   run 300 $PY bench/gpu/disagg_check.py --model tiny --dtype float32 --prompt-len 24 --tokens 8 --graphs static \
@@ -47,6 +48,7 @@ run 170 $PY bench/gpu/decode_floor.py --model random:llama-3-8b --context 2048 -
 run 60 $PY bench/gpu/decode_floor.py --model random:smollm2-135m --context 1024 --batches 1,64 --steps 30 --out "$W"
 run 45 $PY bench/gpu/profile_step.py --model random:smollm2-135m --context 1024 --batch 64 --steps 20 \
   --modes graphs --host --out "$W"
+run 30 $PY bench/gpu/int8_cells.py --batch 128 --context 2048
 run 60 $PY bench/gpu/profile_step.py --model random:llama-3-8b --context 2048 --batch 128 --steps 3 \
   --modes graphs,triton --kv int8 --out "$W"
 run 90 env -u PDSERVE_ATTENTION $PY -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_attention.py tests/gpu/test_cuda_kv_transfer.py -q

@@ -48,6 +48,7 @@ from cluster.spec_sections import (RAY_RESERVED, EvictionSpec, KVPages, Reliabil
                                    prefix_problems, sparse_problems)
 from cluster.spec_autoscaling import AutoscalingSpec, autoscaling_problems
 from engine.config import ModelConfig
+from engine.engine_config import EngineConfig
 from kv_transfer.config import LOOPBACK_HOSTS, TOKEN_ENV
 
 __all__ = ["ClusterSpec", "Pool", "SpecError", "Problem", "load_spec", "parse_spec", "resolve_model_config"]
@@ -314,8 +315,12 @@ class ClusterSpec(_Section):
             problems += [Problem(f"pools.{name}.{p.key}", p.reason) for p in _model_problems(pool, config)]
         _fail_if(problems)
 
+    def engine_config(self, pool: str) -> EngineConfig:
+        """The engine config of one replica of `pool` (what its worker builds `engine.LLM` from)."""
+        return EngineConfig.of(self.engine_kwargs(pool))
+
     def engine_kwargs(self, pool: str) -> dict[str, Any]:
-        """Keyword arguments for `engine.LLM` for one replica of `pool`."""
+        """The settings of `pool` that differ from an engine's defaults, as `EngineConfig` field names."""
         p = self.pools_in_use()[pool]
         kw = {"model": self.model, "dtype": self.dtype, "page_size": p.kv.page_size, "num_pages": p.kv.num_pages,
               "max_num_seqs": p.max_num_seqs, "max_num_batched_tokens": p.max_num_batched_tokens,

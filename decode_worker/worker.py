@@ -31,7 +31,7 @@ Per request, the last `DecodeDelta` carries `kv`: kv_pages (the most KV pages it
 its reservation on: `BlockTables.peak_pages`) and, for a request whose KV came over the wire, kv_bytes
 (payload bytes of its committed transfer); the router folds both into the request's timeline.
 
-Prefix caching (`engine_kwargs["enable_prefix_caching"]`): `reserve` hands the prompt to the receiver, which
+Prefix caching (`EngineConfig.enable_prefix_caching`): `reserve` hands the prompt to the receiver, which
 shares the engine's cached prefix pages into the reservation; the descriptor's `kv_start` tells the prefill
 side to ship only the KV after them. `prefix_info` (salt, page size, pages) lets the router name this
 worker's pages with the engine's own hash chain; `stats()` reports `prefix_*` and `kv_bytes_not_received`.
@@ -39,7 +39,7 @@ worker's pages with the engine's own hash chain; `stats()` reports `prefix_*` an
 Colocated mode uses the same class without a receiver (`serve_kv=False`): `add_request()` runs both
 phases on this engine.
 
-Draft-verify decoding: `engine_kwargs["speculative"]` (a dict from the pool's YAML `speculative:` section,
+Draft-verify decoding: `EngineConfig.speculative` (a dict from the pool's YAML `speculative:` section,
 or an `engine.spec_decode.SpeculativeConfig`) turns it on in the engine (engine/spec_decode: proposers,
 verify, adaptive length, load-aware gate); a request's `params.speculative` overrides it per request.
 `stats()` reports its counters as `spec_*` fields.
@@ -51,6 +51,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from engine.engine_config import EngineConfig
 from engine.errors import OutOfPagesError, PdserveError
 from engine.llm import LLM
 from engine.outputs import RequestOutput
@@ -121,12 +122,12 @@ class _Entry:
 
 
 class DecodeWorker:
-    def __init__(self, engine_kwargs: dict, receiver_config: ReceiverConfig | None = None, transport="grpc",
+    def __init__(self, engine: EngineConfig | dict, receiver_config: ReceiverConfig | None = None, transport="grpc",
                  failure_policy: str = "fail", serve_kv: bool = True, llm: LLM | None = None):
-        """`transport`: a name in `kv_transfer.contract.TRANSPORTS` or a transport object (tests);
+        """`engine`: the engine's config (or a dict of its fields); `transport`: a name in `kv_transfer.contract.TRANSPORTS` or a transport object (tests);
         `serve_kv=False`: a colocated replica (no receiver); `llm`: an engine built by the caller (tests)."""
         assert failure_policy in ("fail", "recompute"), failure_policy
-        self.llm = llm if llm is not None else LLM(**engine_kwargs)
+        self.llm = llm if llm is not None else LLM(EngineConfig.of(engine))
         self.failure_policy = failure_policy
         self._entries: dict[str, _Entry] = {}
         self._by_reservation: dict[str, str] = {}

@@ -45,6 +45,7 @@ class AttnGroup:
     sparse_rows: list | None = None  # per row: its own sparse config or None (full); None: the backend's for all
     lens: torch.Tensor | None = None  # [batch] int32 ctx_lens on the device (CUDA kernels; see device_lens)
     splits: int = 0  # KV splits per row of the CUDA paged kernel; 0: chosen at first use (a graph fixes it)
+    static: bool = False  # a static-shape step (graph_decode): page tables of fixed width, lengths on the device
 
     def host_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The page table [batch, pages] and slot counts [batch] as int64 numpy arrays (CPU kernels),

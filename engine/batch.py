@@ -7,6 +7,7 @@ logits, and whether to sample.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -50,3 +51,16 @@ class SeqResult:
 class StepOutput:
     results: list[SeqResult]
     observations: dict[tuple[str, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingStep:
+    """A step launched on the device whose sampled ids are not read yet: the host may do other work (the
+    previous step's detokenizing) before `wait()`. `overlaps`: the step really runs behind the host (its
+    outputs may be emitted one step later); False for a step that already ran to the end."""
+    wait: Callable[[], StepOutput]
+    overlaps: bool = False
+
+    @staticmethod
+    def done(out: StepOutput) -> "PendingStep":
+        return PendingStep(lambda: out)

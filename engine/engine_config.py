@@ -37,6 +37,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 
+    @staticmethod
+    def of(value: "EngineConfig | dict") -> "EngineConfig":
+        """A config as given, or one built from a dict of its fields (an unknown name: a TypeError naming it)."""
+        return value if isinstance(value, EngineConfig) else EngineConfig().with_options(**value)
+
     def with_options(self, **options) -> "EngineConfig":
         """A copy with some fields changed; an unknown name is a TypeError naming it."""
         unknown = set(options) - {f.name for f in fields(self)}

@@ -108,6 +108,7 @@ class LLM:
                                    self.tables, eos)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
+        self._deferred: list[Request] = []  # sampled by a step that overlapped the host: not emitted yet
         self.clock = clock
         self.keep_logits = keep_logits  # tests: keep each sampled position's float32 logits on the request
         self.eviction = EvictionPolicy.of(kv_eviction)  # which KV survives (kv_cache/eviction, engine/evictor)
@@ -207,33 +208,53 @@ class LLM:
 
     # ---- stepping ----------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._deferred)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step; its outputs. A step that runs behind the host (a static-shape decode step on a
+        GPU) has its tokens detokenized during the next step, while the device computes that one: its
+        outputs come one step later, and a stop string found then discards the one token computed past it."""
         self.allocator.expire()
         sched = self.scheduler.schedule()
-        if sched.empty:
-            return []
-        if self.spec is not None:
-            return self.spec.step(sched)
-        out = self.runner.execute(self._batch(sched))
-        return self._finish_step(sched, out.results, out.observations)
+        if sched.empty or self.spec is not None:
+            earlier = self._emit(self._detokenize_deferred())
+            return earlier + (self.spec.step(sched) if not sched.empty else [])
+        pending = self.runner.launch(self._batch(sched))
+        done = self._detokenize_deferred()  # the host's share that overlaps the device's
+        out = pending.wait()
+        earlier = self._emit(done)  # before the update: a request a stop string ended takes no more tokens
+        return earlier + self._finish_step(sched, out.results, out.observations, defer=pending.overlaps)
 
     def _finish_step(self, sched: SchedulerOutput, results: list[SeqResult],
-                     observations: dict | None = None) -> list[RequestOutput]:
-        """Apply a plain step's results (one sampled token per sampling chunk); the outputs."""
+                     observations: dict | None = None, defer: bool = False) -> list[RequestOutput]:
+        """Apply a plain step's results (one sampled token per sampling chunk); the outputs (none when
+        `defer`: the next step detokenizes them)."""
         self.evictor.apply(sched.chunks, observations or {})
         sampled = {r.request_id: r.sampled for r in results if r.sampled is not None}
         if self.keep_logits:
             for c, r in zip(sched.chunks, results):
-                if c.sample:
+                if c.sample and not c.request.finished:
                     c.request.logits.append(r.logits[-1].clone())
         self.scheduler.update(sched, sampled, self.clock())
-        outs = []
-        for c in sched.chunks:
-            if c.sample:
-                outs.append(self._output(c.request))
-        return outs
+        sampling = [c.request for c in sched.chunks if c.sample]
+        if defer:
+            self._deferred = sampling
+            return []
+        return [self._output(req) for req in sampling]
+
+    def _detokenize_deferred(self) -> list[tuple[Request, RequestOutput | None]]:
+        """The deferred requests' outputs (aborted ones dropped); None for one whose text hit a stop string
+        while it runs: `_emit` ends it once the step in flight is done with its pages."""
+        reqs, self._deferred = self._deferred, []
+        done = []
+        for r in reqs:
+            if self.requests.get(r.request_id) is r:
+                hit = self.outputs.advance(r)
+                done.append((r, None if hit and not r.finished else self._output(r, False)))
+        return done
+
+    def _emit(self, done: list[tuple[Request, RequestOutput | None]]) -> list[RequestOutput]:
+        return [out if out is not None else self._output(req, True) for req, out in done]
 
     def _batch(self, sched: SchedulerOutput) -> StepBatch:
         seqs, observe = [], self.evictor.observe(sched)
@@ -264,8 +285,9 @@ class LLM:
     def num_evicted_tokens(self) -> int:
         return self.evictor.num_evicted_tokens
 
-    def _output(self, req: Request) -> RequestOutput:
-        if self.outputs.advance(req) and not req.finished:
+    def _output(self, req: Request, stop_hit: bool | None = None) -> RequestOutput:
+        """`stop_hit`: `outputs.advance(req)` already run (a deferred step's text), else run here."""
+        if (self.outputs.advance(req) if stop_hit is None else stop_hit) and not req.finished:
             self.scheduler.finish(req, "stop")
         if req.finished:
             self.requests.pop(req.request_id, None)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from engine.attention_context import AttentionContext, SeqLayout, build_context
-from engine.batch import SeqResult, StepBatch, StepOutput
+from engine.batch import PendingStep, SeqResult, StepBatch, StepOutput
 from engine.model import LlamaForward
 from engine.sampler import sample_batch
 
@@ -37,9 +37,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput:
+        return self.launch(batch).wait()
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Start the step; a static-shape decode step returns before its sampled ids are read (the engine
+        detokenizes the previous step meanwhile), any other step returns done."""
         if self.graphs is not None and not self._layer_hooks and self.graphs.takes(batch):
-            return self.graphs.execute(batch)
-        return self.finish(batch, *self.run_layers(batch))
+            return self.graphs.launch(batch)
+        return PendingStep.done(self.finish(batch, *self.run_layers(batch)))
 
     @torch.inference_mode()
     def run_layers(self, batch: StepBatch, hidden: torch.Tensor | None = None

@@ -110,13 +110,18 @@ def sample_one(logits: torch.Tensor, req: SampleRequest) -> SampledToken:
     return SampledToken(token, float(lp[token]), top)
 
 
+def plain_greedy(r: SampleRequest) -> bool:
+    """A row whose token is the argmax of its logits alone: no penalties, logprobs or min_tokens mask."""
+    p = r.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and r.output_index >= p.min_tokens)
+
+
 def sample_batch(logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampledToken]:
     """logits: [n, vocab] on any device; greedy rows without penalties, logprobs or min_tokens masking share
     one argmax, on the logits' device (CUDA: only their B token ids cross to the host); the other rows are
     sampled here on the CPU."""
-    plain = [i for i, r in enumerate(reqs) if r.params.greedy and r.params.logprobs is None
-             and r.params.repetition_penalty == 1.0 and not r.params.presence_penalty
-             and not r.params.frequency_penalty and r.output_index >= r.params.min_tokens]
+    plain = [i for i, r in enumerate(reqs) if plain_greedy(r)]
     out: list[SampledToken | None] = [None] * len(reqs)
     if plain:
         rows = logits if len(plain) == len(reqs) else logits[plain]  # all plain: no [n, vocab] copy

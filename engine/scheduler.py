@@ -159,6 +159,8 @@ class Scheduler:
         ended = []
         for c in out.chunks:
             req = c.request
+            if req.finished:  # ended while the step ran (a deferred stop string, an abort): its token is dropped
+                continue
             req.num_computed += c.num_tokens
             if not c.sample:
                 continue

@@ -14,7 +14,7 @@ method runs on that thread. Life of a request here (docs/design.md "Life of a re
 
 The engine batches waiting prompts by its token budget (`max_num_batched_tokens`) and admits them by free
 pages. `stats()` reports the queued prefill tokens the router balances on, and the KV bytes shipped.
-Prefix caching (`engine_kwargs["enable_prefix_caching"]`): a prompt starts after the longest prefix this
+Prefix caching (`EngineConfig.enable_prefix_caching`): a prompt starts after the longest prefix this
 engine has cached (prefill tokens saved), and only the KV from the descriptor's `kv_start` on is shipped
 (the decode side holds the rest); `stats()` counts `prefix_*`, `prefill_tokens_saved` and the bytes not
 sent; `prefix_info` lets the router name this engine's pages (`PrefixCache.info()`).
@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine.engine_config import EngineConfig
 from engine.errors import PdserveError
 from engine.llm import LLM
 from engine.outputs import RequestOutput
@@ -81,11 +82,12 @@ class PrefillStats:
 
 
 class PrefillWorker:
-    def __init__(self, engine_kwargs: dict, sender_config: SenderConfig | None = None, transport="grpc",
+    def __init__(self, engine: EngineConfig | dict, sender_config: SenderConfig | None = None, transport="grpc",
                  llm: LLM | None = None):
-        """`transport`: a name in `kv_transfer.contract.TRANSPORTS` or a transport object (tests share
-        one in-process `FakeTransport` between workers). `llm`: an engine built by the caller (tests)."""
-        self.llm = llm if llm is not None else LLM(**engine_kwargs)
+        """`engine`: the engine's config (or a dict of its fields); `transport`: a name in
+        `kv_transfer.contract.TRANSPORTS` or a transport object (tests share one in-process `FakeTransport`
+        between workers). `llm`: an engine built by the caller (tests)."""
+        self.llm = llm if llm is not None else LLM(EngineConfig.of(engine))
         self.transport = make_transport(transport) if isinstance(transport, str) else transport
         from kv_transfer.sender import KVSender  # after the engine: the sender hooks into its runner
 

@@ -8,8 +8,9 @@ stepped --steps times under each mode in turn:
 For graphs, the GPU time of each replay (CUDA events around it) is reported too: step - GPU is the host's
 part (scheduling, inputs, sampling, detokenizing), which nothing overlaps with the GPU yet.
 `--kv int8` adds int8-page rows (a second engine, the first freed): graphs mode, ratio to bf16 graphs.
-`--sparse BUDGET` adds Quest rows (sparse attention with that token budget; a second engine; its path: Triton
-eager, as a user gets it) beside the full-attention rows of the same batch and context (e.g. 8 x 32k).
+`--sparse BUDGET` adds Quest rows (sparse attention with that token budget; a second engine: graphs, where the
+choice runs on the device, and Triton eager) beside the full-attention rows of the same batch and context
+(e.g. 8 x 32k), each row's ratio to them in `over_full`.
 The floor: (weight bytes + K/V bytes the step reads) / the device-to-device copy bandwidth measured at the
 start of the run (bytes read + written per second), so ratio = step / floor. Steps are whole `LLM.step()`
 calls (scheduling, sampling and detokenizing included), synchronised before and after.
@@ -213,6 +214,13 @@ def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes
     return rows
 
 
+def static_step(llm: LLM, max_batch: int):
+    """CPU dry runs: the graphs' static step, run eagerly."""
+    from engine.kernels.cuda.graph_decode import GraphDecode
+
+    return GraphDecode(llm.model, llm.backend, llm.kv_spec.page_size, max_batch, llm.max_model_len, use_graphs=False)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:llama-3-8b")
@@ -225,7 +233,7 @@ def main(argv=None) -> int:
                     help="also a static verify step of 1 + K tokens a row vs a plain one, at batch 16")
     ap.add_argument("--kv", default="", help="int8: also int8-page rows at the largest batch (graphs mode)")
     ap.add_argument("--sparse", type=int, default=0, metavar="BUDGET",
-                    help="also Quest rows (token budget BUDGET) at the largest batch, Triton eager")
+                    help="also Quest rows (token budget BUDGET) at the largest batch, beside full attention")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -241,8 +249,7 @@ def main(argv=None) -> int:
         graphs = llm.decode_graphs
         result["capture_s"] = round(graphs.capture_s, 2) if graphs else None
         if graphs is None and "graphs" in modes:
-            from engine.kernels.cuda.graph_decode import GraphDecode  # CPU dry run: the static step, eagerly
-            graphs = GraphDecode(llm.model, llm.backend, 16, max(batches), llm.max_model_len, use_graphs=False)
+            graphs = static_step(llm, max(batches))
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s; load {result['load_s']} s; capture {result['capture_s']} s",
               flush=True)
         for b in batches:
@@ -262,7 +269,9 @@ def main(argv=None) -> int:
             cfg = {"method": "quest", "budget": a.sparse}
             llm = build(a.model, a.device, max(batches), a.context, (a.steps + 3) * len(modes), Path(tmp),
                         sparse=cfg)
-            rows = run_batch(llm, a.device, max(batches), a.context, a.steps, ["triton"], None, bw)
+            quest_modes = [m for m in ("graphs", "triton") if m in modes]  # graphs: the choice on the device
+            rows = run_batch(llm, a.device, max(batches), a.context, a.steps, quest_modes,
+                             llm.decode_graphs or static_step(llm, max(batches)), bw)
             full = [r for r in result["rows"] if r["batch"] == max(batches) and r["mode"] in ("graphs", "triton")]
             for r in rows:
                 r["kv"] = f"quest{a.sparse}"

@@ -38,24 +38,25 @@ from typing import Any
 
 from cluster.serving.worker_loop import DECODE_METHODS, PREFILL_METHODS, WorkerLoop
 from cluster.serving_api import BackendUnavailableError
+from engine.engine_config import EngineConfig
 from engine.errors import PdserveError
 
 
 class WorkerActor:
     """One prefill, decode or colocated worker in its own process (wrapped by `ray.remote` in `_actor`)."""
 
-    def __init__(self, kind: str, name: str, engine_kwargs: dict, kv: dict, num_threads: int = 1,
+    def __init__(self, kind: str, name: str, engine: EngineConfig, kv: dict, num_threads: int = 1,
                  step_timeout_s: float | None = None):
         import torch
 
         torch.set_num_threads(num_threads)  # one process per worker, one thread each (2-core machines)
-        engine_kwargs = dict(engine_kwargs, num_threads=num_threads)
+        engine = EngineConfig.of(engine).with_options(num_threads=num_threads)
         methods = PREFILL_METHODS if kind == "prefill" else DECODE_METHODS
         incarnation = uuid.uuid4().hex  # new on every (re)start: the router tells a restarted actor apart
         self.step_delay_s = 0.0  # fault tests only (`slow_steps`); a restarted incarnation starts at 0
         self.step_gate = threading.Event()  # fault tests only (`hang_steps`): steps wait while it is clear
         self.step_gate.set()
-        self.loop = WorkerLoop(lambda: self._delayable(_build(kind, engine_kwargs, kv)), methods, name,
+        self.loop = WorkerLoop(lambda: self._delayable(_build(kind, engine, kv)), methods, name,
                                lambda worker: {**_info(worker), "incarnation": incarnation}, step_timeout_s)
 
     def ready(self, timeout_s: float) -> dict:
@@ -101,14 +102,14 @@ class WorkerActor:
         self.loop.stop()
 
 
-def _build(kind: str, engine_kwargs: dict, kv: dict):
+def _build(kind: str, engine: EngineConfig, kv: dict):
     if kind == "prefill":
         from prefill_worker.worker import PrefillWorker
 
-        return PrefillWorker(engine_kwargs, kv.get("sender"), kv.get("transport", "grpc"))
+        return PrefillWorker(engine, kv.get("sender"), kv.get("transport", "grpc"))
     from decode_worker.worker import DecodeWorker
 
-    return DecodeWorker(engine_kwargs, kv.get("receiver"), kv.get("transport", "grpc"),
+    return DecodeWorker(engine, kv.get("receiver"), kv.get("transport", "grpc"),
                         kv.get("failure_policy", "fail"), serve_kv=kind == "decode")
 
 

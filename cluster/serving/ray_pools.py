@@ -132,14 +132,14 @@ class RayPools:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pool = self.spec.pools_in_use()[name]
-        engine_kwargs = self.spec.engine_kwargs(name)
+        engine = self.spec.engine_config(name)
         if pool.resources.num_gpus > 0:
-            engine_kwargs["device"] = "cuda"  # TP/PP ranks: cuda:rank of the GPUs the actor sees
+            engine = engine.with_options(device="cuda")  # TP/PP ranks: cuda:rank of the GPUs the actor sees
         opts = actor_options(pool, self.spec)
         if bundle is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(*bundle)  # (group, bundle index)
         bound = step_bound(self.spec, name, self.max_position)
-        return _actor().options(**opts).remote(name, worker, engine_kwargs, self.kv, self.num_threads, bound)
+        return _actor().options(**opts).remote(name, worker, engine, self.kv, self.num_threads, bound)
 
     def handles(self) -> dict[str, list[RayHandle]]:
         """Wait until every actor is ready; their handles, by pool."""

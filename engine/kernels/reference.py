@@ -51,3 +51,21 @@ def add_rms_norm(x, delta, weight, eps: float):
 def silu_mul(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def quest_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                 page_size: int, gqa_sum: bool) -> torch.Tensor:
+    """What engine/kernels/cuda/quest.py's bounds kernel computes: [B, kv_heads, P] float32, the upper bound
+    of q . k over each page column's keys (q+ . hi + q- . lo per query head, then max or sum over a KV
+    head's query heads); -inf past a row's pages."""
+    b, hq, d = q.shape
+    h = lo.shape[1]
+    qf = q.float().cpu().view(b, h, hq // h, d)
+    cols = table.long().cpu()
+    lo_p, hi_p = lo.float().cpu()[cols], hi.float().cpu()[cols]  # [B, P, kv_heads, D]
+    per_head = (torch.einsum("bphd,bhgd->bhpg", hi_p, qf.clamp(min=0))
+                + torch.einsum("bphd,bhgd->bhpg", lo_p, qf.clamp(max=0)))
+    scores = per_head.sum(-1) if gqa_sum else per_head.amax(-1)  # [B, kv_heads, P]
+    npg = (lens.long().cpu() + page_size - 1) // page_size
+    valid = torch.arange(table.shape[1]).view(1, 1, -1) < npg.view(-1, 1, 1)
+    return scores.masked_fill(~valid, float("-inf"))

@@ -96,7 +96,8 @@ class RawKVBackend:
         if self.summaries is None:
             lay = self.spec.local_layers[0]
             dev = self.k[lay].device
-            self.summaries = PageSummaries(self.spec, self.num_pages, self._summary_dtype(), self._summary_keys, dev)
+            pages = self.k[lay].shape[0]  # (with the Triton path's scratch page: static steps summarise it too)
+            self.summaries = PageSummaries(self.spec, pages, self._summary_dtype(), self._summary_keys, dev)
         return self.summaries
 
     def _summary_dtype(self) -> torch.dtype:
@@ -236,6 +237,18 @@ class RawKVBackend:
     def _attend_sparse(self, layer: int, q: torch.Tensor, g: AttnGroup, scale: float) -> torch.Tensor | None:
         """A decode group through the pages sparse attention chooses, or None if it chooses them all."""
         s, plan = self.summaries, g.sparse_plan
+        if g.static and g.sparse_rows is None:  # a CUDA-graph step: the choice on the device, fixed shapes
+            from engine.kernels.cuda.paged_attention import num_splits, paged_attention
+            from engine.kernels.cuda.quest import choose_static
+
+            chosen = choose_static(self.sparse, s.lo[layer], s.hi[layer], q, g.page_index, g.lens,
+                                   self.spec.page_size, plan, layer)
+            if chosen is None:
+                return None
+            pages, lens = chosen
+            splits = num_splits(g.batch, self.spec.num_kv_heads, pages.shape[-1] * self.spec.page_size,
+                                self._sm_count)
+            return paged_attention(q, self.k[layer], self.v[layer], pages, lens, scale, 1, splits)
         sel = sparse_attention.choose(self.sparse, g.sparse_rows, s.lo[layer], s.hi[layer], q, g.page_index,
                                       g.ctx_lens, self.spec.page_size, plan, layer)
         if sel is None:

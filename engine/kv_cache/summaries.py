@@ -51,7 +51,7 @@ class PageSummaries:
             self.lo[layer] = torch.full(shape, float("inf"), dtype=dtype, device=device)
             self.hi[layer] = torch.full(shape, float("-inf"), dtype=dtype, device=device)
         self.extent = np.zeros(num_pages, dtype=np.int64)  # filled slots [0, extent) of each page
-        self._plan: tuple | None = None  # (slots tensor, pages tensor) of the last `update`: one per step
+        self._plan: tuple | None = None  # (slots, pages, their extents) of the last `update`: one per step
 
     def nbytes(self) -> int:
         return sum(2 * t.numel() * t.element_size() for t in self.lo if t is not None)
@@ -66,8 +66,21 @@ class PageSummaries:
             pages, ends = s // ps, s % ps + 1
             np.maximum.at(self.extent, pages, ends)
             uniq = np.unique(pages)
-            plan = self._plan = (slots, torch.from_numpy(uniq).to(self.lo[layer].device))
-        self._recompute(layer, plan[1])
+            plan = self._plan = (slots, *self._on_device(uniq))  # one host copy a step, not one a layer
+        self._recompute(layer, plan[1], plan[2])
+
+    def plan_writes(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The host's half of a write whose device half runs elsewhere (a static decode step, replayed as a
+        CUDA graph): extents raised for `slots`; (their pages, those pages' extents) for `use_plan`."""
+        ps = self.spec.page_size
+        pages = slots // ps
+        np.maximum.at(self.extent, pages, slots % ps + 1)
+        return pages, self.extent[pages]
+
+    def use_plan(self, slots: torch.Tensor, pages: torch.Tensor, ext: torch.Tensor) -> None:
+        """Every layer's `update(layer, slots)` of the coming step recomputes `pages` ([n] device ids, repeats
+        allowed: they get the same values) with extents `ext`, without a host copy."""
+        self._plan = (slots, pages, ext)
 
     def update_range(self, layer: int, pages: Sequence[int], start: int, stop: int) -> None:
         """After slots [start, stop) of a page list were written (`page_io.import_kv`)."""
@@ -79,7 +92,7 @@ class PageSummaries:
             p = pages[i]
             self.extent[p] = max(self.extent[p], min(stop - i * ps, ps))
             touched.append(p)
-        self._recompute(layer, torch.tensor(touched, dtype=torch.long, device=self.lo[layer].device))
+        self._recompute(layer, *self._on_device(np.array(touched, dtype=np.int64)))
 
     def rebuild(self, pages: Sequence[int], num_slots: int) -> None:
         """A sequence's pages now hold slots [0, num_slots) in order (after compaction): every layer."""
@@ -109,14 +122,18 @@ class PageSummaries:
     # ---- the summary ------------------------------------------------------------------------
     def _recompute_all(self, pages: list[int]) -> None:
         if pages:
-            idx = torch.tensor(pages, dtype=torch.long, device=self.lo[self.spec.local_layers[0]].device)
+            idx, ext = self._on_device(np.array(pages, dtype=np.int64))
             for layer in self.spec.local_layers:
-                self._recompute(layer, idx)
+                self._recompute(layer, idx, ext)
 
-    def _recompute(self, layer: int, pages: torch.Tensor) -> None:
-        """lo/hi of `pages` ([P] ids) from their stored keys over slots [0, extent)."""
+    def _on_device(self, pages: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page ids (host) and their extents, as tensors beside the summaries."""
+        dev = self.lo[self.spec.local_layers[0]].device
+        return torch.from_numpy(pages).to(dev), torch.from_numpy(self.extent[pages]).to(dev)
+
+    def _recompute(self, layer: int, pages: torch.Tensor, ext: torch.Tensor) -> None:
+        """lo/hi of `pages` ([P] ids, their extents [P]) from their stored keys over slots [0, extent)."""
         keys = self.page_keys(layer, pages).to(self.lo[layer].dtype)  # [P, page_size, kv_heads, head_dim]
-        ext = torch.from_numpy(self.extent[pages.cpu().numpy()]).to(keys.device)
         empty = (torch.arange(keys.shape[1], device=keys.device).view(1, -1) >= ext.view(-1, 1))
         empty = empty.view(*empty.shape, 1, 1)  # [P, page_size, 1, 1]
         self.lo[layer].index_copy_(0, pages, keys.masked_fill(empty, float("inf")).amin(1))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.batch import StepBatch, StepOutput
+from engine.batch import PendingStep, StepBatch, StepOutput
 from engine.config import ModelConfig
 from engine.kv_cache.spec import KVPageSpec
 from engine.parallel.errors import UnsupportedWithParallelError
@@ -64,6 +64,10 @@ class _ParallelRunner:
         replies = self.ranks.call([batch if r == self.output_rank else rest for r in range(self.size)])
         assert sum(r is not None for r in replies) == 1, "exactly the output rank answers with an output"
         return output_from_wire(replies[self.output_rank])
+
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """`ModelRunner.launch`'s interface: the ranks' step runs to its end here."""
+        return PendingStep.done(self.execute(batch))
 
     def close(self) -> None:
         self.ranks.close()

@@ -53,8 +53,8 @@ def test_triton_decode_equals_torch_path(gqa_dir, monkeypatch, reference, graphs
     assert llm.backend.triton_paged and llm.backend.ragged_decode
     used = []
     if graphs == "static":
-        real = llm.decode_graphs.execute
-        llm.decode_graphs.execute = lambda batch: (used.append(len(batch.seqs)), real(batch))[1]
+        real = llm.decode_graphs.launch
+        llm.decode_graphs.launch = lambda batch: (used.append(len(batch.seqs)), real(batch))[1]
     else:
         assert llm.decode_graphs is None
     outs = llm.generate(_prompts(), GREEDY)
@@ -141,8 +141,8 @@ def test_verify_steps_take_the_static_step_and_stay_lossless(gqa_dir, monkeypatc
     graphs = llm.decode_graphs
     assert graphs.verify_len == 4 and (1, 4) in graphs.buckets
     qlens = []
-    real = graphs.execute
-    graphs.execute = lambda batch: (qlens.append(graphs._qlen(batch)), real(batch))[1]
+    real = graphs.launch
+    graphs.launch = lambda batch: (qlens.append(graphs._qlen(batch)), real(batch))[1]
     prompts = [p * 3 for p in _prompts()[:3]]  # repeats: the n-gram proposer finds drafts
     ref = _engine(gqa_dir, monkeypatch, "torch", keep_logits=True)
     want = ref.generate(prompts, GREEDY)
@@ -153,20 +153,89 @@ def test_verify_steps_take_the_static_step_and_stay_lossless(gqa_dir, monkeypatc
     assert_engine_empty(llm)
 
 
-def test_quest_on_the_triton_path_equals_the_torch_sparse_path(gqa_dir, monkeypatch):
+@pytest.mark.parametrize("graphs", ["off", "static"])
+def test_quest_on_the_triton_path_equals_the_torch_sparse_path(gqa_dir, monkeypatch, graphs):
     """Sparse (Quest) decode with the Triton kernel reading each KV head's chosen pages: the same float32
-    greedy tokens as the torch sparse path (the same choice, attended over gathered pages)."""
+    greedy tokens as the torch sparse path (the same choice, attended over gathered pages). "static": the
+    static step chooses on the device at fixed shapes (engine/kernels/cuda/quest.py) and keeps the written
+    pages' summaries from extents the host uploads."""
     sparse = {"method": "quest", "budget": 32, "sink_pages": 1, "recent": 16, "min_context": 0}
-    kw = dict(sparse_attention=sparse, page_size=8, decode_graphs="off")
-    want = _engine(gqa_dir, monkeypatch, "torch", keep_logits=True, **kw)
+    kw = dict(sparse_attention=sparse, page_size=8)
+    want = _engine(gqa_dir, monkeypatch, "torch", keep_logits=True, decode_graphs="off", **kw)
     ref = want.generate(_prompts(), GREEDY)
-    llm = _engine(gqa_dir, monkeypatch, "triton", **kw)
+    llm = _engine(gqa_dir, monkeypatch, "triton", decode_graphs=graphs, **kw)
     assert llm.backend.triton_paged and llm.backend.sparse is not None
-    calls = []
+    assert (llm.decode_graphs is not None) == (graphs == "static")
+    calls, static = [], []
     import engine.kernels.cuda.paged_attention as pa
     real = pa.paged_attention
     monkeypatch.setattr(pa, "paged_attention", lambda *a, **k: (calls.append(a[3].dim()), real(*a, **k))[1])
-    got = llm.generate(_prompts(), GREEDY)
+    if graphs == "static":
+        launch = llm.decode_graphs.launch
+        llm.decode_graphs.launch = lambda batch: (static.append(len(batch.seqs)), launch(batch))[1]
+    ids = [llm.add_request(p, GREEDY) for p in _prompts()]
+    final, checked = {}, 0
+    while llm.has_unfinished():
+        final.update((o.request_id, o) for o in llm.step() if o.finished)
+        if len(static) == 4 and not checked:  # mid-decode: the summaries the steps kept equal recomputed ones
+            s = llm.backend.summaries
+            for page in range(llm.allocator.num_pages):
+                if (filled := int(s.extent[page])):
+                    lo, hi = s.expected(0, page, filled)
+                    assert torch.equal(s.lo[0][page], lo) and torch.equal(s.hi[0][page], hi), page
+                    checked += 1
+    got = [final[i] for i in ids]
     assert_greedy_equal([o.token_ids for o in ref], [o.token_ids for o in got], [torch.stack(o.logits) for o in ref])
     assert 3 in calls  # per-(row, KV head) page tables went to the kernel
+    assert bool(static) == (graphs == "static") and (checked > 0) == (graphs == "static")
+    assert_engine_empty(llm)
+
+
+def _stream(llm, prompts, params, abort_at=None):
+    """Step by hand: every output in order per request; `abort_at=(step, index)` aborts one request then."""
+    ids = [llm.add_request(p, params) for p in prompts]
+    seen = {i: [] for i in ids}
+    n = 0
+    while llm.has_unfinished():
+        for o in llm.step():
+            seen[o.request_id].append(o)
+        n += 1
+        if abort_at is not None and n == abort_at[0]:
+            llm.abort(ids[abort_at[1]])
+            seen[ids[abort_at[1]]].append("aborted")
+    return [seen[i] for i in ids]
+
+
+def test_deferred_outputs_stream_stop_strings_and_aborts_as_eager(gqa_dir, monkeypatch):
+    """Plain greedy static steps hand their tokens to the next step to detokenize (on a GPU that work
+    overlaps the device's): the streamed deltas add up to each final output, a stop string found one step
+    late ends the request with the eager path's tokens and text (the token computed past it dropped), an
+    abort while a request's output is deferred emits nothing more for it, and no page leaks."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = _prompts()
+    plain = _engine(gqa_dir, monkeypatch, "triton", decode_graphs="off").generate(prompts, params)
+    stops = [o.text[len(o.text) // 2:len(o.text) // 2 + 2] for o in plain]  # hit mid-way through each output
+    assert all(stops), [o.text for o in plain]
+    stop_params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop=stops)
+    eager = _engine(gqa_dir, monkeypatch, "triton", decode_graphs="off")
+    want = [s[-1] for s in _stream(eager, prompts, stop_params)]
+    llm = _engine(gqa_dir, monkeypatch, "triton", decode_graphs="static")
+    deferred = []
+    real = llm.decode_graphs.launch
+    llm.decode_graphs.launch = lambda batch: (lambda p: (deferred.append(p.overlaps), p)[1])(real(batch))
+    got = _stream(llm, prompts, stop_params)
+    assert any(deferred), "no static step overlapped"
+    assert any(o.finish_reason == "stop" and len(o.token_ids) < 10 for o in want)
+    for outs, w in zip(got, want):
+        final = outs[-1]
+        assert final.finished and [o.finished for o in outs].count(True) == 1
+        assert (final.token_ids, final.text, final.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+        assert [t for o in outs for t in o.new_token_ids] == final.token_ids  # deltas add up
+        assert "".join(o.new_text for o in outs) == final.text
+    assert_engine_empty(llm)
+
+    aborted = _stream(llm, prompts, params, abort_at=(4, 1))
+    assert aborted[1][-1] == "aborted" and not any(o.finished for o in aborted[1][:-1])
+    for k in (0, 2):
+        assert aborted[k][-1].token_ids == plain[k].token_ids
     assert_engine_empty(llm)

@@ -27,6 +27,23 @@ def test_pool_kv_sections_become_engine_kwargs():
     assert co["kv_eviction"]["method"] == "snapkv" and co["kv_storage"] == "raw"
 
 
+
+def test_a_pool_becomes_a_frozen_engine_config():
+    """What a worker is built from: one `EngineConfig` per pool (Ray pickles it to the actor), the same
+    settings as the pool's keywords; a dict with a name the config lacks is a TypeError naming it."""
+    import pickle
+
+    from engine import EngineConfig
+
+    s = parse_spec(_spec({"kv": {"storage": "int8"}, "max_num_seqs": 7}, {"kv": {"storage": "int8"}}))
+    cfg = s.engine_config("prefill")
+    assert isinstance(cfg, EngineConfig) and cfg == EngineConfig(**s.engine_kwargs("prefill"))
+    assert cfg.kv_storage == "int8" and cfg.max_num_seqs == 7 and pickle.loads(pickle.dumps(cfg)) == cfg
+    assert EngineConfig.of(cfg) is cfg and EngineConfig.of({"max_num_seqs": 7}).max_num_seqs == 7
+    with pytest.raises(TypeError, match="max_seqs"):
+        EngineConfig.of({"max_seqs": 7})
+
+
 @pytest.mark.parametrize("prefill, decode, key", [
     ({"kv": {"storage": "int8"}}, {}, "pools.decode.kv.storage"),
     ({"kv": {"storage": "int4"}}, {}, "pools.prefill.kv.storage"),

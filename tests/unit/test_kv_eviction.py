@@ -60,12 +60,12 @@ def test_kept_cells_move_to_the_front_and_positions_stay_logical(tiny_dir, polic
             before[layer] = (backend.k[layer].view(-1, *backend.k[layer].shape[2:])[slots].clone(), ix.clone())
         orig_compact(backend, pages, keep)
     seen = []
-    orig_execute = llm.runner.execute
+    orig_launch = llm.runner.launch  # (LLM.step starts each step with launch)
 
-    def spy_execute(batch):
+    def spy_launch(batch):
         seen.extend((s.position_start, s.num_cached, len(s.token_ids)) for s in batch.seqs)
-        return orig_execute(batch)
-    evictor_mod.compact, llm.runner.execute = spy_compact, spy_execute
+        return orig_launch(batch)
+    evictor_mod.compact, llm.runner.launch = spy_compact, spy_launch
     try:
         rid = llm.add_request(prompt, GREEDY)
         while llm.requests[rid].num_output == 0:

@@ -1,17 +1,22 @@
 """Decode steps at static shapes: one CUDA graph per batch-size bucket, captured once at engine start.
 
-Who calls it: `ModelRunner.execute` hands it every step batch `takes()` accepts (one new token per row, or
+Who calls it: `ModelRunner.launch` hands it every step batch `takes()` accepts (one new token per row, or
 up to 1 + k verify tokens per row when the engine drafts; a whole model in this process, Triton paged
-attention, no sparse/observed/windowed attention, no layer hooks); other steps (prefill chunks, ...) run
-eagerly as before.
+attention, no observed/windowed attention, no per-request sparse configs, no layer hooks); other steps
+(prefill chunks, ...) run eagerly as before.
 
 Per bucket of `b` rows and `q` query tokens a row (1 for decode; 1 + k for verify, rows with fewer drafts
 padded), one int64 device buffer holds every input (ids, positions, write slots: b x q each; context lengths:
-b; then the page table, column-major so the first P pages of every row are its first P x b values). A step fills the pinned host mirror, copies the used prefix in one non-blocking transfer, replays
-the graph (or, eagerly, calls the same `_forward`), then samples from the bucket's static logits: greedy
-rows by an argmax on the GPU (only their token ids come back), others on the CPU (engine/sampler.py).
-Padding rows have context length 0 (the kernel skips them) and write their K/V into the backend's scratch
-page, which no request owns. No host sync inside a step: the only one is reading the sampled ids.
+b; the written pages and their filled extents: b x q each, for page summaries; then the page table,
+column-major so the first P pages of every row are its first P x b values). A step fills the pinned host
+mirror, copies the used prefix in one non-blocking transfer, replays the graph (or, eagerly, calls the same
+`_forward`). Sampling: when every row is plain greedy, the argmax runs on the GPU and its B ids head for pinned
+memory while `launch` returns: the engine detokenizes the previous step meanwhile and reads the ids after
+(`PendingStep`); other rows are sampled on the CPU from the bucket's logits (engine/sampler.py).
+Padding rows have context length 0 (the kernels skip them) and write their K/V into the backend's scratch
+page, which no request owns. Sparse (Quest) engines: the choice runs on the device at fixed shapes
+(quest.py), the written pages' summaries recomputed from extents the host keeps. No host sync inside a step:
+the only one is reading the sampled ids.
 """
 from __future__ import annotations
 
@@ -22,8 +27,9 @@ import numpy as np
 import torch
 
 from engine.attention_context import AttentionContext, AttnGroup
-from engine.batch import SeqResult, StepBatch, StepOutput
-from engine.sampler import sample_batch
+from engine.batch import PendingStep, SeqResult, StepBatch, StepOutput
+from engine.request import SampledToken
+from engine.sampler import plain_greedy, sample_batch
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -32,17 +38,18 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 class _Bucket:
     rows: int
     qlen: int  # query tokens per row: 1 (decode) or 1 + k (verify; rows with fewer padded)
-    dev: torch.Tensor  # [3 * rows * qlen + rows + rows * max_pages] int64 on the device
+    dev: torch.Tensor  # [5 * rows * qlen + rows + rows * max_pages] int64 on the device
     host: torch.Tensor  # its pinned mirror on the host
     splits: int
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     logits: torch.Tensor | None = None  # [rows * qlen, vocab] float32, written by each replay
 
     def views(self, max_pages: int):
-        """ids, positions, write slots [rows * qlen]; lengths [rows]; page table [rows, max_pages]."""
+        """ids, positions, write slots [rows * qlen]; lengths [rows]; the written pages and their filled
+        extents [rows * qlen] (page summaries, when sparse attention keeps them); page table [rows, max_pages]."""
         t, b, d = self.rows * self.qlen, self.rows, self.dev
-        table = d[3 * t + b:].view(max_pages, b).t()  # column-major: the first P pages of all rows lead
-        return d[:t], d[t:2 * t], d[2 * t:3 * t], d[3 * t:3 * t + b], table
+        table = d[5 * t + b:].view(max_pages, b).t()  # column-major: the first P pages of all rows lead
+        return d[:t], d[t:2 * t], d[2 * t:3 * t], d[3 * t:3 * t + b], d[3 * t + b:4 * t + b], d[4 * t + b:5 * t + b], table
 
 
 class GraphDecode:
@@ -53,7 +60,10 @@ class GraphDecode:
         self.max_pages = -(-max_model_len // page_size)
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.verify_len = verify_len  # 1 + the most drafts a verify row brings (0: no verify graphs)
-        from engine.kernels.cuda.paged_attention import num_splits  # imports triton: only where it runs
+        from engine.kernels.cuda import quest  # imports triton: only where it runs
+        from engine.kernels.cuda.paged_attention import num_splits
+
+        self._quest = quest
 
         sizes = [b for b in BUCKETS if b < max_batch] + [max_batch]
         kv_heads = backend.spec.num_kv_heads
@@ -61,7 +71,7 @@ class GraphDecode:
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         for qlen in [1] + ([verify_len] if verify_len > 1 else []):
             for b in sizes:
-                n = 3 * b * qlen + b + b * self.max_pages
+                n = 5 * b * qlen + b + b * self.max_pages
                 self.buckets[b, qlen] = _Bucket(b, qlen, torch.zeros(n, dtype=torch.long, device=self.device),
                                                 torch.zeros(n, dtype=torch.long, pin_memory=pin),
                                                 num_splits(b, kv_heads, max_model_len, backend._sm_count))
@@ -69,16 +79,21 @@ class GraphDecode:
         self.capture_s = 0.0
         self.pool = None
         self._copied = None  # CUDA event: the last upload from the pinned mirror finished
+        self._ids_host = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)  # a step's greedy ids
 
     # ---- eligibility --------------------------------------------------------------------------
     def takes(self, batch: StepBatch) -> bool:
         """Plain decode rows (one token, logits at it); with verify graphs also verify rows (up to
         `verify_len` tokens, logits at each), each row's page table within the static width."""
-        if batch.observe or batch.sparse or self.backend.sparse is not None or len(batch.seqs) > self.max_rows:
+        if batch.observe or batch.sparse or len(batch.seqs) > self.max_rows:
             return False
         qlen = self._qlen(batch)
         if not qlen:
             return False
+        lens = [s.num_cached + qlen for s in batch.seqs]
+        if self.backend.sparse is not None and not self._quest.fits(self.backend.sparse, lens, self.page_size,
+                                                                    self.max_pages):
+            return False  # a row below min_context reads all its pages: more than the static choice holds
         for s in batch.seqs:
             n = len(s.token_ids)
             if s.logits_at != list(range(n)) or (s.num_cached + qlen - 1) // self.page_size >= self.max_pages:
@@ -92,10 +107,12 @@ class GraphDecode:
     # ---- the static step --------------------------------------------------------------------
     def _forward(self, bk: _Bucket) -> torch.Tensor:
         """The step the graph captures: [rows * qlen, vocab] float32 logits from the bucket's static inputs."""
-        ids, pos, slots, lens, table = bk.views(self.max_pages)
+        ids, pos, slots, lens, pages, extents, table = bk.views(self.max_pages)
         t = bk.rows * bk.qlen
+        if self.backend.summaries is not None:  # the written pages' summaries, from the uploaded extents
+            self.backend.summaries.use_plan(slots, pages, extents)
         group = AttnGroup(0, t, bk.rows, bk.qlen, [], [self.max_pages * self.page_size] * bk.rows, table, None,
-                          False, lens=lens, splits=bk.splits)
+                          False, lens=lens, splits=bk.splits, static=True)
         ctx = AttentionContext(slots, [group], self.model.scale)
         return self.model.logits(self.model.forward(ids, pos, ctx, self.backend))
 
@@ -131,9 +148,16 @@ class GraphDecode:
         h[t + n * q:2 * t] = 0
         h[2 * t + n * q:3 * t] = self.backend.scratch_slot
         h[3 * t + n:3 * t + b] = 0
+        # written pages and extents (refilled each step when summaries are kept): the scratch page, empty
+        h[3 * t + b:4 * t + b], h[4 * t + b:5 * t + b] = self.backend.scratch_slot // self.page_size, 0
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        return self.launch(batch).wait()
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> StepOutput:
+    def launch(self, batch: StepBatch) -> PendingStep:
+        """Fill the bucket's inputs, replay its graph; when every row is plain greedy, the argmax runs on
+        the device and its ids start towards pinned host memory: the step returns before they arrive."""
         n, qlen = len(batch.seqs), self._qlen(batch)
         bk = self.buckets[min(b for b, q in self.buckets if b >= n and q == qlen), qlen]
         b, ps, t = bk.rows, self.page_size, bk.rows * qlen
@@ -142,7 +166,7 @@ class GraphDecode:
         pages = max((s.num_cached + qlen - 1) // ps + 1 for s in batch.seqs)  # page-table columns in use
         h = bk.host.numpy()
         self._pad(bk, n)
-        table = h[3 * t + b:3 * t + b + pages * b].reshape(pages, b)
+        table = h[5 * t + b:5 * t + b + pages * b].reshape(pages, b)
         table[:] = 0
         if qlen == 1:  # plain decode: each field of every row in one assignment (the host's share of a step)
             seqs = batch.seqs
@@ -155,7 +179,10 @@ class GraphDecode:
                 table[:used, r] = s.pages[:used]
         else:
             self._fill_verify(h, table, batch, t, qlen, pages)
-        end = 3 * t + b + pages * b
+        if self.backend.summaries is not None:  # the host keeps the extents; the graph recomputes the pages
+            written, ext = self.backend.summaries.plan_writes(h[2 * t:3 * t])
+            h[3 * t + b:4 * t + b], h[4 * t + b:5 * t + b] = written, ext
+        end = 5 * t + b + pages * b
         bk.dev[:end].copy_(bk.host[:end], non_blocking=True)
         if self.use_graphs:
             self._copied = torch.cuda.Event()
@@ -165,7 +192,21 @@ class GraphDecode:
             logits = bk.logits
         else:
             logits = self._forward(bk)
-        return StepOutput(self._results(batch, logits, qlen))
+        if qlen > 1 or batch.return_logits or not all(s.sample is not None and plain_greedy(s.sample)
+                                                      for s in batch.seqs):
+            return PendingStep.done(StepOutput(self._results(batch, logits, qlen)))
+        ids = self._ids_host[:n]
+        ids.copy_(torch.max(logits[:n], dim=-1).indices, non_blocking=True)
+        done = None
+        if self.use_graphs:
+            done = torch.cuda.Event()
+            done.record()
+
+        def wait() -> StepOutput:
+            if done is not None:
+                done.synchronize()
+            return StepOutput([SeqResult(s.request_id, SampledToken(t)) for s, t in zip(batch.seqs, ids.tolist())])
+        return PendingStep(wait, overlaps=True)
 
     def _fill_verify(self, h, table, batch: StepBatch, t: int, qlen: int, pages: int) -> None:
         """Host rows of a verify step: each row's tokens, positions and write slots, its unused queries as

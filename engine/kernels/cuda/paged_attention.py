@@ -182,7 +182,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     group = heads // kv_heads
     quant = k_pool.dtype == torch.uint8
     if quant:  # the same bytes as int8 values and as float16 scales (cells of an even byte count)
-        assert k_pool.shape[-1] == dim + 2, (k_pool.shape, dim)
+        assert k_pool.shape[-1] >= dim + 2 and k_pool.shape[-1] % 2 == 0, (k_pool.shape, dim)  # (cells may be padded)
         k_pool, k_scales, v_pool, v_scales = (k_pool.view(torch.int8), k_pool.view(torch.float16),
                                               v_pool.view(torch.int8), v_pool.view(torch.float16))
     else:
