@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu.decode_floor import build, headroom, set_mode, sync  # noqa: E402
+from bench.gpu.decode_floor import build, headroom, set_mode, static_step, sync  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     report = []
     with tempfile.TemporaryDirectory() as tmp:
         llm = build(a.model, a.device, a.batch, a.context, (a.steps + 2) * len(modes), Path(tmp), a.kv)
-        graphs = llm.decode_graphs
+        graphs = llm.decode_graphs or (static_step(llm, a.batch) if not cuda else None)  # CPU: eagerly
         vocab = llm.config.vocab_size
         g = torch.Generator().manual_seed(0)
         params = SamplingParams(max_tokens=headroom(a.batch, (a.steps + 2) * len(modes)), temperature=0.0,
