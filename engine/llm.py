@@ -26,6 +26,7 @@ from engine.batch import SeqResult, SeqStep, StepBatch, StepOutput
 from engine.engine_config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.intake import RequestIntake
+from engine import kernels
 from engine.kernels.cuda.graph_decode import attach as attach_graphs
 from engine.kv_cache.allocator import PageAllocator, Reservation
 from engine.kv_cache.backend import make_backend
@@ -85,7 +86,8 @@ class LLM:
         if num_pages is None:
             num_pages = max(-(-16384 // page_size), -(-self.max_model_len // page_size))
         c = self.config
-        self.kv_spec = KVPageSpec(c.num_layers, c.num_kv_heads, c.head_dim, page_size, dtype, kv_storage)
+        self.kv_spec = KVPageSpec(c.num_layers, c.num_kv_heads, c.head_dim, page_size, dtype, kv_storage,
+                                  cell_align=kernels.cell_align(kv_storage))
         self.allocator = PageAllocator(num_pages, clock=clock)
         self.backend = None if parallel else make_backend(self.kv_spec, num_pages, device)  # parallel: one per rank
         if hasattr(self.backend, "release_pages"):  # kivi4: staging copies go with the pages (kv_cache/kivi.py)

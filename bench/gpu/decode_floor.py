@@ -83,7 +83,11 @@ def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp
         from tests.tiny_models import write_tiny
         model_dir = write_tiny("llama", tmp / "tiny", num_attention_heads=8, num_key_value_heads=2)
         return LLM(model=str(model_dir), **kw)
-    model_dir, shapes = random_model_dir(name, tmp / "model")
+    from cluster.planner.calibrate.random_model import model_entry
+
+    entry = model_entry(name)  # a longer context than the entry's (Quest at 32k): the step's shapes are the same
+    entry = dict(entry, max_positions=max(entry["max_positions"], kw["max_model_len"]))
+    model_dir, shapes = random_model_dir(entry, tmp / "model")
     real = engine_llm.load_weights
     engine_llm.load_weights = lambda _dir: RandomWeights(shapes, device, torch.bfloat16)
     try:

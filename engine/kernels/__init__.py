@@ -45,6 +45,20 @@ def triton_paged_attention(device: str | torch.device) -> bool:
     return choice == "auto" and torch.device(device).type == "cuda" and triton_available()
 
 
+def quantized_triton(storage_format: str) -> bool:
+    """Whether int8 pages take the Triton paged kernel (their cells then padded to 16 bytes: `cell_align`).
+    Only when asked for (PDSERVE_ATTENTION=triton) until its engine step is measured at the floor target:
+    bench/gpu_results/2026-11-27 (run4: the kernel alone on 144-byte cells 0.49 ms a layer at b=128 x 2k,
+    bf16 pages 0.33 ms; 130-byte cells 22.6 ms)."""
+    return storage_format == "int8" and attention_choice() == "triton"
+
+
+def cell_align(storage_format: str) -> int:
+    """Bytes an int8/fp8 cell is padded to a multiple of: 16 where the Triton kernel reads the cells (a
+    130-byte cell made no load 16-byte aligned: 46x slower), 1 elsewhere (no padding)."""
+    return 16 if quantized_triton(storage_format) else 1
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (the paged kernel's split choice); 4 elsewhere."""
     if device.type != "cuda":

@@ -6,7 +6,9 @@ moves the stored bytes unchanged (`page_io`): the wire format is the storage for
 
 Storage per layer, for K and for V: uint8 `[num_pages, page_size, kv_heads, head_dim + 2]`; the first
 `head_dim` bytes of a (token, head) cell are its values (int8, or fp8 e4m3 bits), the last two its scale
-(float16 bytes). One cell per token and head keeps every format token-addressed, so transfers between
+(float16 bytes), then zeros up to `spec.cell_align` (16 where the Triton kernel reads the cells: every load
+16-byte aligned; the spec's signature carries it, so a transfer between differently padded pools is refused
+as any layout mismatch is). One cell per token and head keeps every format token-addressed, so transfers between
 pools of different page sizes and KV-head sub-ranges work as for raw pages. Why a per-(token, head)
 scale: keys after RoPE and values vary by orders of magnitude between heads and tokens; one scale per
 64 values costs 2 bytes (66 vs 128 bytes per cell in bfloat16: 0.52x).
@@ -38,8 +40,9 @@ _TINY = 2.0 ** -14  # smallest normal float16 scale: rows with absmax < qmax * 2
 # this step (absolute error <= 3e-5), which keeps the scale's own rounding at float16 precision
 
 
-def quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """x: [..., head_dim] (any float dtype) -> stored cells uint8 [..., head_dim + 2]."""
+def quantize(x: torch.Tensor, fmt: str, width: int | None = None) -> torch.Tensor:
+    """x: [..., head_dim] (any float dtype) -> stored cells uint8 [..., width] (head_dim + 2 unless padded:
+    values, scale, zeros)."""
     xf = x.float()
     scale = (xf.abs().amax(-1, keepdim=True) / _QMAX[fmt]).clamp_min(_TINY).to(torch.float16)  # [..., 1]
     y = xf / scale.float()
@@ -47,15 +50,18 @@ def quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
         q = y.round_().clamp_(-127, 127).to(torch.int8).view(torch.uint8)
     else:  # (clamped: the float16 scale may round down, and e4m3fn has no infinity to saturate to)
         q = y.clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.cat([q, scale.view(torch.uint8)], dim=-1)
+    parts = [q, scale.view(torch.uint8)]
+    if width is not None and width > x.shape[-1] + SCALE_BYTES:
+        parts.append(q.new_zeros(*q.shape[:-1], width - x.shape[-1] - SCALE_BYTES))
+    return torch.cat(parts, dim=-1)
 
 
-def dequantize(cells: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
-    """cells: uint8 [..., head_dim + 2] -> values [..., head_dim] in `dtype`."""
-    d = cells.shape[-1] - SCALE_BYTES
+def dequantize(cells: torch.Tensor, fmt: str, dtype: torch.dtype, head_dim: int | None = None) -> torch.Tensor:
+    """cells: uint8 [..., head_dim + 2 (+ padding)] -> values [..., head_dim] in `dtype`."""
+    d = cells.shape[-1] - SCALE_BYTES if head_dim is None else head_dim
     raw = cells[..., :d]
     vals = raw.view(torch.int8) if fmt == "int8" else raw.view(torch.float8_e4m3fn)
-    scale = cells[..., d:].contiguous().view(torch.float16)  # [..., 1]
+    scale = cells[..., d:d + SCALE_BYTES].contiguous().view(torch.float16)  # [..., 1]
     return (vals.float() * scale.float()).to(dtype)
 
 
@@ -84,13 +90,14 @@ class QuantizedKVBackend(RawKVBackend):
         self.compute_dtype = torch_dtype(spec.dtype)
         self.h = hadamard(spec.head_dim).to(device)  # rotation of stored cells (see the module map)
         # int8 cells on the Triton path: decode/verify read them in place, dequantizing as they load (and a
-        # scratch page past the pool for CUDA-graph padding rows, as RawKVBackend). Only when asked for
-        # (PDSERVE_ATTENTION=triton): on an H200 its graph step took 749 ms at batch 128 x 2k context against
-        # 18.5 ms for bf16 pages (bench/gpu_results/2026-11-27/run3), a fault not yet found.
-        self.triton_paged = spec.storage_format == "int8" and kernels.attention_choice() == "triton"
+        # scratch page past the pool for CUDA-graph padding rows, as RawKVBackend); their cells padded to 16
+        # bytes (`spec.cell_align`): unaligned 130-byte cells made the kernel 46x slower (run4). Only when
+        # asked for (engine/kernels.quantized_triton) until its engine step is measured.
+        self.triton_paged = kernels.quantized_triton(spec.storage_format)
+        assert not self.triton_paged or spec.token_head_bytes() % 16 == 0, "the Triton path reads aligned cells"
         self._sm_count = kernels.sm_count(torch.device(device))
         self.scratch_slot = num_pages * spec.page_size if self.triton_paged else None
-        shape = (num_pages + int(self.triton_paged), spec.page_size, spec.num_kv_heads, spec.head_dim + SCALE_BYTES)
+        shape = (num_pages + int(self.triton_paged), spec.page_size, spec.num_kv_heads, spec.token_head_bytes())
         self.k: list[torch.Tensor | None] = [None] * spec.num_layers
         self.v: list[torch.Tensor | None] = [None] * spec.num_layers
         for layer in spec.local_layers:
@@ -102,8 +109,9 @@ class QuantizedKVBackend(RawKVBackend):
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, kv_heads, head_dim] -> quantized cells at the flat slots."""
-        self._flat(self.k[layer]).index_copy_(0, slots, quantize(k.float() @ self.h, self.storage_format))
-        self._flat(self.v[layer]).index_copy_(0, slots, quantize(v.float() @ self.h, self.storage_format))
+        width = self.spec.token_head_bytes()
+        self._flat(self.k[layer]).index_copy_(0, slots, quantize(k.float() @ self.h, self.storage_format, width))
+        self._flat(self.v[layer]).index_copy_(0, slots, quantize(v.float() @ self.h, self.storage_format, width))
         if self.summaries is not None:
             self.summaries.update(layer, slots)
 
@@ -118,7 +126,7 @@ class QuantizedKVBackend(RawKVBackend):
         return self._dq(self.k[layer].index_select(0, pages))
 
     def _dq(self, cells: torch.Tensor) -> torch.Tensor:
-        return dequantize(cells, self.storage_format, self.compute_dtype)
+        return dequantize(cells, self.storage_format, self.compute_dtype, self.spec.head_dim)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized, unrotated K and V at the given flat slots: each [*slots.shape, kv_heads, head_dim]."""

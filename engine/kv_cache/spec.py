@@ -32,6 +32,7 @@ class KVPageSpec:
     tp_size: int = 1
     layer_start: int = 0  # this shard holds layers [layer_start, layer_end)
     layer_end: int | None = None
+    cell_align: int = 1  # int8/fp8 cells padded to a multiple of this many bytes (16: the Triton kernel's loads)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -68,7 +69,8 @@ class KVPageSpec:
             return self.head_dim * self.itemsize
         if self.storage_format == "kivi4":
             return kivi_cell_bytes(self.head_dim, self.page_size)
-        return self.head_dim + 2  # one byte per value + a float16 scale (engine/kv_cache/quantized.py)
+        cell = self.head_dim + 2  # one byte per value + a float16 scale (engine/kv_cache/quantized.py)
+        return -(-cell // self.cell_align) * self.cell_align
 
     def bytes_per_token_layer(self) -> int:
         """Stored bytes of K plus V for one token in one layer."""

@@ -114,6 +114,35 @@ def test_a_raw_decode_pool_refuses_quantized_pages(tiny_dir):
     close_all(tx, rx, transport, [pre, dec])
 
 
+def test_cells_padded_for_the_triton_path_are_another_layout(tiny_dir, monkeypatch):
+    """Where the Triton kernel reads int8 cells (PDSERVE_ATTENTION=triton) they are padded to 16 bytes; the
+    same tokens as unpadded int8 pages, and a transfer between the two layouts is refused, not misread."""
+    plain = make(tiny_dir, "int8")
+    want = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    monkeypatch.setenv("PDSERVE_ATTENTION", "triton")
+    pytest.importorskip("triton")
+    padded = make(tiny_dir, "int8", decode_graphs="off")
+    d = padded.config.head_dim
+    assert padded.kv_spec.cell_align == 16 and padded.kv_spec.token_head_bytes() == -(-(d + 2) // 16) * 16
+    assert padded.backend.k[0].shape[-1] == padded.kv_spec.token_head_bytes() and padded.backend.triton_paged
+    assert padded.kv_spec.signature() != plain.kv_spec.signature()
+    got = [o.token_ids for o in padded.generate(PROMPTS, GREEDY)]
+    assert_greedy_equal(want, got)
+    assert_engine_empty(padded)
+    transport = FakeTransport()
+    rx = KVReceiver(plain, ReceiverConfig())
+    address = rx.serve(transport)
+    tx = KVSender(padded, transport, SenderConfig(chunk_bytes=1024))
+    desc = rx.reserve(len(PROMPTS[0]), GREEDY)
+    rid = padded.add_request(PROMPTS[0], GREEDY, prefill_only=True)
+    with pytest.raises(FailedPrecondition, match="layout"):
+        tx.send(rid, desc, address)
+    padded.abort(rid)
+    rx.cancel(desc.reservation_id)
+    rx.pump()
+    close_all(tx, rx, transport, [padded, plain])
+
+
 def test_compression_off_is_unchanged_and_int8_stays_close(tiny_dir):
     """raw pages are the default; int8 agrees with raw on most greedy tokens of the tiny model."""
     raw = LLM(model=str(tiny_dir), dtype="float32", num_pages=64, page_size=4)

@@ -77,15 +77,20 @@ def test_num_splits_fills_the_gpu_and_stays_a_power_of_two():
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"b{c[0]}h{c[1]}/{c[2]}d{c[3]}q{c[5]}s{c[6]}")
-def test_int8_cells_match_reference_on_dequantized_pages(case, dtype, atol):
-    """int8 pages (engine/kv_cache/quantized.py cells: values + a float16 scale) dequantized as they load."""
+@pytest.mark.parametrize("align", [1, 16])
+def test_int8_cells_match_reference_on_dequantized_pages(case, dtype, atol, align):
+    """int8 pages (engine/kv_cache/quantized.py cells: values + a float16 scale, padded to `align` bytes as
+    the Triton path stores them) dequantized as they load."""
     from engine.kv_cache.quantized import dequantize, quantize
 
     q, k, v, table, lens = _inputs(case, dtype, seed=5)
-    k_cells, v_cells = quantize(k, "int8"), quantize(v, "int8")  # [P, ps, kv_heads, head_dim + 2] uint8
+    d = case[3]
+    width = -(-(d + 2) // align) * align
+    k_cells, v_cells = quantize(k, "int8", width), quantize(v, "int8", width)  # [P, ps, kv_heads, width] uint8
+    assert k_cells.shape[-1] == width and (align == 1 or width % 16 == 0)
     got = paged_attention(q, k_cells, v_cells, table, lens, 0.2, case[5], case[6])
-    want = reference(q, dequantize(k_cells, "int8", dtype), dequantize(v_cells, "int8", dtype), table, lens, 0.2,
-                     case[5])
+    want = reference(q, dequantize(k_cells, "int8", dtype, d), dequantize(v_cells, "int8", dtype, d), table, lens,
+                     0.2, case[5])
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 
 
