@@ -24,15 +24,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Parallel:
+    """TP x PP, and for mixture-of-experts decode instances EP: `ep` groups of `tp` GPUs, each running the
+    attention of its own share of the batch, the experts split `ep` ways between them (latency/moe.py)."""
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.ep
+
+    @property
+    def stage_gpus(self) -> int:
+        """GPUs of one pipeline stage (what must share a node)."""
+        return self.tp * self.ep
 
     def __str__(self) -> str:
-        return f"tp{self.tp}pp{self.pp}"
+        return f"tp{self.tp}pp{self.pp}" + (f"ep{self.ep}" if self.ep > 1 else "")
 
 
 Line = tuple[float, float]  # seconds = intercept + slope * context (for a fixed batch size)

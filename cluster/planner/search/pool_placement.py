@@ -45,7 +45,7 @@ def _packs(items: list[int], nodes: int, per_node: int) -> bool:
 
 
 def _stages(c: PhaseChoice, n: int) -> list[int]:
-    return [c.parallel.tp] * (c.parallel.pp * n)
+    return [c.parallel.stage_gpus] * (c.parallel.pp * n)
 
 
 def independent_plan(req: PlanRequest, p: PhaseChoice, d: PhaseChoice) -> Plan | None:
@@ -73,12 +73,12 @@ def co_node_plans(req: PlanRequest, p: PhaseChoice, d: PhaseChoice) -> list[Plan
     if req.nodes < 2 or p.parallel.pp != d.parallel.pp:
         return []
     g, pp, out = req.gpus_per_node, p.parallel.pp, []
-    for a in range(1, g // p.parallel.tp + 1):
-        for b in range(1, (g - a * p.parallel.tp) // d.parallel.tp + 1):
+    for a in range(1, g // p.parallel.stage_gpus + 1):
+        for b in range(1, (g - a * p.parallel.stage_gpus) // d.parallel.stage_gpus + 1):
             units = min(math.ceil(req.rate / min(a * p.goodput, b * d.goodput)), req.nodes // pp)
             if units < 1:  # each unit stage takes one node
                 continue
-            gpus = units * pp * (a * p.parallel.tp + b * d.parallel.tp)
+            gpus = units * pp * (a * p.parallel.stage_gpus + b * d.parallel.stage_gpus)
             link = req.hw.intra_node_bw * min(p.parallel.gpus, d.parallel.gpus)
             out.append(Plan("disaggregated", "co-node", ((p, units * a), (d, units * b)), gpus, link))
     return out
