@@ -5,8 +5,9 @@ Shape (only `model` is required; the pools the mode needs must be named; default
     model, revision, dtype, mode: disaggregated | colocated   (model: a bundled name, a Hugging Face Hub id
                   org/name -- revision: its branch, tag or commit --, a model directory or a .gguf file)
     pools:        prefill + decode (disaggregated) or colocated; each: replicas, max_replicas, tensor_parallel,
-                  pipeline_parallel, placement (pack | strict_pack), resources {num_cpus, num_gpus, custom,
-                  accelerator_type} (per rank: a replica reserves tensor_parallel x pipeline_parallel of them;
+                  pipeline_parallel, expert_parallel (models with experts), placement (pack | strict_pack),
+                  resources {num_cpus, num_gpus, custom, accelerator_type} (per rank: a replica reserves
+                  tensor_parallel x pipeline_parallel x expert_parallel of them;
                   accelerator_type: Ray's name of the machine type its nodes must offer), max_num_seqs,
                   max_num_batched_tokens, max_model_len, kv {page_size, num_pages, storage, eviction,
                   prefix_caching}, speculative {proposer, max_draft, adaptive, gate, draft_model} and
@@ -42,7 +43,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
-from cluster.spec_model import name_problems, resolve_model_config  # noqa: F401 (re-exported)
+from cluster.spec_model import expert_problems, name_problems, resolve_model_config  # noqa: F401 (re-exported)
 from cluster.spec_sections import (RAY_RESERVED, EvictionSpec, KVPages, ReliabilitySpec, Resources,  # noqa: F401
                                    RoutingSpec, SparseAttentionSpec, SpeculativeSpec, _fail_if, _Section,
                                    prefix_problems, sparse_problems)
@@ -116,6 +117,9 @@ class Pool(_Section):
     max_replicas: int | None = Field(None, ge=1, le=4096)
     tensor_parallel: int = Field(1, ge=1, le=1024)  # must divide heads and KV heads (checked against the model)
     pipeline_parallel: int = Field(1, ge=1, le=1024)  # must divide layers (checked against the model)
+    # mixture-of-experts models: the experts split over this many groups of tensor_parallel ranks, each group
+    # running the attention of its own sequences (checked against the model: experts, divides their count)
+    expert_parallel: int = Field(1, ge=1, le=1024)
     # How a replica's ranks are reserved (they run as child processes of the replica's actor, so on its node):
     # pack: one Ray bundle of degree x resources per replica; strict_pack: a STRICT_PACK placement group per
     # replica, one bundle per rank (Ray refuses a replica whose ranks do not fit on one node).
@@ -133,6 +137,9 @@ class Pool(_Section):
     def _check(self) -> "Pool":
         problem = _capacity_problem(self, self.max_model_len) if self.max_model_len else None
         problems = [problem] if problem else []
+        if self.expert_parallel > 1 and self.pipeline_parallel > 1:
+            problems.append(Problem("expert_parallel", "with pipeline_parallel > 1: one kind of layout at a time "
+                                                       "(expert groups of tensor_parallel ranks, or a pipeline)"))
         if (self.max_replicas or self.replicas) < self.replicas:
             problems.append(Problem("max_replicas", f"{self.max_replicas} is below replicas ({self.replicas})"))
         if self.placement == "strict_pack" and self.degree > 1 and self.resources.num_gpus > 0:
@@ -144,12 +151,14 @@ class Pool(_Section):
 
     @property
     def degree(self) -> int:
-        """Processes one replica computes with (its ranks): tensor_parallel x pipeline_parallel."""
-        return self.tensor_parallel * self.pipeline_parallel
+        """Processes one replica computes with (its ranks): tensor_parallel x pipeline_parallel x expert_parallel."""
+        return self.tensor_parallel * self.pipeline_parallel * self.expert_parallel
 
     def describe(self) -> str:
         r = self.resources
-        parts = [f"tp {self.tensor_parallel}", f"pp {self.pipeline_parallel}", f"{r.num_cpus:g} CPU"]
+        parts = [f"tp {self.tensor_parallel}", f"pp {self.pipeline_parallel}"]
+        parts += [f"ep {self.expert_parallel}"] if self.expert_parallel > 1 else []
+        parts += [f"{r.num_cpus:g} CPU"]
         parts += [f"{self.placement} x{self.degree}"] if self.degree > 1 else []
         parts += [f"{r.num_gpus:g} GPU"] if r.num_gpus else []
         parts += [f"{k} {v:g}" for k, v in r.custom.items()] + [f"on {r.accelerator_type}"] * bool(r.accelerator_type)
@@ -335,6 +344,8 @@ class ClusterSpec(_Section):
             kw["tensor_parallel_size"] = p.tensor_parallel
         if p.pipeline_parallel > 1:
             kw["pipeline_parallel_size"] = p.pipeline_parallel
+        if p.expert_parallel > 1:  # refused by check_against_model until the engine has the field
+            kw["expert_parallel_size"] = p.expert_parallel
         if p.speculative is not None:
             kw["speculative"] = p.speculative.engine_config()
         if p.sparse_attention is not None:
@@ -366,7 +377,7 @@ def _parallel_problems(pool: Pool, c: ModelConfig) -> list[Problem]:
 
 
 def _model_problems(pool: Pool, c: ModelConfig) -> list[Problem]:
-    out: list[Problem] = _parallel_problems(pool, c)
+    out: list[Problem] = _parallel_problems(pool, c) + expert_problems(pool.expert_parallel, c)
     if pool.max_model_len is not None and pool.max_model_len > c.max_position:
         out.append(Problem("max_model_len", f"{pool.max_model_len} exceeds the model's {c.max_position} positions"))
     problem = _capacity_problem(pool, min(pool.max_model_len or c.max_position, c.max_position))

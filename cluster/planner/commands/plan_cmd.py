@@ -30,7 +30,7 @@ def _print(res: SearchResult, out: str, report: str | None) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from cluster.planner.emit.spec_writer import model_notes, plan_spec, spec_model, write_spec
+    from cluster.planner.emit.spec_writer import layout_notes, model_notes, plan_spec, spec_model, write_spec
 
     if wants_designs(args):
         from cluster.planner.commands.designs_cmd import run_designs
@@ -47,7 +47,7 @@ def run_plan(args: argparse.Namespace) -> int:
                      args.tpot_ms, {c.phase: req.hw.accelerator_type for c, _ in res.best.pools})
     header = [f"written by `{inputs['command']}`",
               f"plan: {res.best.describe()}; predicted goodput {res.best.goodput:.2f} req/s",
-              f"latency model: {inputs['latency']}"] + model_notes(req.model)
+              f"latency model: {inputs['latency']}"] + model_notes(req.model) + layout_notes(spec, req.model)
     if req.nodes > 1 and res.best.mode == "disaggregated":
         header.append(f"KV receivers listen beyond loopback: export {'PDSERVE_KV_TOKEN'} on every node")
     write_spec(spec, args.out, header)
@@ -57,7 +57,7 @@ def run_plan(args: argparse.Namespace) -> int:
         path, summary = write_report(args.report, req, res, inputs, args.out)
         report = str(path)
     _print(res, args.out, report)
-    for note in model_notes(req.model):
+    for note in model_notes(req.model) + layout_notes(spec, req.model):
         print(f"  {note}")
     for mode, per_gpu in summary.get("whole_plan_goodput_per_gpu", {}).items():
         print(f"  whole-plan simulated goodput, best {mode}: {summary['whole_plan_goodput'][mode]:.2f} req/s "

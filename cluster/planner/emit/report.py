@@ -164,7 +164,8 @@ def _markdown(req, res: SearchResult, inputs: dict, spec_path: str, best_d, best
              f"- latency model: {inputs['latency']}", f"- search: {res.seconds:.1f} s ({'; '.join(res.notes)})", "",
              "## Chosen plan", "", f"**{best.describe()}** -> `{spec_path}`", ""]
     for c, n in best.pools:
-        lines.append(f"- {n} x {c.phase}: TP {c.parallel.tp} x PP {c.parallel.pp}, token budget "
+        ep = f" x EP {c.parallel.ep}" if c.parallel.ep > 1 else ""  # expert groups (MoE decode pools)
+        lines.append(f"- {n} x {c.phase}: TP {c.parallel.tp} x PP {c.parallel.pp}{ep}, token budget "
                      f"{c.token_budget or '-'}, max_num_seqs {c.max_seqs}, KV {c.kv_tokens} tokens per instance, "
                      f"goodput {c.goodput:.2f} req/s per instance")
     att = f"{best.attainment:.1%}" if best.attainment is not None else "n/a"
@@ -206,6 +207,7 @@ def _plan_dict(p: Plan | None) -> dict | None:
             "per_gpu_goodput": p.per_gpu_goodput, "ideal_per_gpu_goodput": p.ideal_per_gpu_goodput,
             "attainment": p.attainment, "percentiles_s": p.result.percentiles() if p.result else None,
             "pools": [{"phase": c.phase, "replicas": n, "tp": c.parallel.tp, "pp": c.parallel.pp,
+                       **({"ep": c.parallel.ep} if c.parallel.ep > 1 else {}),
                        "token_budget": c.token_budget, "goodput": c.goodput, "binding": c.binding}
                       for c, n in p.pools]}
 

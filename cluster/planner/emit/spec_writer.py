@@ -13,7 +13,9 @@ of a Hub-cache snapshot the config was read from), else the local folder the con
 holds the weights; a config.json with none of these asks for `--spec-model`. The planner also plans
 architectures the engine cannot run (OPT, for DistServe's comparisons): `model_notes` says so in the
 spec's header and on the terminal; `validate` refuses such a spec only once the model's config is in
-the Hugging Face cache (it never downloads), `serve` before any weight is fetched.
+the Hugging Face cache (it never downloads), `serve` before any weight is fetched. A decode pool of a
+mixture-of-experts model may carry `expert_parallel` (written only when above 1); `layout_notes` says where a
+planned MoE layout (TP or EP) is ahead of what the engine runs today.
 A pool of a GPU type with an `accelerator_type` in deploy/hardware.yaml asks for it in `resources`
 (`accelerator_type: H100`): heterogeneous plans put each pool on its own machine type that way.
 """
@@ -41,8 +43,10 @@ def _pool(c: PhaseChoice, replicas: int, cpu: bool, max_len: int, kv_tokens: int
     resources: dict[str, Any] = {"num_cpus": 1} if cpu else {"num_cpus": 1, "num_gpus": 1}
     if accelerator and not cpu:  # Ray's node resource `accelerator_type:<NAME>` places the pool on its type
         resources["accelerator_type"] = accelerator
-    return {"replicas": replicas, "tensor_parallel": c.parallel.tp, "pipeline_parallel": c.parallel.pp,
-            "resources": resources, "max_num_seqs": c.max_seqs,
+    degrees = {"tensor_parallel": c.parallel.tp, "pipeline_parallel": c.parallel.pp}
+    if c.parallel.ep > 1:  # written only where chosen: a dense plan's spec stays as it was
+        degrees["expert_parallel"] = c.parallel.ep
+    return {"replicas": replicas, **degrees, "resources": resources, "max_num_seqs": c.max_seqs,
             "max_num_batched_tokens": max(c.token_budget, 1) if c.phase != "decode" else 512,
             "kv": {"page_size": PAGE_SIZE, "num_pages": pages}, "max_model_len": max_len}
 
@@ -83,6 +87,29 @@ def model_notes(model: ModelSpec) -> list[str]:
         return []
     return [f"note: pdserve's engine runs {', '.join(runs)}; {model.architecture} is planned for comparison "
             f"only (`pdserve serve` refuses it; `pdserve validate` once its config is in the Hugging Face cache)"]
+
+
+def layout_notes(spec: dict[str, Any], model: ModelSpec) -> list[str]:
+    """What `pdserve validate` says of a planned mixture-of-experts spec once the model's config is in the
+    Hugging Face cache (`check_against_model`, the engine's own judges): the planner plans TP and EP for MoE
+    models as issue 35 defines them, ahead of what the engine runs today. Dense plans keep only layouts the
+    engine runs (`search/configs.py`), so they get none."""
+    if not model.is_moe:
+        return []
+    from cluster.spec import SpecError, parse_spec  # lazy, as write_spec
+    from engine.config import ModelConfig, MoEConfig
+
+    moe = MoEConfig(model.experts, model.experts_per_token, model.expert_ffn, True, tuple(range(model.moe_layers)),
+                    True, "qwen")
+    cfg = ModelConfig("qwen3_moe", model.vocab, model.hidden, model.ffn, model.layers, model.heads, model.kv_heads,
+                      model.head_dim, 1e-6, model.max_positions, model.tied_embeddings, False, moe=moe)
+    try:
+        parse_spec(spec).check_against_model(cfg)
+    except SpecError as e:
+        return [f"note: {p} (planned ahead of the engine: `pdserve validate` accepts the spec while the model's "
+                f"config is not in the Hugging Face cache; `pdserve serve` refuses it until the engine runs it)"
+                for p in e.problems]
+    return []
 
 
 def write_spec(spec: dict[str, Any], path: str | Path, header: list[str]) -> None:

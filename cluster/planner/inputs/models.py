@@ -206,8 +206,8 @@ def _hf_moe(d: dict[str, Any], layers: int) -> dict[str, Any]:
     mixtral = d.get("model_type") == "mixtral"
     step, only = d.get("decoder_sparse_step", 1) or 1, set(d.get("mlp_only_layers") or ())
     sparse = sum(1 for i in range(layers) if i not in only and (i + 1) % step == 0)
-    return dict(experts=experts, experts_per_token=d.get("num_experts_per_tok", 2),
-                expert_ffn=d["intermediate_size"] if mixtral else d.get("moe_intermediate_size", d["intermediate_size"]),
+    width = d["intermediate_size"] if mixtral else d.get("moe_intermediate_size", d["intermediate_size"])
+    return dict(experts=experts, experts_per_token=d.get("num_experts_per_tok", 2), expert_ffn=width,
                 shared_expert_ffn=d.get("shared_expert_intermediate_size") or 0, moe_layers=sparse)
 
 
@@ -238,11 +238,12 @@ def from_hf_config(d: dict[str, Any], name: str) -> ModelSpec:
         is_opt = d.get("model_type") == "opt"
         ffn = d["ffn_dim"] if is_opt else d["intermediate_size"]
         archs = d.get("architectures") or [""]
+        tied = d.get("tie_word_embeddings", is_opt or str(d.get("model_type", "")).startswith("gemma"))
         spec = ModelSpec(
             name=name, layers=d["num_hidden_layers"], hidden=hidden, heads=heads,
             kv_heads=d.get("num_key_value_heads") or heads, head_dim=d.get("head_dim") or hidden // heads,
             ffn=ffn, vocab=d["vocab_size"], max_positions=d.get("max_position_embeddings", 2048), params=0.0,
-            gated_mlp=not is_opt, tied_embeddings=d.get("tie_word_embeddings", is_opt), learned_positions=is_opt,
+            gated_mlp=not is_opt, tied_embeddings=tied, learned_positions=is_opt,
             architecture=str(archs[0]), **_hf_moe(d, d["num_hidden_layers"]),
             **_hf_windows(d, d["num_hidden_layers"]))
     except KeyError as e:

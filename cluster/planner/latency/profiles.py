@@ -34,7 +34,8 @@ joined by commas: `is_table_profile`) and fits them on the spot for the hardware
 `latency_model(...)`: the profile's coefficients for that TP if it has them; else the GPU step model
 (`gpu_latency`) with the profile's fitted `step` constants, or the hardware entry's when neither the
 profile nor anything else says otherwise; else (CPUs, old profiles with a `calibration` or TP=1 fit) the
-roofline, calibrated from the profile when there is one.
+roofline, calibrated from the profile when there is one. Models with experts take the MoE forms of the
+last two (`moe.py`: experts touched per step, expert parallelism's groups and all-to-all).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from cluster.planner.latency.base import Coeffs, FittedLatency, LatencyModel, Pa
 from cluster.planner.latency.drift import MODES, SPREAD_POINTS, drift_of, scaled
 from cluster.planner.latency.gpu_latency import OperatorLatency
 from cluster.planner.latency.interference import KINDS, Corun
+from cluster.planner.latency.moe import MoEOperatorLatency, MoERooflineLatency
 from cluster.planner.latency.roofline import Calibration, RooflineLatency, calibrate
 
 
@@ -225,13 +227,20 @@ def latency_model(model: ModelSpec, hw: Hardware, parallel: Parallel, dtype: str
     legacy = profile is not None and (profile.calibration is not None or 1 in profile.coeffs)
     if step is None and not legacy:
         step = hw.step
+    # a mixture of experts: the same choice, with MoE layers and EP groups (`moe.py`); the all-to-all
+    # crosses nodes only when an instance's stage does
+    a2a = {"a2a_bw": hw.inter_node_bw if parallel.stage_gpus > gpus_per_node else hw.intra_node_bw}
     if step is not None:
+        if model.is_moe:
+            return MoEOperatorLatency(parallel, model, hw, step, dtype, pp_link, **a2a)
         return OperatorLatency(parallel, model, hw, step, dtype, pp_link)
     cal = Calibration()
     if profile is not None and profile.calibration is not None:
         cal = profile.calibration
     elif profile is not None and 1 in profile.coeffs:
         cal = calibrate(model, hw, profile.coeffs[1], dtype)
+    if model.is_moe:
+        return MoERooflineLatency(parallel, model, hw, dtype, cal, pp_link, **a2a)
     return RooflineLatency(parallel, model, hw, dtype, cal, pp_link)
 
 

@@ -11,7 +11,9 @@ Rules (each rejection is kept with its reason, for the planner's error messages)
   - PP divides the layers; an instance spans at most max(one node, 2x the smallest instance that fits)
     GPUs (wider pipelines only add bubbles and hops) and never more than the cluster;
   - memory per device: weights / (tp*pp) + an activation reserve <= util x device memory, and what is
-    left holds the KV of at least one `max_len`-token sequence.
+    left holds the KV of at least one `max_len`-token sequence. Weights are the total parameters (a
+    mixture of experts holds every expert); with expert parallelism (decode instances of MoE models,
+    `expert_parallel.py`) the experts divide by tp x ep x pp and each EP group adds its own KV room.
 Who calls: `search`, and `cli` for the "model fits no configuration" error. Pure Python.
 """
 from __future__ import annotations
@@ -36,12 +38,15 @@ class InstanceMemory:
 
 def instance_memory(model: ModelSpec, hw: Hardware, parallel: Parallel, dtype: str = "bfloat16",
                     util: float = MEM_UTIL) -> InstanceMemory:
-    tp, pp = parallel.tp, parallel.pp
-    weights = model.weight_bytes(dtype) / (tp * pp)
+    tp, pp, ep = parallel.tp, parallel.pp, parallel.ep
+    weights = model.weight_bytes(dtype) / (tp * pp)  # total parameters: every expert is held somewhere
+    if ep > 1:  # the experts split ep ways more; attention and dense parts on every group (latency/moe.py)
+        weights -= model.expert_weight_params * DTYPE_BYTES[dtype] * (1 - 1 / ep) / (tp * pp)
     kv_heads_per_rank = max(1.0, model.kv_heads / tp)  # replicated when tp > kv heads
     per_token = 2 * (model.layers / pp) * kv_heads_per_rank * model.head_dim * DTYPE_BYTES[dtype]
     free = hw.memory * (util - ACTIVATION_FRACTION) - weights
-    return InstanceMemory(parallel, weights, max(0, int(free // per_token)), per_token)
+    # each EP group holds the KV of its own sequences: capacity adds up over the groups
+    return InstanceMemory(parallel, weights, max(0, int(free // per_token)) * ep, per_token)
 
 
 def head_problem(model: ModelSpec, tp: int) -> str | None:
@@ -51,6 +56,8 @@ def head_problem(model: ModelSpec, tp: int) -> str | None:
         return f"tp {tp} neither divides nor is a multiple of {model.kv_heads} KV heads"
     if model.ffn % tp:
         return f"tp {tp} does not divide the FFN size {model.ffn}"
+    if model.is_moe and model.expert_ffn % tp:
+        return f"tp {tp} does not divide the expert FFN size {model.expert_ffn}"
     return None
 
 

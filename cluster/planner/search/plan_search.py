@@ -2,7 +2,8 @@
 
 Order of work:
   1. `configs.instance_configs`: every TP x PP that fits memory and divides heads/layers (none: a typed
-     `NoFeasibleConfigError` naming the smallest deployment that would fit);
+     `NoFeasibleConfigError` naming the smallest deployment that would fit); for a mixture of experts also
+     the EP x TP decode instances (`expert_parallel`), measured beside them as decode choices only;
   2. per configuration and token budget, the goodput of one instance of each kind by bisection over the
      rate (`goodput`): prefill (TTFT), decode (TPOT), colocated (both) -- a coarse pass over all, then a
      fine pass over the `top_k` per kind by per-GPU goodput (none meets the SLO at any rate: a typed
@@ -24,6 +25,7 @@ from cluster.planner.errors import InfeasibleSLOError, NoFeasibleConfigError
 from cluster.planner.inputs.hardware import GIB
 from cluster.planner.latency.profiles import latency_model
 from cluster.planner.search.configs import InstanceMemory, instance_configs
+from cluster.planner.search.expert_parallel import decode_ep_configs
 from cluster.planner.search.goodput import COARSE, FINE, Goodput, Precision, coloc_goodput, phase_goodput
 from cluster.planner.search.plans import PhaseChoice, Plan
 from cluster.planner.search.pool_placement import candidate_plans, verify
@@ -84,20 +86,23 @@ def measure_phase(req: PlanRequest, kind: str, mem: InstanceMemory, budget: int,
     return PhaseChoice(kind, mem.parallel, budget, mem.kv_tokens, max_seqs, g.rate, g.binding), g
 
 
-def phase_choices(req: PlanRequest, configs: list[InstanceMemory]) -> tuple[dict[str, list[PhaseChoice]], dict]:
+def phase_choices(req: PlanRequest, configs: list[InstanceMemory],
+                  decode_extra: list[InstanceMemory] = ()) -> tuple[dict[str, list[PhaseChoice]], dict]:
     """Coarse pass over every configuration at the middle token budget; fine pass (warm-started from the
-    coarse goodput) over the finalists of each kind, every budget for the best finalist only."""
+    coarse goodput) over the finalists of each kind, every budget for the best finalist only.
+    `decode_extra`: configurations only decode instances may take (expert parallelism)."""
     pre_b, col_b, _, _ = req.budgets()
     kinds = {"prefill": pre_b, "decode": (0,), "colocated": col_b}
     out: dict[str, list[PhaseChoice]] = {}
     low_load: dict[str, list[tuple[PhaseChoice, Goodput]]] = {}
     for kind, budgets in kinds.items():
         mid = budgets[len(budgets) // 2]
-        coarse = [measure_phase(req, kind, mem, mid, COARSE) for mem in configs]
+        mine = list(configs) + (list(decode_extra) if kind == "decode" else [])
+        coarse = [measure_phase(req, kind, mem, mid, COARSE) for mem in mine]
         low_load[kind] = coarse
         fine = []
         for rank, c in enumerate(_finalists([c for c, _ in coarse if c.goodput > 0], req.top_k)):
-            mem = next(m for m in configs if m.parallel == c.parallel)
+            mem = next(m for m in mine if m.parallel == c.parallel)
             fine += [measure_phase(req, kind, mem, b, FINE, warm=c.goodput)[0] for b in (budgets if rank == 0 else (mid,))]
         out[kind] = [c for c in fine if c.goodput > 0]
     return out, low_load
@@ -142,7 +147,10 @@ def search(req: PlanRequest) -> SearchResult:
                                          req.model_len)
     if not configs:
         raise _no_config_error(req, rejected)
-    phases, low_load = phase_choices(req, configs)
+    ep_configs, ep_rejected = decode_ep_configs(req.model, req.hw, req.dtype, req.gpus_per_node, req.total_gpus,
+                                                req.model_len, configs)  # none for dense models
+    rejected += ep_rejected
+    phases, low_load = phase_choices(req, configs, ep_configs)
     t_phases = time.perf_counter() - start
     if not phases["colocated"] and not (phases["prefill"] and phases["decode"]):
         raise InfeasibleSLOError(f"no configuration of {req.model.name} on {req.hw.name} meets TTFT "
@@ -160,8 +168,9 @@ def search(req: PlanRequest) -> SearchResult:
     ranked += sorted((p for p in plans if _key(p) not in seen), key=_rank)
     all_phases = tuple(c for kind in phases.values() for c in kind)
     took = time.perf_counter() - start
-    notes = (f"{len(configs)} TP x PP configurations; per-instance goodputs {t_phases:.1f} s, "
-             f"whole-plan checks {took - t_phases:.1f} s",)
+    shapes = f"{len(configs)} TP x PP configurations" + (f" (+ {len(ep_configs)} EP x TP for decode)"
+                                                         if ep_configs else "")
+    notes = (f"{shapes}; per-instance goodputs {t_phases:.1f} s, whole-plan checks {took - t_phases:.1f} s",)
     return SearchResult(ranked[0], tuple(ranked), all_phases, tuple(rejected), took, notes, req.slo.attainment)
 
 
