@@ -2,6 +2,7 @@
 
     request.py         PlanRequest: what the search is asked (every part below imports it from here)
     configs.py         TP x PP configurations that fit memory (instance_configs, InstanceMemory)
+    expert_parallel.py EP x TP decode instances of mixture-of-experts models (decode_ep_configs)
     goodput.py         one instance's goodput at the SLO by bisection over the rate (Precision levels)
     plans.py           PhaseChoice, Plan
     kv_link.py         the KV transfer's bandwidth and re-shard cost between two instances
