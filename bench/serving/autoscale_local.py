@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     wl = load_workload(a.trace, 19000, scaling=scaling)
     times = stepped_arrivals(wl.unit_arrivals_s, rates, duration)
     reqs = [RequestSpec(i, t, wl.input_lens[i], wl.output_lens[i]) for i, t in enumerate(times)]
-    print(f"{len(reqs)} requests over {duration:.0f} s at {rates} req/s (Azure conv arrival pattern, lengths x"
+    print(f"{len(reqs)} requests over {duration:.0f} s at {rates} req/s ({Path(a.trace).name}'s arrival pattern, lengths x"
           f"{a.input_scale:g}/x{a.output_scale:g}); SLO TTFT {a.ttft_ms:g} ms / TPOT {a.tpot_ms:g} ms", flush=True)
     prompts = PromptSource(load_tokenizer(yaml.safe_load(Path(a.spec).read_text())["model"]))
     paths = variants(a.spec, a, out)
