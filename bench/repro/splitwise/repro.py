@@ -76,7 +76,8 @@ from cluster.planner.latency.base import Parallel  # noqa: E402
 from cluster.planner.search.configs import instance_memory  # noqa: E402
 from cluster.planner.search.goodput import FINE  # noqa: E402
 from cluster.planner.search.request import PlanRequest  # noqa: E402
-from cluster.planner.sim.metrics import SLO, percentile  # noqa: E402
+from cluster.planner.sim.metrics import SLO  # noqa: E402
+from cluster.stats import percentile  # noqa: E402
 
 def slo_for(model, pairs, ttft_x: float = 3.0, tbt_x: float = 1.5, kind: str = "slowdown", perf: str = "planner") -> SLO:
     """The paper's targets against one DGX-A100 running one request alone: per-request slowdowns

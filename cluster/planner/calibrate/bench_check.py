@@ -28,8 +28,9 @@ from cluster.planner.latency.profiles import corun_of, latency_model, load_profi
 from cluster.planner.sim.bus import Sharing
 from cluster.planner.sim.coloc import ColocSetup, simulate_colocated
 from cluster.planner.sim.disagg import DecodeSetup, Link, PrefillSetup, simulate_disaggregated
-from cluster.planner.sim.metrics import SLO, SimResult, percentile
+from cluster.planner.sim.metrics import SLO, SimResult
 from cluster.spec import ClusterSpec
+from cluster.stats import percentile
 
 BOUNDS = ((5.0, 0.15), (5.0, 0.15), (5.0, 0.25))  # (attainment points, P90 relative error) per probe
 

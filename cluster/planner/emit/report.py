@@ -16,7 +16,7 @@ from cluster.planner.search.plan_search import SearchResult
 from cluster.planner.search.plans import Plan
 from cluster.planner.search.probe import PlanProbe
 from cluster.planner.search.request import PlanRequest
-from cluster.planner.sim.metrics import percentile
+from cluster.stats import percentile
 
 
 def equal_gpus(req: PlanRequest, best_d: Plan | None, best_c: Plan | None, whole: dict[str, float]) -> dict:
@@ -148,8 +148,8 @@ def _plan_row(p: Plan) -> str:
 def _workload_line(req: PlanRequest) -> str:
     ins = [i for i, _ in req.pairs]
     outs = [o for _, o in req.pairs]
-    return (f"input tokens p50 {percentile(ins, 50)} / p90 {percentile(ins, 90)} (mean {sum(ins) / len(ins):.0f}), "
-            f"output tokens p50 {percentile(outs, 50)} / p90 {percentile(outs, 90)} (mean "
+    return (f"input tokens p50 {percentile(ins, 50):g} / p90 {percentile(ins, 90):g} (mean {sum(ins) / len(ins):.0f}), "
+            f"output tokens p50 {percentile(outs, 50):g} / p90 {percentile(outs, 90):g} (mean "
             f"{sum(outs) / len(outs):.0f}); Poisson arrivals")
 
 

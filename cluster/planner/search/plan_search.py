@@ -32,7 +32,7 @@ from cluster.planner.search.pool_placement import candidate_plans, verify
 from cluster.planner.search.request import PlanRequest
 from cluster.planner.sim.coloc import ColocSetup
 from cluster.planner.sim.disagg import DecodeSetup, PrefillSetup
-from cluster.planner.sim.metrics import percentile
+from cluster.stats import percentile
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 TTFT ends when prefill returns the first token; TPOT = (e2e - TTFT) / (output_len - 1), so KV transfer
 and decode queueing count against TPOT as a client sees them (DistServe's definition). A request with
 one output token meets any TPOT. `SimResult.attainment(slo)` is the fraction meeting both targets.
+Percentiles are `cluster.stats.percentile` (linear, numpy's default), as the bench reports its measurements.
 
 An SLO is one interface, `share_met(results, metrics)` compared with its `attainment`: here absolute
 TTFT/TPOT seconds met by a fraction of requests (DistServe's, the planner's own). The Splitwise
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from cluster.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,6 @@ class RequestResult(NamedTuple):
     e2e: float
     input_len: int = 0  # the request's lengths, for slowdown targets (bench/repro/splitwise/slo.py)
     output_len: int = 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
-    s = sorted(values)
-    k = min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))
-    return s[k]
 
 
 @dataclass(frozen=True)
