@@ -35,7 +35,7 @@ from engine.kernels.cpu.activations import swiglu
 from engine.linear import Linear
 
 CHOICES = ("auto", "grouped", "per_token", "dense")
-HOST_GROUPING_MAX = 8  # assignments (tokens x top-k) up to which `grouped` groups on the host (no sort kernels)
+HOST_GROUPING_MAX = 4  # assignments (tokens x top-k) up to which `grouped` groups on the host (no sort kernels)
 
 
 @dataclass
