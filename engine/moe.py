@@ -13,7 +13,7 @@ Order of `moe_forward(layer, h)`:
     (as transformers' `index_add_` does, so float32 results agree):
   "grouped" (default): the step's (token, expert) assignments sorted by expert; each active expert runs one
       GEMM over all of its rows, so its weights are read once per step however many tokens chose it (up to
-      `HOST_GROUPING_MAX` assignments grouped in Python from the ids instead: no sort kernels at batch 1-4).
+      `HOST_GROUPING_MAX` assignments grouped in Python from the ids: no sort kernels at batch 1-2, top-2).
   "per_token" (the reference): each token runs its k experts one row at a time: weights read once per
       assignment. Plain torch; the grouped path's test compares against it.
   "dense": every expert on every row through two batched matmuls over the stacked weights, unchosen experts
