@@ -93,6 +93,8 @@ def test_pools_on_their_nodes_and_kv_crosses_nodes(cluster, reference):
 def test_a_driver_without_the_token_is_refused(cluster, monkeypatch):
     c, _ = cluster
     monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-cluster-token")  # takes precedence over the token file
+    # a refused driver retries its GCS connection once a second, 20 times by default: once says the same
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "1")
     with pytest.raises(BackendUnavailableError, match="RAY_AUTH_TOKEN_PATH"):
         init_ray(c.address)
     import ray
