@@ -31,9 +31,8 @@ import pytest
 from cluster import ray_session
 from cluster.serving.ray_pools import start_cluster
 from cluster.serving_api import GenerateRequest
-from cluster.spec import parse_spec
 from engine import SamplingParams
-from tests.cluster_helpers import assert_cluster_empty
+from tests.cluster_helpers import assert_cluster_empty, tiny_ray_spec
 
 pytestmark = pytest.mark.slow
 # One harmless method per Ray gRPC service (server: method); empty bytes are a valid empty request.
@@ -128,9 +127,7 @@ def test_local_ray_listens_on_loopback_only_and_refuses_callers_without_the_toke
     saved_env = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", ray_session.LOOPBACK_ENV)}
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)  # as if ray was imported with no setting
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    pool = {"resources": {"num_cpus": 0.5}, "kv": {"page_size": 8, "num_pages": 64}, "max_model_len": 128}
-    spec = parse_spec({"model": str(tiny_dir), "dtype": "float32", "mode": "disaggregated",
-                       "pools": {"prefill": pool, "decode": pool}})
+    spec = tiny_ray_spec(tiny_dir)
     router = start_cluster(spec, num_cpus=2)
     path = ray_session.token_path()
 
