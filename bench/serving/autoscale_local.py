@@ -7,6 +7,12 @@ a static 2-replica run, on the same arrivals, side by side in one run.
 Arrivals: the Azure conversation trace's arrival pattern (its gaps, `cluster.bench.workload`, lengths
 scaled to CPU: --input-scale / --output-scale) with its rate stepped low -> high -> low over thirds of
 `--minutes` (the trace's own pattern time-warped onto each step's rate), open loop (`cluster.bench.loadgen`).
+--input-scale auto (the default) fits each trace's prompts to one size: its mean prompt becomes the conversation
+trace's at x0.25 (~254 tokens), the size the rates were chosen for (what two replicas serve here). Another
+trace then brings its own arrival pattern and length mix at the same mean prompt: the code trace's prompts
+(mean 2,122 tokens, twice the conversation's) at x0.25 would need more replicas than the bench allows even
+at a steady 2 req/s -- a static 2-replica run would miss the SLO too, and the comparison would measure the
+overload, not the autoscaler. A number sets the scale itself.
 The two servers are the same spec with `--set`-style overrides (`cluster.bench.server.spec_variants`):
     both        pools.colocated.resources.num_cpus=0.5 -- deploy specs give a replica 1 CPU, and the local Ray
                 gets this machine's cores (2 here), so a second replica may not be placeable beside the
@@ -50,6 +56,18 @@ from cluster.bench.workload import RequestSpec, TraceScaling, load_workload  # n
 
 
 TRACE = ROOT / "data" / "workloads" / "azure_llm_2023_conv.csv"  # in the repository (data/README.md)
+REFERENCE_SCALE = 0.25  # --input-scale auto: every trace's mean prompt = TRACE's mean prompt x this
+
+
+def mean_prompt(trace: str, n: int) -> float:
+    """The trace's mean prompt length over its first n requests, unscaled."""
+    raw = load_workload(trace, n, scaling=TraceScaling(1.0, 1.0, max_input=10**9, max_output=10**9))
+    return sum(raw.input_lens) / len(raw.input_lens)
+
+
+def fitted_input_scale(trace: str, n: int = 19000) -> float:
+    """The input scale that gives `trace` the reference trace's mean prompt at REFERENCE_SCALE."""
+    return REFERENCE_SCALE * mean_prompt(str(TRACE), n) / mean_prompt(trace, n)
 
 
 def stepped_arrivals(unit_arrivals: list[float], rates: list[float], duration_s: float) -> list[float]:
@@ -175,7 +193,7 @@ def main(argv=None) -> int:
     # only 59% of requests (a backlog from ~330 s to ~650 s) while the autoscaled one held: both runs were at
     # the edge of the machine, and the comparison measured which backlog happened to build, not the autoscaler
     ap.add_argument("--rates", default="0.4,2.0,0.4", help="req/s of each step (low, high, low)")
-    ap.add_argument("--input-scale", type=float, default=0.25)
+    ap.add_argument("--input-scale", default="auto", help="prompt length scale, or auto (see the module map)")
     ap.add_argument("--output-scale", type=float, default=0.25)
     ap.add_argument("--num-cpus", type=float, default=0.5)
     ap.add_argument("--ttft-ms", type=float, default=3000.0)
@@ -192,12 +210,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(x) for x in a.rates.split(",")]
     duration = a.minutes * 60
+    a.input_scale = fitted_input_scale(a.trace) if a.input_scale == "auto" else float(a.input_scale)
     scaling = TraceScaling(a.input_scale, a.output_scale, max_input=1024, max_output=128)
     wl = load_workload(a.trace, 19000, scaling=scaling)
     times = stepped_arrivals(wl.unit_arrivals_s, rates, duration)
     reqs = [RequestSpec(i, t, wl.input_lens[i], wl.output_lens[i]) for i, t in enumerate(times)]
     print(f"{len(reqs)} requests over {duration:.0f} s at {rates} req/s ({Path(a.trace).name}'s arrival pattern, lengths x"
-          f"{a.input_scale:g}/x{a.output_scale:g}); SLO TTFT {a.ttft_ms:g} ms / TPOT {a.tpot_ms:g} ms", flush=True)
+          f"{a.input_scale:.3g}/x{a.output_scale:g}); SLO TTFT {a.ttft_ms:g} ms / TPOT {a.tpot_ms:g} ms", flush=True)
     prompts = PromptSource(load_tokenizer(yaml.safe_load(Path(a.spec).read_text())["model"]))
     paths = variants(a.spec, a, out)
     results = []
