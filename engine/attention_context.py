@@ -7,8 +7,10 @@ A decode run whose context lengths are far apart is split further into length bu
 such a group names its packed rows in `token_rows`), so short rows do not gather and attend the longest
 row's padding -- unless the backend's decode attention has no padding (`bucket_decode=False`).
 Masks come from slot counts only: query i of a sequence with `cached` slots already in cache may see
-slots [0, cached + i]. Optional observation (off by default) exposes attention of a query window
-(SnapKV-style eviction) and per-slot attention mass (H2O-style eviction).
+slots [0, cached + i] (with a sliding window, none below cached + i - window + 1; a model mixing local and
+global layers gets a windowed view for its local layers in `AttentionContext.local`). Optional observation
+(off by default) exposes attention of a query window (SnapKV-style eviction) and per-slot attention mass
+(H2O-style eviction).
 """
 from __future__ import annotations
 
@@ -78,6 +80,11 @@ class AttentionContext:
     groups: list[AttnGroup]
     scale: float
     observations: dict[tuple[str, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    # Models mixing local (sliding-window) and global layers (Gemma 3): the same step as the local layers
+    # see it (same slots and groups, masks limited to the window), or None when no row of the step reaches
+    # past the window (then every layer reads this context). `base` is set on that view: its step's context.
+    local: "AttentionContext | None" = None
+    base: "AttentionContext | None" = None
 
     def observe_attention(self, layer: int, g: AttnGroup, qh: torch.Tensor, kh: torch.Tensor) -> None:
         """Record attention statistics for observed rows. qh [B,Hq,q,D], kh [B,Hkv,ctx,D]."""
@@ -112,11 +119,22 @@ class SeqLayout:
 def build_context(
     seqs: list[SeqLayout], page_size: int, scale: float, device="cpu",
     sliding_window: int | None = None, observe: dict[str, ObserveSpec] | None = None,
-    bucket_decode: bool = True, sparse: dict | None = None,
+    bucket_decode: bool = True, sparse: dict | None = None, local_window: int | None = None,
 ) -> AttentionContext:
     """bucket_decode=False: decode runs stay one group whatever their lengths (a backend whose decode
     attention reads each row's own slots, with no padding to save: `RawKVBackend.ragged_decode`).
-    sparse: request id -> its sparse attention config (None: full), when rows differ from the backend's."""
+    sparse: request id -> its sparse attention config (None: full), when rows differ from the backend's.
+    local_window: the window of a model's local layers where the others are global (`ModelConfig.local_window`):
+    the context gets its windowed view in `local` when some row sees more slots than the window."""
+    ctx = _build(seqs, page_size, scale, device, sliding_window, observe, bucket_decode, sparse)
+    if local_window is not None and any(s.num_cached + s.q_len > local_window for s in seqs):
+        local = _build(seqs, page_size, scale, device, local_window, observe, bucket_decode, sparse)
+        local.write_slots, local.observations, local.base = ctx.write_slots, ctx.observations, ctx
+        ctx.local = local
+    return ctx
+
+
+def _build(seqs, page_size, scale, device, sliding_window, observe, bucket_decode, sparse) -> AttentionContext:
     write: list[int] = []
     for s in seqs:
         write.extend(_slots(s.pages, page_size, s.num_cached, s.q_len))

@@ -6,20 +6,26 @@ listing what runs (`check_supported`, also used on a Hub config before any weigh
 supported architecture whose config asks for a feature the forward lacks (`unsupported_features`: a RoPE
 type, an activation, an output-projection bias, sliding windows on some layers only, shared experts), so a
 checkpoint is refused instead of served with wrong tokens. Mixture-of-experts configs (Qwen3-MoE, Mixtral)
-carry a `MoEConfig`; the forward's MoE layers are `engine.moe`.
+carry a `MoEConfig`; the forward's MoE layers are `engine.moe`. Gemma 3 text configs carry a `GemmaConfig`
+(its attention scale, logit soft-capping, local layers and their RoPE; read and checked by `engine.gemma_config`);
+the forward is `engine.gemma`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import gemma_config
 from engine.errors import UnsupportedArchitectureError, UnsupportedFeatureError
+from engine.gemma_config import GemmaConfig
 
 # model_type -> whether q/k/v projections carry a bias by default
-SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "qwen3_moe": False, "mixtral": False}
+SUPPORTED = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "qwen3_moe": False, "mixtral": False,
+             "gemma3_text": False}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
-QK_NORM = ("qwen3", "qwen3_moe")  # RMSNorm over each query/key head's dims before RoPE
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")  # RMSNorm over each query/key head's dims before RoPE
 ROPE_TYPES = ("default", "linear", "llama3")  # what engine.rope builds (it raises on others too)
 ACTIVATIONS = ("silu", "swish")  # SwiGLU's gate activation, the only one the forward computes
 
@@ -32,6 +38,8 @@ def check_supported(d: dict[str, Any], model: str | None = None) -> None:
     """UnsupportedArchitectureError unless config.json `d` is of a model type the engine runs;
     UnsupportedFeatureError (a subclass) if it is, but asks for something the forward does not compute."""
     mt = d.get("model_type", "?")
+    if mt == "gemma3":  # the multimodal checkpoint: a vision tower around a gemma3_text text_config
+        raise UnsupportedFeatureError(_arch(d), [gemma_config.MULTIMODAL], model)
     if mt not in SUPPORTED:
         archs = d.get("architectures") or []
         arch = f"{archs[0]} ({mt})" if archs and isinstance(archs[0], str) else mt
@@ -68,6 +76,8 @@ def _window(d: dict[str, Any]) -> int | None:
 def unsupported_features(d: dict[str, Any]) -> list[str]:
     """Each feature config.json `d` (of a supported model type) asks for that the forward does not compute,
     named by its config key; empty when the engine serves it exactly."""
+    if d["model_type"] == "gemma3_text":
+        return gemma_config.unsupported(d)
     out = []
     rope = _rope(d)["rope_type"]
     if rope not in ROPE_TYPES:
@@ -139,6 +149,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
     moe: MoEConfig | None = None  # Qwen3-MoE, Mixtral: the layers whose MLP is a mixture of experts
+    gemma: GemmaConfig | None = None  # Gemma 3 text: engine.gemma's forward (local layers, scale, soft-capping)
 
     @staticmethod
     def from_hf_dict(d: dict[str, Any]) -> "ModelConfig":
@@ -160,10 +171,17 @@ class ModelConfig:
             max_position=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             qkv_bias=d.get("attention_bias", SUPPORTED[mt]) or SUPPORTED[mt],
-            rope=_rope(d),
-            sliding_window=_window(d),
+            rope=gemma_config.global_rope(d) if mt == "gemma3_text" else _rope(d),
+            sliding_window=None if mt == "gemma3_text" else _window(d),
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
             qk_norm=mt in QK_NORM,
             moe=MoEConfig.from_hf_dict(d),
+            gemma=GemmaConfig.from_hf_dict(d) if mt == "gemma3_text" else None,
         )
+
+    @property
+    def local_window(self) -> int | None:
+        """Tokens a local layer sees where some layers are local and the others global (Gemma 3); None
+        otherwise (`sliding_window` is then every layer's window, or None)."""
+        return self.gemma.sliding_window if self.gemma is not None and self.gemma.local_layers else None

@@ -14,15 +14,16 @@ import torch
 
 from engine.attention_context import AttentionContext, SeqLayout, build_context
 from engine.batch import PendingStep, SeqResult, StepBatch, StepOutput
-from engine.model import LlamaForward
-from engine.sampler import sample_batch
+from engine.model import LlamaForward  # or engine.gemma.GemmaForward, its subclass
+from engine.device_sampler import resolve as resolve_sampler, sample_step
 
 LayerHook = Callable[[int, StepBatch], None]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForward, backend, page_size: int):
+    def __init__(self, model: LlamaForward, backend, page_size: int, sampler: str = "cpu"):
         self.model = model
+        self.sampler = resolve_sampler(sampler, model.device)  # "device" | "cpu" (engine/device_sampler.py)
         self.backend = backend
         self.page_size = page_size
         self.device = model.device
@@ -64,7 +65,8 @@ class ModelRunner:
         layouts = [SeqLayout(s.request_id, len(s.token_ids), s.num_cached, s.pages) for s in batch.seqs]
         ctx = build_context(layouts, self.page_size, self.model.scale, self.device,
                             self.model.cfg.sliding_window, batch.observe,
-                            bucket_decode=not getattr(self.backend, "ragged_decode", False), sparse=batch.sparse)
+                            bucket_decode=not getattr(self.backend, "ragged_decode", False), sparse=batch.sparse,
+                            local_window=self.model.cfg.local_window)
         hook = None
         if self._layer_hooks:
             def hook(layer: int) -> None:
@@ -103,7 +105,7 @@ class ModelRunner:
         if sample_reqs:
             # every logits row sampled, in order (plain decode): no [n, vocab] copy (3 MB at batch 16)
             every = sample_rows == list(range(logits.shape[0]))
-            tokens = sample_batch(logits if every else logits[sample_rows], sample_reqs)  # greedy on its device
+            tokens = sample_step(logits if every else logits[sample_rows], sample_reqs, self.sampler)
             for i, t in zip(sample_idx, tokens):
                 results[i].sampled = t
         return results

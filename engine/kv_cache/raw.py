@@ -126,7 +126,7 @@ class RawKVBackend:
     def attend(self, layer: int, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """q: [num_tokens, q_heads, head_dim] (packed, RoPE applied) -> same shape."""
         dense = self._dense_for()
-        if dense is not None:
+        if dense is not None and ctx.base is None:  # (a local layers' view keeps no dense copies: it gathers)
             dense.plan(ctx)  # once per step: which decode groups continue their dense copy
         if len(ctx.groups) == 1 and ctx.groups[0].token_rows is None:
             return self._attend_group(layer, q, ctx.groups[0], ctx)

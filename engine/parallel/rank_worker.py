@@ -32,7 +32,7 @@ from engine.kv_cache.backend import make_backend, torch_dtype
 from engine.kv_cache.page_io import export_kv, import_kv
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import load_config
-from engine.model import LlamaForward
+from engine.forward import build_forward
 from engine.parallel.shard import local_config, shard_kv_spec, validate_tp, weight_slice
 from engine.runner import ModelRunner
 
@@ -120,7 +120,7 @@ class RankWorker(KVPoolIO):
         init_group(spec.init_method, spec.rank, spec.size, cuda, spec.timeout_s)
         cfg = local_config(full_cfg, spec.rank, spec.size)
         weights = load_shard(spec.model_dir, full_cfg, spec.rank, spec.size)
-        self.model = LlamaForward(cfg, weights, torch_dtype(spec.dtype), self.device, all_reduce=self._all_reduce)
+        self.model = build_forward(cfg, weights, torch_dtype(spec.dtype), self.device, all_reduce=self._all_reduce)
         del weights
         self.kv_spec = shard_kv_spec(spec.kv_spec, spec.rank, spec.size)
         self.backend = make_backend(self.kv_spec, spec.num_pages, self.device)

@@ -24,7 +24,7 @@ from engine.config import ModelConfig
 from engine.kv_cache.backend import make_backend, torch_dtype
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import load_config
-from engine.model import LlamaForward
+from engine.forward import build_forward
 from engine.parallel.rank_worker import KVPoolIO, close_group, init_group, rank_device
 from engine.parallel.stages import micro_batches, stage_kv_spec, stage_layers, stage_wants, validate_pp
 from engine.runner import ModelRunner
@@ -79,7 +79,7 @@ class StageWorker(KVPoolIO):
         self.dtype = torch_dtype(spec.dtype)
         self.hidden_size = cfg.hidden_size
         weights = load_stage(spec.model_dir, cfg, self.layers)
-        self.model = LlamaForward(cfg, weights, self.dtype, self.device, layers=self.layers)
+        self.model = build_forward(cfg, weights, self.dtype, self.device, layers=self.layers)
         del weights
         self.kv_spec = stage_kv_spec(spec.kv_spec, self.layers)
         self.backend = make_backend(self.kv_spec, spec.num_pages, self.device)

@@ -28,7 +28,8 @@ def _reference(q, k_pool, v_pool, page_index, lens, scale):
 
 
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,native", [
-    (9, 3, 64, "on"), (10, 2, 64, "on"), (9, 3, 64, "off"), (10, 2, 64, "off"), (4, 4, 16, "off"), (8, 2, 32, "off")])
+    (9, 3, 64, "on"), (10, 2, 64, "on"), (9, 3, 64, "off"), (10, 2, 64, "off"), (4, 4, 16, "off"), (8, 2, 32, "off"),
+    (8, 4, 256, "off")])  # Gemma 3's head_dim: numba
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_paged_kernel_matches_float64_attention(q_heads, kv_heads, head_dim, page_size, native, monkeypatch):
     """head_dim 64 takes the C kernel of csrc/decode_attention_bf16.c where the CPU has AVX512-BF16

@@ -57,7 +57,8 @@ def _case(rows, q_len, cached, heads, kv_heads, dim, page_size, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("rows,q_len,cached", [(1, 37, 0), (1, 300, 0), (2, 16, 45), (3, 5, 100), (1, 2, 0)])
-@pytest.mark.parametrize("heads,kv_heads,dim,page_size", [(9, 3, 64, 16), (4, 4, 128, 4), (8, 2, 64, 1)])
+@pytest.mark.parametrize("heads,kv_heads,dim,page_size", [(9, 3, 64, 16), (4, 4, 128, 4), (8, 2, 64, 1),
+                                                          (8, 4, 256, 16)])  # Gemma 3's head_dim
 def test_kernel_matches_float64_attention(rows, q_len, cached, heads, kv_heads, dim, page_size):
     q, k_pool, v_pool, page_index, lens = _case(rows, q_len, cached, heads, kv_heads, dim, page_size)
     scale = dim ** -0.5

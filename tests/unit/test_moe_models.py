@@ -236,8 +236,9 @@ def test_shared_experts_are_refused():
 
 def test_unknown_architecture_lists_the_new_ones():
     with pytest.raises(UnsupportedArchitectureError) as e:
-        ModelConfig.from_hf_dict({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]})
-    assert all(a in str(e.value) for a in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"))
+        ModelConfig.from_hf_dict({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]})
+    assert all(a in str(e.value) for a in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                                           "Gemma3ForCausalLM"))
 
 
 def test_tensor_parallel_refuses_experts_but_not_qwen3():

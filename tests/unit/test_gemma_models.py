@@ -1,0 +1,201 @@
+"""Gemma 3 text models (Gemma3ForCausalLM) in the engine against transformers' own implementation.
+
+Tiny random checkpoints written with transformers' classes (tests/tiny_gemma_models.py: 6 layers, 5 local of
+sliding window 8 : 1 global, their own RoPE each; one variant sharded with an index, one with tied
+embeddings, logit soft-capping and another layer pattern) are served from a directory and by Hub id from an
+offline Hub cache: greedy tokens equal transformers' generate() in float32 for one prompt and for 8 ragged
+prompts run together (chunked prefill, continuous batching), every prompt or its decode crossing the window;
+without the local window the tokens differ (the window is exercised). bf16 within the engine tests'
+tolerance; head_dim 256 through the CPU kernels; prefix caching, draft-verify decoding and KV transfer give
+the plain engine's tokens; both config spellings read alike; unsupported features are named.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention_context import SeqLayout, build_context
+from engine.config import ModelConfig
+from engine.errors import UnsupportedArchitectureError, UnsupportedFeatureError
+from tests.conftest import assert_engine_empty
+from tests.exactness import assert_greedy_equal, assert_logits_close
+from tests.hub_cache import hub_env, lay_out
+from tests.kv_helpers import close_all, ship_all
+from tests.tiny_gemma_models import WINDOW, hf_gemma_config, hf_gemma_greedy, write_tiny_gemma
+
+NEW = 16
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+PATTERN = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention",
+           "sliding_attention"]
+VARIANTS = {  # name -> write_tiny_gemma options
+    "gemma3": {"shard": "100KB"},
+    # as the real checkpoints: LM head tied to the embeddings; plus a logit cap and another layer pattern
+    "gemma3-tied-capped": {"tie_word_embeddings": True, "initializer_range": 0.03, "final_logit_softcapping": 2.0,
+                           "layer_types": PATTERN},
+}
+ONE = [[7, 19, 3, 101, 55, 55, 240, 8, 9, 31, 64, 12, 200, 17, 5, 77, 150, 33, 4]]
+RAGGED = [list(range(10 + i, 10 + i + n)) for i, n in enumerate([3, 40, 11, 1, 27, 6, 19, 33])]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """name -> (model dir, (tokens, logits) from transformers for ONE + RAGGED), each written and run once."""
+    root, cache = tmp_path_factory.mktemp("gemma"), {}
+
+    def get(name: str):
+        if name not in cache:
+            d = write_tiny_gemma(root / name, **VARIANTS[name])
+            cache[name] = d, hf_gemma_greedy(d, ONE + RAGGED, NEW)
+        return cache[name]
+
+    return get
+
+
+def make(d, **kw) -> LLM:
+    return LLM(model=str(d), dtype=kw.pop("dtype", "float32"), num_pages=kw.pop("num_pages", 96),
+               page_size=kw.pop("page_size", 4), **kw)
+
+
+def run(llm, prompts, params=GREEDY) -> list[list[int]]:
+    out = [o.token_ids for o in llm.generate(prompts, params)]
+    assert_engine_empty(llm)
+    return out
+
+
+# ---- token-exact against transformers ---------------------------------------------------------------
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_one_prompt_equals_transformers_generate(model, name):
+    """Tokens, and logits within 1e-4 (soft-capping is monotonic: only the logits show a missing cap)."""
+    d, (tokens, logits) = model(name)
+    out = make(d, keep_logits=True).generate(ONE, GREEDY)[0]
+    assert_greedy_equal(tokens[:1], [out.token_ids], logits[:1])
+    assert_logits_close(logits[0], torch.stack(out.logits), NEW, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_eight_ragged_prompts_together_equal_transformers_generate(model, name):
+    d, (tokens, logits) = model(name)
+    llm = make(d, max_num_batched_tokens=32)  # prefill in chunks beside decoding rows
+    assert_greedy_equal(tokens[1:], run(llm, RAGGED), logits[1:])
+    assert llm.scheduler.stats.num_chunked_prefills > 0
+
+
+def test_the_local_window_is_exercised(model, monkeypatch):
+    """Local layers attending to every position (no windowed view) give other tokens than transformers'."""
+    d, (tokens, _) = model("gemma3")
+    monkeypatch.setattr(ModelConfig, "local_window", property(lambda self: None))
+    assert run(make(d), ONE + RAGGED[:2]) != tokens[:3]
+
+
+def test_local_view_only_where_a_row_reaches_past_the_window():
+    short = [SeqLayout("a", 3, 4, [0, 1]), SeqLayout("b", 1, 7, [2, 3])]  # 7 and 8 slots: within 8
+    assert build_context(short, 4, 0.5, local_window=WINDOW).local is None
+    ctx = build_context(short + [SeqLayout("c", 1, 9, [4, 5, 6])], 4, 0.5, local_window=WINDOW)
+    local = ctx.local
+    assert local is not None and local.base is ctx and local.write_slots is ctx.write_slots
+    g = local.groups[-1]  # c's decode row: 10 slots, sees the last 8
+    assert g.windowed and g.mask[-1, 0, 0].tolist() == [False, False] + [True] * 8
+    assert not any(g.windowed for g in ctx.groups)
+
+
+def test_bf16_engine_close_to_transformers(model):
+    d, (tokens, logits) = model("gemma3")
+    outs = make(d, dtype="bfloat16", keep_logits=True).generate(RAGGED, SamplingParams(max_tokens=1, temperature=0))
+    got = torch.stack([o.logits[0] for o in outs])
+    ref = torch.stack([lg[0] for lg in logits[1:]])  # float32 transformers, first new token
+    assert (got - ref).abs().max() < 0.25
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+@pytest.mark.parametrize("switch", ["paged_kernel", "prefill_kernel"])
+def test_head_dim_256_through_the_cpu_kernels(tmp_path, monkeypatch, switch):
+    """Real Gemma 3 heads are 256 wide: bf16 global layers' decode (numba) and prefill chunks (AVX512-BF16 C,
+    where the CPU has it) through the kernels give the tokens of the SDPA path."""
+    from engine.kv_cache.raw import RawKVBackend
+
+    d = write_tiny_gemma(tmp_path / "g256", head_dim=256, query_pre_attn_scalar=256, num_hidden_layers=3,
+                         layer_types=PATTERN[:3])
+    prompts = [ONE[0], RAGGED[1][:20], RAGGED[4]]
+    with_kernel = run(make(d, dtype="bfloat16", max_num_batched_tokens=16), prompts)
+    monkeypatch.setattr(RawKVBackend, switch, False)
+    assert_greedy_equal(run(make(d, dtype="bfloat16", max_num_batched_tokens=16), prompts), with_kernel)
+
+
+# ---- the engine's features over Gemma layers --------------------------------------------------------
+def test_prefix_caching_and_speculation_keep_plain_tokens(model):
+    d, _ = model("gemma3")
+    system = list(range(100, 117))  # 17 tokens: past the window
+    prompts = [system + [3, 4, 5], system + [9], system + [7, 7, 7, 7, 7]]
+    want = run(make(d), prompts)
+    cached = make(d, enable_prefix_caching=True)
+    assert_greedy_equal(want, [run(cached, [p])[0] for p in prompts])
+    assert cached.prefix_stats()["hit_tokens"] >= 32
+    spec = make(d, speculative={"proposer": "ngram", "max_draft": 3, "gate": False})
+    assert_greedy_equal(want, run(spec, prompts))
+    assert spec.spec.stats.num_drafted > 0
+
+
+def test_kv_transfer_round_trip_equals_one_engine(model):
+    """A prefill engine ships each prompt's KV layer by layer into another page size; decoding there gives
+    the one-engine tokens (every layer's pages shipped: local layers keep theirs too)."""
+    d, _ = model("gemma3-tied-capped")
+    want = run(make(d), RAGGED[:3])
+    pre, dec = make(d, page_size=4, max_num_batched_tokens=16), make(d, page_size=8)
+    got, _, (tx, rx, transport) = ship_all(pre, dec, RAGGED[:3], GREEDY)
+    assert_greedy_equal(want, got)
+    close_all(tx, rx, transport, [pre, dec])
+
+
+def test_served_by_hub_id_from_a_sharded_snapshot(model, tmp_path, monkeypatch):
+    d, _ = model("gemma3")
+    assert len(list(d.glob("*.safetensors"))) > 1 and (d / "model.safetensors.index.json").exists()
+    hub_env(monkeypatch, tmp_path / "hf")
+    files = ["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"]
+    files += [p.name for p in d.glob("*.safetensors")]
+    lay_out(tmp_path / "hf", "pdserve-test/tiny-gemma-3", d, files=tuple(files))
+    by_id = make("pdserve-test/tiny-gemma-3")
+    assert by_id.model_dir.parent.name == "snapshots"
+    assert_greedy_equal(run(make(d), RAGGED[:3]), run(by_id, RAGGED[:3]))
+
+
+# ---- configs: both spellings, and what is refused ----------------------------------------------------
+def test_configs_read_as_transformers_wrote_them():
+    cfg = ModelConfig.from_hf_dict(hf_gemma_config().to_dict())
+    g = cfg.gemma
+    assert (g.sliding_window, g.local_layers, g.query_pre_attn_scalar) == (WINDOW, (0, 1, 2, 3, 4), 24.0)
+    assert cfg.local_window == WINDOW and cfg.sliding_window is None and cfg.head_dim == 32
+    assert cfg.rope == {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}
+    assert g.local_rope == {"rope_type": "default", "rope_theta": 10_000.0}
+    # the Hub's older spelling (google/gemma-3-*'s config.json): rope_theta / rope_local_base_freq /
+    # rope_scaling / sliding_window_pattern instead of rope_parameters per layer type and layer_types
+    old = {k: v for k, v in hf_gemma_config().to_dict().items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=1e6, rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+               sliding_window_pattern=6)
+    assert ModelConfig.from_hf_dict(old) == cfg
+    every_layer_global = ModelConfig.from_hf_dict(hf_gemma_config(layer_types=["full_attention"] * 6).to_dict())
+    assert every_layer_global.local_window is None
+
+
+@pytest.mark.parametrize("over,feature", [
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"hidden_activation": "gelu"}, "hidden_activation=gelu"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6,
+                                             "original_max_position_embeddings": 128}}},
+     "rope_type=yarn for full_attention"),
+])
+def test_unsupported_features_are_named(over, feature):
+    d = hf_gemma_config(**over).to_dict()
+    with pytest.raises(UnsupportedFeatureError, match=feature) as e:
+        ModelConfig.from_hf_dict(d)
+    assert isinstance(e.value, UnsupportedArchitectureError) and e.value.field == "model"
+
+
+def test_the_multimodal_checkpoint_is_refused_naming_the_text_model():
+    d = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+         "text_config": hf_gemma_config().to_dict()}
+    with pytest.raises(UnsupportedFeatureError) as e:
+        ModelConfig.from_hf_dict(d)
+    assert "Gemma3ForConditionalGeneration" in str(e.value) and "Gemma3ForCausalLM" in str(e.value)
