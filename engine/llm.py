@@ -38,7 +38,7 @@ from engine.kv_cache.sparse import SparseAttentionConfig, install as install_spa
 from engine.kv_cache.sparse_config import step_rows as sparse_rows
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
-from engine.model import LlamaForward
+from engine.forward import build_forward
 from engine.outputs import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus, SampledToken
 from engine.runner import ModelRunner
@@ -81,7 +81,7 @@ class LLM:
             from engine.parallel.tp_runner import check_supported, make_parallel_runner
 
             check_supported(self.config, tp, speculative, kv_eviction, pp)
-        self.model = None if parallel else LlamaForward(self.config, load_weights(self.model_dir), _torch_dtype(dtype), device)
+        self.model = None if parallel else build_forward(self.config, load_weights(self.model_dir), _torch_dtype(dtype), device)
         self.max_model_len = min(max_model_len or self.config.max_position, self.config.max_position)
         if num_pages is None:
             num_pages = max(-(-16384 // page_size), -(-self.max_model_len // page_size))
