@@ -43,7 +43,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cluster.spec_errors import Problem, SpecError, problems_from_validation, read_yaml
-from cluster.spec_model import expert_problems, name_problems, resolve_model_config  # noqa: F401 (re-exported)
+from cluster.spec_model import name_problems, resolve_model_config  # noqa: F401 (re-exported)
 from cluster.spec_sections import (RAY_RESERVED, EvictionSpec, KVPages, ReliabilitySpec, Resources,  # noqa: F401
                                    RoutingSpec, SparseAttentionSpec, SpeculativeSpec, _fail_if, _Section,
                                    prefix_problems, sparse_problems)
@@ -117,8 +117,9 @@ class Pool(_Section):
     max_replicas: int | None = Field(None, ge=1, le=4096)
     tensor_parallel: int = Field(1, ge=1, le=1024)  # must divide heads and KV heads (checked against the model)
     pipeline_parallel: int = Field(1, ge=1, le=1024)  # must divide layers (checked against the model)
-    # mixture-of-experts models: the experts split over this many groups of tensor_parallel ranks, each group
-    # running the attention of its own sequences (checked against the model: experts, divides their count)
+    # mixture-of-experts models: each MoE layer's experts split over this many ranks, each running the attention
+    # of every sequence (engine/parallel/expert_worker.py; checked against the model: experts, divides their
+    # count, tensor_parallel 1). The planner prices groups of tensor_parallel ranks with their own sequences.
     expert_parallel: int = Field(1, ge=1, le=1024)
     # How a replica's ranks are reserved (they run as child processes of the replica's actor, so on its node):
     # pack: one Ray bundle of degree x resources per replica; strict_pack: a STRICT_PACK placement group per
@@ -344,7 +345,7 @@ class ClusterSpec(_Section):
             kw["tensor_parallel_size"] = p.tensor_parallel
         if p.pipeline_parallel > 1:
             kw["pipeline_parallel_size"] = p.pipeline_parallel
-        if p.expert_parallel > 1:  # refused by check_against_model until the engine has the field
+        if p.expert_parallel > 1:  # expert ranks, started by the engine as the TP/PP ones
             kw["expert_parallel_size"] = p.expert_parallel
         if p.speculative is not None:
             kw["speculative"] = p.speculative.engine_config()
@@ -361,23 +362,25 @@ class ClusterSpec(_Section):
 
 # engine setting -> the pool's YAML key, for the engine's own parallel validators
 _PARALLEL_KEYS = {"tensor_parallel_size": "tensor_parallel", "pipeline_parallel_size": "pipeline_parallel",
+                  "expert_parallel_size": "expert_parallel",
                   "speculative": "speculative", "kv_eviction": "kv.eviction"}
 
 
 def _parallel_problems(pool: Pool, c: ModelConfig) -> list[Problem]:
     """The engine's judgement of the pool's degrees and options (engine/parallel/validate.py), so the spec
-    and `LLM(tensor_parallel_size=, pipeline_parallel_size=)` cannot disagree."""
-    from engine.parallel.validate import parallel_problems, valid_tp_degrees  # pure; imported only here
+    and `LLM(tensor_parallel_size=, pipeline_parallel_size=, expert_parallel_size=)` cannot disagree."""
+    from engine.parallel.validate import parallel_problems, valid_ep_degrees, valid_tp_degrees  # pure
 
     errs = parallel_problems(c, pool.tensor_parallel, pool.pipeline_parallel, pool.speculative is not None,
-                             pool.kv.eviction is not None)
+                             pool.kv.eviction is not None, pool.expert_parallel)
     hints = {"tensor_parallel_size": f"; use one of {', '.join(map(str, valid_tp_degrees(c)))}",
-             "pipeline_parallel_size": f"; use 1 to {c.num_layers}"}
+             "pipeline_parallel_size": f"; use 1 to {c.num_layers}",
+             "expert_parallel_size": f"; use one of {', '.join(map(str, valid_ep_degrees(c)))}"}
     return [Problem(_PARALLEL_KEYS.get(e.field, e.field), e.reason + hints.get(e.field, "")) for e in errs]
 
 
 def _model_problems(pool: Pool, c: ModelConfig) -> list[Problem]:
-    out: list[Problem] = _parallel_problems(pool, c) + expert_problems(pool.expert_parallel, c)
+    out: list[Problem] = _parallel_problems(pool, c)
     if pool.max_model_len is not None and pool.max_model_len > c.max_position:
         out.append(Problem("max_model_len", f"{pool.max_model_len} exceeds the model's {c.max_position} positions"))
     problem = _capacity_problem(pool, min(pool.max_model_len or c.max_position, c.max_position))

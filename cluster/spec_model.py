@@ -2,7 +2,6 @@
 `pdserve validate` (never downloads) and `pdserve serve` (resolves, downloading a Hub id if needed).
 
 Who calls it: `cluster.spec.ClusterSpec._check` -> `name_problems` (pure: no filesystem, no network);
-`ClusterSpec.check_against_model` -> `expert_problems` (a pool's expert_parallel against the config);
 `cluster/cli.py validate` -> `config_for_validate`; `cluster/serving/ray_pools.py start_cluster` ->
 `resolve_model_config` (re-exported by `cluster.spec`).
 
@@ -24,22 +23,6 @@ from cluster.spec_errors import Problem, SpecError
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
-
-
-def expert_problems(ep: int, c: "ModelConfig") -> list[Problem]:
-    """A pool's `expert_parallel` against the model: experts it divides, and an engine that shards them."""
-    from engine.engine_config import EngineConfig  # pure dataclass module
-
-    if ep == 1:
-        return []
-    if c.moe is None:
-        return [Problem("expert_parallel", f"{ep}: the model has no experts (a dense MLP); use 1")]
-    if c.moe.num_experts % ep:
-        return [Problem("expert_parallel", f"{ep} does not divide the model's {c.moe.num_experts} experts")]
-    if "expert_parallel_size" not in EngineConfig.__dataclass_fields__:
-        # `pdserve plan` writes EP layouts ahead of the engine (issue 35); serving one waits for it
-        return [Problem("expert_parallel", f"{ep}: the engine does not shard experts over ranks yet; use 1 to serve")]
-    return []
 
 
 def _hub_shaped(model: str) -> bool:

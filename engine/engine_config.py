@@ -36,6 +36,7 @@ class EngineConfig:
     # parallelism (engine/parallel)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1  # mixture-of-experts models: experts split over this many ranks (alone)
 
     @staticmethod
     def of(value: "EngineConfig | dict") -> "EngineConfig":

@@ -71,7 +71,8 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_dir)
         self.tensor_parallel_size = tp = tensor_parallel_size  # > 1: ranks in processes of their own
         self.pipeline_parallel_size = pp = pipeline_parallel_size  # > 1: layer stages, one process each
-        parallel = (tp, pp) != (1, 1)
+        self.expert_parallel_size = ep = cfg.expert_parallel_size  # > 1: expert ranks, attention on each
+        parallel = (tp, pp, ep) != (1, 1, 1)
         if kv_storage == "kivi4" and parallel:  # rank processes have no allocator to release staging with
             raise InvalidRequestError("kv_storage", "'kivi4' does not run with tensor/pipeline parallelism yet")
         if kv_storage == "kivi4" and kv_eviction is not None:
@@ -80,7 +81,7 @@ class LLM:
         if parallel:
             from engine.parallel.tp_runner import check_supported, make_parallel_runner
 
-            check_supported(self.config, tp, speculative, kv_eviction, pp)
+            check_supported(self.config, tp, speculative, kv_eviction, pp, ep)
         self.model = None if parallel else build_forward(self.config, load_weights(self.model_dir), _torch_dtype(dtype), device)
         self.max_model_len = min(max_model_len or self.config.max_position, self.config.max_position)
         if num_pages is None:
@@ -100,7 +101,7 @@ class LLM:
                                                               "pipeline parallelism (page summaries live in the backend)")
             install_sparse(self.backend, self.allocator, self.tables, self.sparse_attention)
         self.runner = (ModelRunner(self.model, self.backend, page_size) if not parallel else
-                       make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device))
+                       make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device, ep))
         spec_cfg = SpeculativeConfig.of(speculative)
         verify_len = spec_cfg.max_draft + 1 if spec_cfg is not None else 0  # verify steps get graphs too
         self.decode_graphs = None if parallel else attach_graphs(self.runner, max_num_seqs, self.max_model_len,

@@ -12,8 +12,10 @@ models take the torch path on CUDA too (the fused Triton forward covers the plai
 Tensor parallelism (`engine.parallel`): a rank builds this with its shard of the weights, a config with
 its local head counts and an `all_reduce` callable; o and down are then row-parallel (partial sums
 all-reduced before the residual add). Pipeline parallelism: a stage builds it with `layers` (its slice of
-the global layer ids); only the first stage embeds, only the last norms and holds the LM head. Without
-either, the path is the single-process one, unchanged.
+the global layer ids); only the first stage embeds, only the last norms and holds the LM head. Expert
+parallelism: a rank builds it with `experts` (the global expert ids it holds) and an `expert_reduce` that sums
+the MoE layers' partial outputs over the ranks; everything else is whole. Without any, the path is the
+single-process one, unchanged.
 """
 from __future__ import annotations
 
@@ -53,9 +55,11 @@ class LayerWeights:
 
 class LlamaForward:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu",
-                 all_reduce: AllReduce | None = None, layers: range | None = None):
+                 all_reduce: AllReduce | None = None, layers: range | None = None, experts: range | None = None,
+                 expert_reduce: AllReduce | None = None):
         self.cfg = cfg
         self.all_reduce = all_reduce  # set on tensor-parallel ranks: o and down hold partial sums
+        self.experts, self.expert_reduce = experts, expert_reduce  # expert-parallel ranks: MoE outputs partial
         self.layer_ids = range(cfg.num_layers) if layers is None else layers  # a pipeline stage: a slice
         self.is_first = self.layer_ids.start == 0  # embeds token ids (later stages receive hidden states)
         self.is_last = self.layer_ids.stop == cfg.num_layers  # final norm and LM head
@@ -102,7 +106,7 @@ class LlamaForward:
             down=None if sparse else Linear(w(p + "mlp.down_proj.weight")),
             q_norm=w(a + "q_norm.weight") if self.cfg.qk_norm else None,
             k_norm=w(a + "k_norm.weight") if self.cfg.qk_norm else None,
-            moe=load_moe_layer(self.cfg.moe, weights, w, p) if sparse else None,
+            moe=load_moe_layer(self.cfg.moe, weights, w, p, self.experts) if sparse else None,
         )
 
     def weight_bytes(self) -> int:
@@ -150,7 +154,8 @@ class LlamaForward:
                 if lw.moe is None:
                     x = self._residual(lw.down, swiglu(lw.gate_up(h)), x)  # silu(gate) * up
                 else:  # tensor parallelism refuses MoE models (engine/parallel/validate.py)
-                    x = x + moe_forward(lw.moe, h)
+                    y = moe_forward(lw.moe, h)  # [num_tokens, hidden]; an expert rank's: its experts' share
+                    x = x + (y if self.expert_reduce is None else self.expert_reduce(y))
                 if layer_hook is not None:
                     layer_hook(i)
         return self._norm(x, self.final_norm) if self.is_last else x

@@ -20,6 +20,11 @@ Order of `moe_forward(layer, h)`:
       weighted 0. No host sync, static shapes: what a CUDA graph can capture (E/k times the FLOPs).
 Choice: `PDSERVE_MOE` = "auto" (grouped; dense while a CUDA graph is being captured, since the grouped path
 reads its per-expert counts on the host), "grouped", "per_token" or "dense".
+
+Expert parallelism (`engine.parallel.expert_worker`): a rank's layer holds a contiguous block of the experts
+(`MoELayer.experts`, global ids) and the whole router; every implementation routes over all experts and
+computes only the assignments to its own, so a rank's output is its partial sum (zero for a token none of its
+experts chose), summed over the ranks by the model's `expert_reduce`.
 """
 from __future__ import annotations
 
@@ -46,6 +51,12 @@ class MoELayer:
     down: torch.Tensor  # [num_experts, hidden, expert_intermediate]
     gate_up_linear: list[Linear]  # one per expert, over views of `gate_up` (packed / GEMV paths on CPU)
     down_linear: list[Linear]
+    first_expert: int = 0  # global id of gate_up[0]: an expert-parallel rank holds experts from here on
+
+    @property
+    def experts(self) -> range:
+        """Global ids of the experts this layer holds (all of them outside expert parallelism)."""
+        return range(self.first_expert, self.first_expert + self.gate_up.shape[0])
 
     def nbytes(self) -> int:
         """Every expert's weights and the router (a step reads only its active experts': `expert_bytes`)."""
@@ -59,12 +70,14 @@ class MoELayer:
 
 
 def load_moe_layer(cfg: MoEConfig, weights: Mapping[str, torch.Tensor], w: Callable[[str], torch.Tensor],
-                   prefix: str) -> MoELayer:
+                   prefix: str, experts: range | None = None) -> MoELayer:
     """The MoE MLP of the layer whose names start with `prefix` ("model.layers.3."). Checkpoints name experts
     one by one (Qwen3-MoE: mlp.gate, mlp.experts.E.{gate,up,down}_proj; Mixtral: block_sparse_moe.gate,
     block_sparse_moe.experts.E.{w1,w3,w2}); transformers 5 saved with `save_original_format=False` writes
     mlp.experts.gate_up_proj [E, 2I, H] and mlp.experts.down_proj [E, H, I]. `w` reads a tensor in the
-    model's dtype and device."""
+    model's dtype and device. `experts` (expert parallelism): the global ids this rank holds; `weights` then
+    has those experts' tensors (fused ones already sliced to them, `engine.parallel.experts.expert_slice`)."""
+    experts = range(cfg.num_experts) if experts is None else experts
     block = "block_sparse_moe." if cfg.naming == "mixtral" else "mlp."
     if prefix + "mlp.experts.gate_up_proj" in weights:
         block = "mlp."
@@ -73,15 +86,14 @@ def load_moe_layer(cfg: MoEConfig, weights: Mapping[str, torch.Tensor], w: Calla
         gate_up, down = w(p + "experts.gate_up_proj"), w(p + "experts.down_proj")
     else:
         g, u, d = ("w1", "w3", "w2") if cfg.naming == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-        n = range(cfg.num_experts)
+        n = experts
         gate_up = torch.stack([torch.cat([w(f"{p}experts.{e}.{g}.weight"), w(f"{p}experts.{e}.{u}.weight")])
                                for e in n])
         down = torch.stack([w(f"{p}experts.{e}.{d}.weight") for e in n])
-    assert gate_up.shape[:2] == (cfg.num_experts, 2 * cfg.intermediate_size), gate_up.shape
+    assert gate_up.shape[:2] == (len(experts), 2 * cfg.intermediate_size), gate_up.shape
     gate_up, down = gate_up.contiguous(), down.contiguous()
-    return MoELayer(cfg, w(p + "gate.weight"), gate_up, down,
-                    [Linear(gate_up[e]) for e in range(cfg.num_experts)],
-                    [Linear(down[e]) for e in range(cfg.num_experts)])
+    return MoELayer(cfg, w(p + "gate.weight"), gate_up, down, [Linear(t) for t in gate_up], [Linear(t) for t in down],
+                    experts.start)
 
 
 # ---- routing and one expert ------------------------------------------------------------------------
@@ -99,16 +111,17 @@ def route(layer: MoELayer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def expert(layer: MoELayer, e: int, x: torch.Tensor) -> torch.Tensor:
-    """Expert `e`'s SwiGLU MLP on rows x [rows, hidden] -> [rows, hidden]."""
-    return layer.down_linear[e](swiglu(layer.gate_up_linear[e](x)))
+    """Expert `e`'s (global id, one the layer holds) SwiGLU MLP on rows x [rows, hidden] -> [rows, hidden]."""
+    i = e - layer.first_expert
+    return layer.down_linear[i](swiglu(layer.gate_up_linear[i](x)))
 
 
 # ---- the implementations ----------------------------------------------------------------------------
 def per_token(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The reference: token by token, its experts one row at a time in ascending expert order."""
-    out = torch.zeros_like(h)  # [num_tokens, hidden]
+    out, held = torch.zeros_like(h), layer.experts  # [num_tokens, hidden]
     for t, row_ids in enumerate(ids.tolist()):
-        for j in sorted(range(len(row_ids)), key=row_ids.__getitem__):
+        for j in sorted((j for j, e in enumerate(row_ids) if e in held), key=row_ids.__getitem__):
             y = expert(layer, row_ids[j], h[t:t + 1]) * weights[t, j:j + 1]  # 1-d: promotes as HF's [n, 1]
             out[t:t + 1] += y.to(out.dtype)
     return out
@@ -119,17 +132,24 @@ def grouped(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.
     t, k = ids.shape
     if t * k <= HOST_GROUPING_MAX:
         return _grouped_on_host(layer, h, weights, ids)
-    flat = ids.reshape(-1)  # [t * k] expert of each assignment, token-major
+    flat = ids.reshape(-1) - layer.first_expert  # [t * k] (local) expert of each assignment, token-major
+    ws, rows = weights.reshape(-1), torch.arange(t * k, device=h.device) // k  # its weight, its token
+    held = len(layer.experts)
+    if held < layer.cfg.num_experts:  # an expert-parallel rank: only the assignments to its own experts
+        keep = ((flat >= 0) & (flat < held)).nonzero().squeeze(1)
+        flat, ws, rows = flat[keep], ws[keep], rows[keep]
     order = torch.argsort(flat, stable=True)  # assignments by expert, tokens ascending within one
-    counts = torch.bincount(flat, minlength=layer.cfg.num_experts).tolist()  # the host sync (see moe_choice)
-    rows = order // k  # token of each sorted assignment
-    xs = h.index_select(0, rows)  # [t * k, hidden]: each expert's rows side by side
-    ws = weights.reshape(-1).index_select(0, order)[:, None]  # [t * k, 1]
+    counts = torch.bincount(flat, minlength=held).tolist()  # the host sync (see moe_choice)
+    rows = rows[order]  # token of each sorted assignment
+    xs = h.index_select(0, rows)  # [assignments, hidden]: each expert's rows side by side
+    ws = ws.index_select(0, order)[:, None]  # [assignments, 1]
     outs, start = [], 0
     for e, n in enumerate(counts):
-        if n:
-            outs.append(expert(layer, e, xs[start:start + n]))  # [n, hidden]: expert e's weights read once
+        if n:  # [n, hidden]: expert e's weights read once
+            outs.append(expert(layer, layer.first_expert + e, xs[start:start + n]))
             start += n
+    if not outs:  # an expert-parallel rank none of whose experts was chosen
+        return torch.zeros_like(h)
     ys = (torch.cat(outs) * ws).to(h.dtype)  # weighted, rounded to the model dtype as transformers does
     # one index_add in sorted order: each token's outputs summed in ascending expert order
     return torch.zeros_like(h).index_add_(0, rows, ys)
@@ -140,9 +160,11 @@ def _grouped_on_host(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, id
     chosen once reads its token's row in place; the sort, gather and scatter kernels would cost more than
     they save."""
     by_expert: dict[int, list[tuple[int, int]]] = {}  # expert -> (token, slot) pairs, tokens ascending
+    held = layer.experts
     for tok, row in enumerate(ids.tolist()):
         for j, e in enumerate(row):
-            by_expert.setdefault(e, []).append((tok, j))
+            if e in held:
+                by_expert.setdefault(e, []).append((tok, j))
     w = weights.tolist()  # Python floats hold the float32 / bf16 values exactly: y * w rounds as y * tensor
     out = torch.zeros_like(h)  # [num_tokens, hidden]
     for e in sorted(by_expert):  # ascending expert order: each token's sum in transformers' order
@@ -162,8 +184,9 @@ def dense(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     ys = torch.matmul(act, layer.down.transpose(1, 2))  # [E, num_tokens, hidden]
     full = torch.zeros(h.shape[0], layer.cfg.num_experts, dtype=weights.dtype, device=h.device)
     full.scatter_(1, ids, weights)  # [num_tokens, E]
+    full = full[:, layer.experts.start:layer.experts.stop]  # the experts held (all, outside expert parallelism)
     out = torch.zeros_like(h)
-    for e in range(layer.cfg.num_experts):  # ascending expert order, as the others
+    for e in range(ys.shape[0]):  # ascending expert order, as the others
         out += (ys[e] * full[:, e:e + 1]).to(out.dtype)
     return out
 

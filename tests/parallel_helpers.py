@@ -24,10 +24,11 @@ def tiny_8q_2kv(tmp_path_factory, name: str):
                       num_key_value_heads=2, initializer_range=0.1)
 
 
-def reshard_engine(model_dir, tp: int = 1, pp: int = 1, page_size: int = 4) -> LLM:
+def reshard_engine(model_dir, tp: int = 1, pp: int = 1, page_size: int = 4, ep: int = 1) -> LLM:
     """An engine of the resharding tests: float32, small pool, 16-token chunks."""
     return LLM(model=str(model_dir), dtype="float32", page_size=page_size, num_pages=64,
-               max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+               max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+               expert_parallel_size=ep)
 
 
 def assert_ranks_gone(llm: LLM) -> None:
@@ -36,11 +37,12 @@ def assert_ranks_gone(llm: LLM) -> None:
     assert not any(os.path.exists(f"/proc/{p.pid}") for p in procs), "a rank process was not reaped"
 
 
-def generate(model_dir, prompts, params, **kw) -> tuple[list[list[int]], list]:
-    """(tokens, logits) per prompt; the engine is closed and checked empty (and rank-free) on return."""
+def generate(model_dir, prompts, params, alone=(), **kw) -> tuple[list[list[int]], list]:
+    """(tokens, logits) per prompt of `prompts` run together, then of each of `alone` run by itself in the same
+    engine; the engine is closed and checked empty (and rank-free) on return."""
     llm = LLM(model=str(model_dir), dtype="float32", keep_logits=True, **{**BATCHING, **kw})
     try:
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params) + [o for p in alone for o in llm.generate([p], params)]
         assert_engine_empty(llm)
     finally:
         llm.close()
@@ -49,12 +51,13 @@ def generate(model_dir, prompts, params, **kw) -> tuple[list[list[int]], list]:
     return [o.token_ids for o in outs], [o.logits for o in outs]
 
 
-def assert_parallel_equal(model_dir, prompts, params, **parallel_kw) -> None:
-    """`parallel_kw` (tensor_parallel_size=..., pipeline_parallel_size=..., other LLM options) against the
-    same engine in one process: greedy-equal, logits within 1e-4."""
+def assert_parallel_equal(model_dir, prompts, params, alone=(), **parallel_kw) -> None:
+    """`parallel_kw` (tensor_parallel_size=..., pipeline_parallel_size=..., expert_parallel_size=..., other
+    LLM options) against the same engine in one process: greedy-equal, logits within 1e-4 (`prompts` together,
+    then each of `alone` by itself)."""
     common = {k: v for k, v in parallel_kw.items() if not k.endswith("parallel_size")}
-    ref, ref_logits = generate(model_dir, prompts, params, **common)
-    got, got_logits = generate(model_dir, prompts, params, **parallel_kw)
+    ref, ref_logits = generate(model_dir, prompts, params, alone, **common)
+    got, got_logits = generate(model_dir, prompts, params, alone, **parallel_kw)
     ref_stacked = [torch.stack(lg) for lg in ref_logits]
     assert_greedy_equal(ref, got, ref_stacked)
     for r, g, tokens in zip(ref_stacked, got_logits, got):

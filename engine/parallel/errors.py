@@ -1,4 +1,4 @@
-"""Typed errors of the parallel engine (tensor and pipeline parallelism), raised at its boundaries.
+"""Typed errors of the parallel engine (tensor, pipeline and expert parallelism), raised at its boundaries.
 
 `ParallelConfigError`: a degree the model cannot be split by (raised by `shard.validate_tp` and
 `stages.validate_pp`, both in `validate.py`, before any process starts; the cluster spec asks the same
@@ -20,10 +20,10 @@ class ParallelConfigError(PdserveError, ValueError):
 
 
 class UnsupportedWithParallelError(PdserveError, ValueError):
-    """A feature combined with tensor or pipeline parallelism that the ranks cannot run yet."""
+    """A feature combined with tensor, pipeline or expert parallelism that the ranks cannot run yet."""
 
     def __init__(self, field: str, message: str):
-        self.field, self.reason = field, f"{message} (not supported with tensor or pipeline parallelism)"
+        self.field, self.reason = field, f"{message} (not supported with tensor, pipeline or expert parallelism)"
         super().__init__(f"{field}: {self.reason}")
 
 

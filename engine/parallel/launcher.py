@@ -1,5 +1,5 @@
 """Engine-level launcher: N rank processes on this machine, each running one `RankWorker` (tensor
-parallel) or `StageWorker` (pipeline parallel), behind pipes.
+parallel), `StageWorker` (pipeline parallel) or `ExpertWorker` (expert parallel), behind pipes.
 
 Used by `TPRunner` (standalone `LLM(tensor_parallel_size=N)` and tests); the cluster wraps the same
 workers in Ray actors instead. Order: pick a free loopback port -> start N `python -m
@@ -33,6 +33,7 @@ import torch
 
 from engine.batch import SeqResult, StepOutput
 from engine.parallel.errors import RankFailedError
+from engine.parallel.expert_worker import ExpertSpec, ExpertWorker
 from engine.parallel.rank_worker import RankSpec, RankWorker
 from engine.parallel.stage_worker import StageSpec, StageWorker
 
@@ -66,10 +67,12 @@ def _send(conn: Connection, msg: tuple) -> None:
     conn.send_bytes(pickle.dumps(msg))
 
 
-def build_worker(spec: RankSpec | StageSpec) -> RankWorker | StageWorker:
-    """A tensor-parallel rank or a pipeline stage, by the spec's type."""
+def build_worker(spec: RankSpec | StageSpec | ExpertSpec) -> RankWorker | StageWorker | ExpertWorker:
+    """A tensor-parallel rank, a pipeline stage or an expert rank, by the spec's type."""
     if isinstance(spec, StageSpec):
         return StageWorker(spec)
+    if isinstance(spec, ExpertSpec):
+        return ExpertWorker(spec)
     assert isinstance(spec, RankSpec), type(spec)
     return RankWorker(spec)
 
@@ -140,7 +143,7 @@ def _start(spec: RankSpec) -> tuple[subprocess.Popen, Connection]:
 class RankProcesses:
     """N local processes, rank r runs `build_worker(specs[r])`."""
 
-    def __init__(self, specs: list[RankSpec | StageSpec]):
+    def __init__(self, specs: list[RankSpec | StageSpec | ExpertSpec]):
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)

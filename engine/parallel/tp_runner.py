@@ -1,10 +1,10 @@
 """Driver-side runners of a parallel replica, with `ModelRunner`'s surface: `TPRunner` (tensor
-parallel) and `PPRunner` (pipeline parallel).
+parallel), `PPRunner` (pipeline parallel) and `EPRunner` (expert parallel).
 
-`LLM(tensor_parallel_size=N)` / `LLM(pipeline_parallel_size=N)` builds one (`make_parallel_runner`) in
-place of `ModelRunner`; the scheduler, the page allocator and the block tables stay in the driver,
-unchanged. Per step: `execute(batch)` sends the `StepBatch` (plain data) to the N processes of
-`RankProcesses` — the output rank (TP: rank 0; PP: the last stage) the whole batch, the others a copy
+`LLM(tensor_parallel_size=N)` / `LLM(pipeline_parallel_size=N)` / `LLM(expert_parallel_size=N)` builds one
+(`make_parallel_runner`) in place of `ModelRunner`; the scheduler, the page allocator and the block tables
+stay in the driver, unchanged. Per step: `execute(batch)` sends the `StepBatch` (plain data) to the N processes of
+`RankProcesses` — the output rank (TP, EP: rank 0; PP: the last stage) the whole batch, the others a copy
 without logits rows or sampling — and returns the output rank's `StepOutput`. `close()` (also run by
 `LLM.close()` and at interpreter exit) shuts the processes down. `check_supported` validates the degrees
 and names the `LLM` options that cannot run across processes yet, before anything is loaded or started.
@@ -19,17 +19,20 @@ from engine.batch import PendingStep, StepBatch, StepOutput
 from engine.config import ModelConfig
 from engine.kv_cache.spec import KVPageSpec
 from engine.parallel.errors import UnsupportedWithParallelError
+from engine.parallel.expert_worker import ExpertSpec
 from engine.parallel.launcher import RankProcesses, free_port, output_from_wire
 from engine.parallel.rank_worker import RankSpec, without_logits
 from engine.parallel.shard import kv_head_range, shard_kv_spec, validate_tp
 from engine.parallel.stage_worker import StageSpec
 from engine.parallel.stages import stage_kv_spec, stage_layers, validate_pp
-from engine.parallel.validate import check_supported  # noqa: F401 - `LLM` imports it from here
+from engine.parallel.validate import check_supported, validate_ep  # noqa: F401 - `LLM` imports check_supported
 
 
 def make_parallel_runner(model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec,
-                         num_pages: int, tp: int, pp: int, device: str = "cpu"):
-    check_supported(cfg, tp, pp=pp)
+                         num_pages: int, tp: int, pp: int, device: str = "cpu", ep: int = 1):
+    check_supported(cfg, tp, pp=pp, ep=ep)
+    if ep > 1:
+        return EPRunner(model_dir, cfg, dtype, kv_spec, num_pages, ep, device)
     if pp > 1:
         return PPRunner(model_dir, cfg, dtype, kv_spec, num_pages, pp, device)
     return TPRunner(model_dir, cfg, dtype, kv_spec, num_pages, tp, device)
@@ -116,3 +119,23 @@ class PPRunner(_ParallelRunner):
 
     def rank_kv_spec(self, stage: int) -> KVPageSpec:
         return stage_kv_spec(self.kv_spec, self.stage_layers(stage))
+
+
+class EPRunner(_ParallelRunner):
+    """Expert ranks (`expert_worker.py`): each holds the whole attention and a page pool of the replica's whole
+    spec, so KV is exported from rank 0 and imported into every rank (`kv_io.py`, by `holders`)."""
+
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec, num_pages: int,
+                 size: int, device: str = "cpu"):
+        validate_ep(cfg, size)
+        init = f"tcp://127.0.0.1:{free_port()}"
+        specs = [ExpertSpec(str(model_dir), dtype, r, size, init, kv_spec, num_pages, device) for r in range(size)]
+        super().__init__(kv_spec, size, specs)
+
+    def rank_kv_spec(self, rank: int) -> KVPageSpec:
+        return self.kv_spec
+
+    def holders(self) -> list[tuple[int, range, range]]:
+        """(rank, global KV heads, global layers): every rank holds every head of every layer."""
+        heads, layers = range(self.kv_spec.num_kv_heads), range(self.kv_spec.num_layers)
+        return [(r, heads, layers) for r in range(self.size)]

@@ -1,11 +1,13 @@
 """Which parallel layouts a model and a set of options can run with (pure: no torch, no processes).
 
 The one place the degrees are judged, so the engine and the cluster spec cannot disagree:
-- `LLM(tensor_parallel_size=, pipeline_parallel_size=)` calls `check_supported` (through `tp_runner`)
-  before any weight is read or process started;
+- `LLM(tensor_parallel_size=, pipeline_parallel_size=, expert_parallel_size=)` calls `check_supported`
+  (through `tp_runner`) before any weight is read or process started;
 - `cluster.spec.ClusterSpec.check_against_model` (what `pdserve validate` and `serve` run) calls
   `parallel_problems` and reports every problem under the pool's YAML keys.
-`validate_tp` / `validate_pp` are also re-exported by `shard.py` / `stages.py`, whose workers re-check.
+`validate_tp` / `validate_pp` / `validate_ep` are also re-exported by `shard.py` / `stages.py` / `experts.py`,
+whose workers re-check. Expert parallelism runs alone (tensor_parallel_size = pipeline_parallel_size = 1):
+every expert rank holds the whole attention and dense parts.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from engine.config import ModelConfig
 from engine.parallel.errors import ParallelConfigError, UnsupportedWithParallelError
 
 PP_FIELD = "pipeline_parallel_size"
+EP_FIELD = "expert_parallel_size"
 
 
 def validate_tp(cfg: ModelConfig, size: int, field: str = "tensor_parallel_size") -> None:
@@ -40,6 +43,26 @@ def validate_pp(cfg: ModelConfig, size: int) -> None:
                                             f"(num_hidden_layers): a stage needs at least one layer")
 
 
+def validate_ep(cfg: ModelConfig, size: int) -> None:
+    """ParallelConfigError unless `cfg`'s experts split evenly over `size` expert ranks (any model at 1)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ParallelConfigError(EP_FIELD, f"must be a positive integer, got {size!r}")
+    if size == 1:
+        return
+    if cfg.moe is None:
+        raise ParallelConfigError(EP_FIELD, f"{size}: the model has no experts (a dense MLP): expert parallelism "
+                                            f"shards mixture-of-experts layers")
+    if cfg.moe.num_experts % size:
+        raise ParallelConfigError(EP_FIELD, f"{size} does not divide the model's {cfg.moe.num_experts} experts "
+                                            f"(num_experts / num_local_experts)")
+
+
+def valid_ep_degrees(cfg: ModelConfig) -> list[int]:
+    """Every expert-parallel degree `cfg` splits over (1 for a dense model)."""
+    n = cfg.moe.num_experts if cfg.moe is not None else 1
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def valid_tp_degrees(cfg: ModelConfig) -> list[int]:
     """Every tensor-parallel degree `cfg` splits over (for error messages and the planner)."""
     out = []
@@ -52,14 +75,19 @@ def valid_tp_degrees(cfg: ModelConfig) -> list[int]:
     return out
 
 
-def unsupported(tp: int, pp: int, speculative: bool = False, kv_eviction: bool = False,
+def unsupported(tp: int, pp: int, speculative: bool = False, kv_eviction: bool = False, ep: int = 1,
                 ) -> list[UnsupportedWithParallelError]:
-    """Options whose state lives beside one model and one page pool, combined with TP/PP > 1."""
-    if (tp, pp) == (1, 1):
+    """Options whose state lives beside one model and one page pool, combined with TP/PP/EP > 1."""
+    if (tp, pp, ep) == (1, 1, 1):
         return []
     out = []
     if tp > 1 and pp > 1:
         out.append(UnsupportedWithParallelError(PP_FIELD, "stages of several tensor-parallel ranks"))
+    if ep > 1 and (tp > 1 or pp > 1):
+        out.append(UnsupportedWithParallelError(EP_FIELD, "expert ranks together with tensor-parallel ranks or "
+                                                          "pipeline stages (each expert rank holds the whole "
+                                                          "attention); use tensor_parallel_size=1 and "
+                                                          "pipeline_parallel_size=1"))
     if speculative:
         out.append(UnsupportedWithParallelError("speculative", "draft-verify decoding runs proposers and drafts "
                                                                "against a single-process model"))
@@ -69,24 +97,25 @@ def unsupported(tp: int, pp: int, speculative: bool = False, kv_eviction: bool =
     return out
 
 
-def parallel_problems(cfg: ModelConfig, tp: int, pp: int, speculative: bool = False,
-                      kv_eviction: bool = False) -> list[ParallelConfigError | UnsupportedWithParallelError]:
+def parallel_problems(cfg: ModelConfig, tp: int, pp: int, speculative: bool = False, kv_eviction: bool = False,
+                      ep: int = 1) -> list[ParallelConfigError | UnsupportedWithParallelError]:
     """Every reason `cfg` cannot run at these degrees with these options, in `check_supported`'s order."""
     out: list[ParallelConfigError | UnsupportedWithParallelError] = []
-    for check, size in ((validate_tp, tp), (validate_pp, pp)):
+    for check, size in ((validate_tp, tp), (validate_pp, pp), (validate_ep, ep)):
         try:
             check(cfg, size)
         except ParallelConfigError as e:
             out.append(e)
     if tp > 1 and cfg.moe is not None:  # the shard rules split dense MLPs only (experts would be summed tp times)
         out.append(UnsupportedWithParallelError("tensor_parallel_size", "mixture-of-experts layers (Qwen3-MoE, "
-                                                                        "Mixtral): expert sharding is not built yet"))
-    return out + unsupported(tp, pp, speculative, kv_eviction)
+                                                                        "Mixtral): the experts are sharded by "
+                                                                        "expert_parallel_size, not by TP"))
+    return out + unsupported(tp, pp, speculative, kv_eviction, ep)
 
 
-def check_supported(cfg: ModelConfig, tp: int, speculative=None, kv_eviction=None, pp: int = 1) -> None:
+def check_supported(cfg: ModelConfig, tp: int, speculative=None, kv_eviction=None, pp: int = 1, ep: int = 1) -> None:
     """Raise the first of `parallel_problems` (ParallelConfigError for a degree that does not split
     `cfg`, UnsupportedWithParallelError for an option the ranks cannot run). Runs before any weight is read."""
-    problems = parallel_problems(cfg, tp, pp, speculative is not None, kv_eviction is not None)
+    problems = parallel_problems(cfg, tp, pp, speculative is not None, kv_eviction is not None, ep)
     if problems:
         raise problems[0]

@@ -1,7 +1,10 @@
-"""Qwen3 and the MoE models under tensor / pipeline parallelism (gloo rank processes on loopback, float32):
-Qwen3 at TP=2 (q/k norms per head are whole on every rank, its heads split) and Qwen3-MoE and Mixtral at PP=2
-(each stage holds whole layers, experts included) are greedy-equal to one process with logits within 1e-4;
-TP of an MoE model is refused before any rank starts."""
+"""Qwen3 and the MoE models under tensor / pipeline / expert parallelism (gloo rank processes on loopback,
+float32): Qwen3 at TP=2 (q/k norms per head are whole on every rank, its heads split), Qwen3-MoE and Mixtral at
+PP=2 (each stage holds whole layers, experts included) and at EP=2 (each rank half of every MoE layer's experts,
+the attention and dense layers whole; Qwen3-MoE with a dense layer 0 and fused expert tensors, Mixtral sharded
+one by one) are greedy-equal to one process with logits within 1e-4, four ragged prompts
+together (chunked prefill beside decodes) and then one alone; every rank process is reaped. TP of an MoE model
+is refused before any rank starts. KV between EP and one process over gRPC: test_parallel_kv_transfer.py."""
 from __future__ import annotations
 
 import pytest
@@ -24,6 +27,15 @@ def test_qwen3_tp2_equals_tp1(tmp_path):
 def test_moe_pp2_equals_pp1(tmp_path, arch):
     d = write_tiny_moe(arch, tmp_path / arch, num_hidden_layers=3, shard="100KB")
     assert_parallel_equal(d, PROMPTS, GREEDY, pipeline_parallel_size=2)
+
+
+EP_MODELS = {"qwen3_moe": dict(mlp_only_layers=[0], original_format=False), "mixtral": dict(shard="100KB")}
+
+
+@pytest.mark.parametrize("arch", list(EP_MODELS))
+def test_moe_ep2_equals_one_process(tmp_path, arch):
+    d = write_tiny_moe(arch, tmp_path / arch, **EP_MODELS[arch])
+    assert_parallel_equal(d, PROMPTS, GREEDY, alone=PROMPTS[:1], expert_parallel_size=2)
 
 
 def test_moe_tp_is_refused_before_ranks_start(tmp_path):

@@ -25,7 +25,7 @@ from cluster.planner.latency.profiles import latency_model
 from cluster.planner.search.configs import instance_configs, instance_memory
 from cluster.planner.search.expert_parallel import decode_ep_configs, ep_degrees
 from cluster.planner.search.plan_search import search
-from cluster.spec import SpecError, load_spec
+from cluster.spec import SpecError, load_spec, parse_spec
 from engine.config import ModelConfig, MoEConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,8 +168,10 @@ def test_spec_expert_parallel_is_validated(tmp_path):
     dense = dataclasses.replace(_engine_moe_config(8), moe=None)
     with pytest.raises(SpecError, match="has no experts"):
         spec.check_against_model(dense)
-    with pytest.raises(SpecError, match="does not shard experts over ranks yet"):  # until the engine runs EP
-        spec.check_against_model(_engine_moe_config(8))
+    spec.check_against_model(_engine_moe_config(8))  # the engine runs EP (engine/parallel/expert_worker.py)
+    both = {**base, "pools": {"prefill": {}, "decode": {"expert_parallel": 2, "tensor_parallel": 2}}}
+    with pytest.raises(SpecError, match="pools.decode.expert_parallel: expert ranks together with tensor-parallel"):
+        parse_spec(both).check_against_model(_engine_moe_config(8))
 
 
 PLAN = ["plan", "--model", "qwen3-30b-a3b", "--hardware", "h100", "--nodes", "1", "--gpus-per-node", "8",
@@ -205,4 +207,4 @@ def test_plan_qwen3_30b_a3b_picks_ep_and_writes_a_spec_validate_accepts(tmp_path
     assert res.best.mode == "disaggregated" and res.best.pool("decode")[0].parallel == Parallel(1, 1, 2)
     assert (spec.pools.decode.expert_parallel, spec.pools.decode.tensor_parallel) == (2, 1)
     assert "expert_parallel" not in yaml.safe_load(out.read_text())["pools"]["prefill"]  # written only where chosen
-    assert "pools.decode.expert_parallel: 2: the engine does not shard experts" in buf.getvalue()
+    assert "pools.decode.expert_parallel" not in buf.getvalue()  # no note: the engine serves TP1 x EP2

@@ -1,0 +1,103 @@
+"""`ExpertWorker`: one expert-parallel rank of a replica -- the whole attention and dense parts, its block of
+every MoE layer's experts, a whole page pool.
+
+Life cycle, as `RankWorker`'s: the launcher (`launcher.py`, inside a Ray actor in `cluster/`) builds it from
+an `ExpertSpec` in the rank's own process -> `__init__` joins the process group (gloo on CPU, NCCL on CUDA),
+reads the checkpoint without the other ranks' experts (`experts.expert_slice`) and builds a `ModelRunner`
+over a page pool of the replica's whole `KVPageSpec` -> every step's `StepBatch` goes to all ranks: each
+computes the attention of every token (replicated), routes every token over all experts (the router is whole,
+its inputs identical on every rank), runs only its own experts on the tokens routed to them, and the
+partial MoE outputs are summed with one all-reduce per MoE layer (`LlamaForward(expert_reduce=...)`) -> rank
+0 returns the output (logits, samples), the others None -> `close()` leaves the group.
+
+Why an all-reduce, not all-to-all dispatch/combine: with attention replicated, every rank already holds every
+token's hidden state, so there is nothing to dispatch; the combine is a sum. Each rank's KV is the whole
+replica's, so KV written into any rank's pool is written into all of them (`kv_io.py`: exported from rank
+0, imported everywhere).
+"""
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+
+from engine.batch import StepBatch, StepOutput
+from engine.config import ModelConfig
+from engine.kv_cache.backend import make_backend, torch_dtype
+from engine.kv_cache.spec import KVPageSpec
+from engine.loader import load_config
+from engine.model import LlamaForward
+from engine.parallel.experts import expert_slice, rank_experts
+from engine.parallel.rank_worker import KVPoolIO, close_group, init_group, rank_device, without_logits
+from engine.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """Everything an expert rank needs to start: plain data (crosses a pipe or a Ray call unchanged)."""
+
+    model_dir: str
+    dtype: str
+    rank: int
+    size: int
+    init_method: str  # "tcp://127.0.0.1:<port>"
+    kv_spec: KVPageSpec  # the replica's whole page spec: every expert rank holds all of it
+    num_pages: int
+    device: str = "cpu"  # "cuda": rank r uses cuda:r and NCCL ("cuda:N": that device)
+    timeout_s: float = 300.0
+
+
+def load_expert_shard(model_dir: str | Path, experts: range) -> dict[str, torch.Tensor]:
+    """The checkpoint without other ranks' experts; fused expert tensors read as the rank's rows only."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(str(Path(model_dir) / "*.safetensors"))):
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                part = expert_slice(name, experts)
+                if part is True:
+                    out[name] = st.get_tensor(name)
+                elif part:
+                    out[name] = st.get_slice(name)[part.start:part.stop]
+    return out
+
+
+def expert_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, rank: int, size: int,
+                 device: torch.device | str = "cpu", expert_reduce=None) -> LlamaForward:
+    """Rank `rank`'s forward: whole attention and dense parts, its block of experts."""
+    experts = rank_experts(cfg, rank, size)
+    weights = load_expert_shard(model_dir, experts)
+    return LlamaForward(cfg, weights, torch_dtype(dtype), device, experts=experts, expert_reduce=expert_reduce)
+
+
+class ExpertWorker(KVPoolIO):
+    def __init__(self, spec: ExpertSpec):
+        self.spec = spec
+        self.rank, self.size = spec.rank, spec.size
+        cfg = load_config(Path(spec.model_dir))
+        self.device = rank_device(spec.device, spec.rank)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)
+        init_group(spec.init_method, spec.rank, spec.size, cuda, spec.timeout_s)
+        self.model = expert_model(spec.model_dir, cfg, spec.dtype, spec.rank, spec.size, self.device,
+                                  self._all_reduce)
+        self.kv_spec = spec.kv_spec
+        self.backend = make_backend(self.kv_spec, spec.num_pages, self.device)
+        self.runner = ModelRunner(self.model, self.backend, self.kv_spec.page_size)
+
+    @staticmethod
+    def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t)  # in place: t is this rank's fresh partial MoE output
+        return t
+
+    def execute(self, batch: StepBatch) -> StepOutput | None:
+        """Run one step (all tokens' attention, this rank's experts); rank 0 returns the output."""
+        out = self.runner.execute(batch if self.rank == 0 else without_logits(batch))
+        return out if self.rank == 0 else None
+
+    def close(self) -> None:
+        close_group()
