@@ -1,8 +1,9 @@
 """`serve` with tensor_parallel > 1 on a real local Ray (issue 9 item 4), with a tiny random Llama.
 
 Specs: prefill TP=2 with `placement: strict_pack` (a STRICT_PACK placement group per replica, one bundle
-of `resources` per rank) -> decode TP=1; and prefill PP=2 (pack: one bundle of both ranks) -> decode TP=2
-strict_pack. Fractional CPUs so they fit the 2-core session. Each parallel actor's engine starts its rank
+of `resources` per rank) -> decode TP=1; prefill PP=2 (pack: one bundle of both ranks) -> decode TP=2
+strict_pack; and, on a tiny Mixtral, prefill in one process -> decode EP=2 strict_pack (issue 35: expert ranks
+started as the TP/PP ones). Fractional CPUs so they fit the 2-core session. Each parallel actor's engine starts its rank
 processes as its own children; KV leaves over gRPC resharded (kv_io in the sender / receiver). Requests
 served concurrently are greedy-equal to one `engine.LLM`; afterwards the cluster is empty, and after
 shutdown no rank process and no placement group is left.
@@ -21,6 +22,7 @@ from engine import LLM, SamplingParams
 from tests.cluster_helpers import assert_cluster_empty
 from tests.exactness import assert_greedy_equal
 from tests.tiny_models import write_tiny
+from tests.tiny_moe_models import write_tiny_moe
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -73,12 +75,16 @@ async def _serve(router, spec, prompts, ref) -> dict[str, list[int]]:
 @pytest.mark.parametrize("prefill, decode", [
     ({"tensor_parallel": 2, "placement": "strict_pack"}, {}),  # the issue's layout: TP=2 -> TP=1
     ({"pipeline_parallel": 2}, {"tensor_parallel": 2, "placement": "strict_pack"}),  # chunks into 2 ranks
-], ids=["prefill-tp2-strict-decode-tp1", "prefill-pp2-decode-tp2-strict"])
+    ({}, {"expert_parallel": 2, "placement": "strict_pack"}),  # MoE: each chunk into both expert ranks
+], ids=["prefill-tp2-strict-decode-tp1", "prefill-pp2-decode-tp2-strict", "moe-prefill-decode-ep2-strict"])
 def test_serve_parallel_pools_greedy_equal_and_ranks_gone(ray_session, tmp_path, prefill, decode):
     import ray
 
-    model = write_tiny("llama", tmp_path / "l82", num_hidden_layers=2, num_attention_heads=8,
-                       num_key_value_heads=2, initializer_range=0.1)
+    if "expert_parallel" in decode:
+        model = write_tiny_moe("mixtral", tmp_path / "mixtral")
+    else:
+        model = write_tiny("llama", tmp_path / "l82", num_hidden_layers=2, num_attention_heads=8,
+                           num_key_value_heads=2, initializer_range=0.1)
     prompts = [[(7 * i + j) % 250 + 3 for j in range(9 + 5 * i)] for i in range(3)]
     with LLM(model=str(model), dtype="float32", num_pages=64) as alone:
         ref = [o.token_ids for o in alone.generate(prompts, PARAMS)]
