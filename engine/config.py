@@ -37,8 +37,9 @@ def supported_architectures() -> tuple[str, ...]:
 def check_supported(d: dict[str, Any], model: str | None = None) -> None:
     """UnsupportedArchitectureError unless config.json `d` is of a model type the engine runs;
     UnsupportedFeatureError (a subclass) if it is, but asks for something the forward does not compute."""
+    d = gemma_config.text_part(d)  # a multimodal Gemma 3 config: its language model's
     mt = d.get("model_type", "?")
-    if mt == "gemma3":  # the multimodal checkpoint: a vision tower around a gemma3_text text_config
+    if mt == "gemma3":  # multimodal, without a text_config to serve
         raise UnsupportedFeatureError(_arch(d), [gemma_config.MULTIMODAL], model)
     if mt not in SUPPORTED:
         archs = d.get("architectures") or []
@@ -153,6 +154,7 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_dict(d: dict[str, Any]) -> "ModelConfig":
+        d = gemma_config.text_part(d)  # a multimodal Gemma 3 config: its language model's
         check_supported(d)
         mt = d["model_type"]
         heads = d["num_attention_heads"]

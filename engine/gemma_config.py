@@ -9,7 +9,10 @@ transformers' own defaults (`Gemma3TextConfig`) for keys a config leaves out.
 Refused by name (`unsupported`): a RoPE type `engine.rope` does not build (per layer type), an activation
 other than gelu_pytorch_tanh, attention-logit soft-capping (Gemma 2's; no Gemma 3 checkpoint sets it and
 the forward's SDPA / paged kernels have no tanh on the scores), bidirectional attention, q/k/v/o biases.
-The multimodal checkpoint (`gemma3`, Gemma3ForConditionalGeneration) is refused by `check_supported`.
+The multimodal checkpoint (`gemma3`, Gemma3ForConditionalGeneration: google/gemma-3-4b/12b/27b-it) is served
+as its language model: `text_part` reads its `text_config` as a gemma3_text config, `text_weight_name` maps
+its `language_model.*` tensors to the text model's names and leaves the vision tower unread (the engine
+takes token ids only: no images).
 """
 from __future__ import annotations
 
@@ -19,9 +22,42 @@ from typing import Any
 ROPE_TYPES = ("default", "linear", "llama3")  # engine.rope's (engine.config.ROPE_TYPES)
 ACTIVATION = "gelu_pytorch_tanh"
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' Gemma3TextConfig.default_theta
-MULTIMODAL = ("the multimodal Gemma 3 checkpoint (model_type gemma3: a SigLIP vision tower around a gemma3_text "
-              "text_config, weights under language_model.*): serve a text-only Gemma3ForCausalLM checkpoint "
-              "(model_type gemma3_text), e.g. google/gemma-3-1b-it, or one saved from the text model")
+MULTIMODAL = ("a multimodal Gemma 3 config (model_type gemma3) without a text_config: pdserve serves the text "
+              "model of one that has it, or a text-only Gemma3ForCausalLM checkpoint (model_type gemma3_text)")
+# transformers' Gemma3TextConfig defaults (the same in 4.50 and 5.x): the Hub's multimodal configs (google/
+# gemma-3-4b-it, -12b-it, -27b-it) write only what differs from them in their text_config
+TEXT_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation=ACTIVATION,
+                     max_position_embeddings=131_072, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2,
+                     query_pre_attn_scalar=256, sliding_window=4096)
+# checkpoint name prefixes of the multimodal model's language model -> the text model's (the Hub's layout, then
+# transformers 5's own); the vision tower and projector are not read
+TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                 ("model.language_model.", "model."))
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def text_part(d: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Gemma 3 config.json (model_type gemma3, Gemma3ForConditionalGeneration) as the config of
+    its language model: `text_config` over transformers' defaults, as a gemma3_text config; the LM head tied as
+    the outer config says (default true), its eos/bos ids where it names them. Other configs unchanged."""
+    if d.get("model_type") != "gemma3" or not isinstance(d.get("text_config"), dict):
+        return d
+    t = {**TEXT_DEFAULTS, **d["text_config"], "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    t["tie_word_embeddings"] = d.get("tie_word_embeddings", True)
+    for key in ("eos_token_id", "bos_token_id"):
+        if d.get(key) is not None:
+            t[key] = d[key]
+    return t
+
+
+def text_weight_name(name: str) -> str | None:
+    """The name the text forward reads a checkpoint tensor under (a multimodal checkpoint's language model
+    renamed, its vision tower and projector None); other names unchanged."""
+    for old, new in TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return None if name.startswith(VISION_PREFIXES) else name
 
 
 def layer_types(d: dict[str, Any]) -> list[str]:

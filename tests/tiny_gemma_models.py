@@ -46,13 +46,39 @@ def write_tiny_gemma(out: Path, seed: int = 0, shard: str | None = None, **overr
     return Path(out)
 
 
+def write_tiny_gemma_multimodal(out: Path, seed: int = 0, original_format: bool = True, **overrides) -> Path:
+    """The same language model inside transformers' multimodal Gemma3ForConditionalGeneration (a one-layer
+    SigLIP tower of width 16, image tokens 250-252), saved as the Hub's checkpoints are (`language_model.*`,
+    `vision_tower.*`, `multi_modal_projector.*`; `original_format=False`: transformers 5's `model.language_model.*`)
+    with a top-level config whose `text_config` holds the text model's; LM head tied (the outer config's default)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=hf_gemma_config(**overrides).to_dict(), vision_config=vision.to_dict(),
+                       mm_tokens_per_image=4, boi_token_index=250, eoi_token_index=251, image_token_index=252)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(out, save_original_format=original_format)
+    write_tiny_tokenizer(Path(out), cfg.text_config.vocab_size)
+    return Path(out)
+
+
 def hf_gemma_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, attn: str = "sdpa"
                     ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """transformers' own greedy generate() in float32, one prompt at a time: each prompt's new tokens and
-    the logits that chose them."""
-    from transformers import Gemma3ForCausalLM
+    """transformers' own greedy generate() in float32 (the text model, or the multimodal one on text-only
+    prompts), one prompt at a time: each prompt's new tokens and the logits that chose them."""
+    import json
 
-    model = Gemma3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+    from transformers import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+
+    multimodal = json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == "gemma3"
+    cls = Gemma3ForConditionalGeneration if multimodal else Gemma3ForCausalLM
+    model = cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
     model.generation_config.eos_token_id = None  # EOS ignored, as ignore_eos=True
     tokens, logits = [], []
     with torch.inference_mode():

@@ -31,7 +31,7 @@ from engine.config import ModelConfig
 from engine.kv_cache.backend import make_backend, torch_dtype
 from engine.kv_cache.page_io import export_kv, import_kv
 from engine.kv_cache.spec import KVPageSpec
-from engine.loader import load_config
+from engine.loader import checkpoint_names, load_config
 from engine.forward import build_forward
 from engine.parallel.shard import local_config, shard_kv_spec, validate_tp, weight_slice
 from engine.runner import ModelRunner
@@ -59,14 +59,14 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, rank: int, size: int) ->
     out: dict[str, torch.Tensor] = {}
     for f in sorted(glob.glob(str(Path(model_dir) / "*.safetensors"))):
         with safe_open(f, framework="pt") as st:
-            for name in st.keys():
+            for stored, name in checkpoint_names(st):
                 sl = weight_slice(name, cfg, rank, size)
                 if sl is None:
-                    out[name] = st.get_tensor(name)
+                    out[name] = st.get_tensor(stored)
                 elif sl[0] == 0:
-                    out[name] = st.get_slice(name)[sl[1]:sl[2]]
+                    out[name] = st.get_slice(stored)[sl[1]:sl[2]]
                 else:
-                    out[name] = st.get_slice(name)[:, sl[1]:sl[2]]
+                    out[name] = st.get_slice(stored)[:, sl[1]:sl[2]]
     return out
 
 

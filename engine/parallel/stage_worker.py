@@ -23,7 +23,7 @@ from engine.batch import StepBatch, StepOutput
 from engine.config import ModelConfig
 from engine.kv_cache.backend import make_backend, torch_dtype
 from engine.kv_cache.spec import KVPageSpec
-from engine.loader import load_config
+from engine.loader import checkpoint_names, load_config
 from engine.forward import build_forward
 from engine.parallel.rank_worker import KVPoolIO, close_group, init_group, rank_device
 from engine.parallel.stages import micro_batches, stage_kv_spec, stage_layers, stage_wants, validate_pp
@@ -52,14 +52,14 @@ def load_stage(model_dir: str | Path, cfg: ModelConfig, layers: range) -> dict[s
     names: dict[str, str] = {}
     for f in files:
         with safe_open(f, framework="pt") as st:
-            names.update((n, f) for n in st.keys())
+            names.update((n, f) for _, n in checkpoint_names(st))
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in names
     out: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(f, framework="pt") as st:
-            for n in st.keys():
+            for stored, n in checkpoint_names(st):
                 if stage_wants(n, cfg, layers, tied):
-                    out[n] = st.get_tensor(n)
+                    out[n] = st.get_tensor(stored)
     return out
 
 

@@ -1,12 +1,12 @@
 """Gemma 3 text under tensor / pipeline parallelism (gloo rank processes on loopback, float32): TP=2 (heads and
 the MLP split, every norm whole on each rank, the o / down partial sums all-reduced before Gemma's
-post-attention / post-feedforward norms) and PP=2 (the global layer on the second stage) are greedy-equal to
-one process with logits within 1e-4, on prompts longer than the local layers' window of 8."""
+post-attention / post-feedforward norms) and PP=2 of a multimodal checkpoint's language model (the global
+layer on the second stage) are greedy-equal to one process with logits within 1e-4, on prompts longer than the local layers' window of 8."""
 from __future__ import annotations
 
 from engine import SamplingParams
 from tests.parallel_helpers import PROMPTS, assert_parallel_equal
-from tests.tiny_gemma_models import WINDOW, write_tiny_gemma
+from tests.tiny_gemma_models import WINDOW, write_tiny_gemma, write_tiny_gemma_multimodal
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -17,6 +17,7 @@ def test_gemma3_tp2_equals_tp1(tmp_path):
     assert_parallel_equal(d, PROMPTS, GREEDY, tensor_parallel_size=2)
 
 
-def test_gemma3_pp2_equals_pp1(tmp_path):
-    d = write_tiny_gemma(tmp_path / "gemma3", tie_word_embeddings=True, initializer_range=0.03)
+def test_gemma3_multimodal_checkpoint_pp2_equals_pp1(tmp_path):
+    """The Hub's multimodal layout (language_model.*, a vision tower each stage leaves unread; LM head tied)."""
+    d = write_tiny_gemma_multimodal(tmp_path / "gemma3-mm", initializer_range=0.03)
     assert_parallel_equal(d, PROMPTS, GREEDY, pipeline_parallel_size=2)

@@ -7,7 +7,10 @@ offline Hub cache: greedy tokens equal transformers' generate() in float32 for o
 prompts run together (chunked prefill, continuous batching), every prompt or its decode crossing the window;
 without the local window the tokens differ (the window is exercised). bf16 within the engine tests'
 tolerance; head_dim 256 through the CPU kernels; prefix caching, draft-verify decoding and KV transfer give
-the plain engine's tokens; both config spellings read alike; unsupported features are named.
+the plain engine's tokens; both config spellings read alike; unsupported features are named. The multimodal
+checkpoints (Gemma3ForConditionalGeneration, in the Hub's and transformers 5's tensor names) serve their
+language model, token-exact against transformers' multimodal model on text; a Hub-shaped 27B config reads as
+transformers and the planner's catalog entry read it.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal, assert_logits_close
 from tests.hub_cache import hub_env, lay_out
 from tests.kv_helpers import close_all, ship_all
-from tests.tiny_gemma_models import WINDOW, hf_gemma_config, hf_gemma_greedy, write_tiny_gemma
+from tests.tiny_gemma_models import (WINDOW, hf_gemma_config, hf_gemma_greedy, write_tiny_gemma,
+                                     write_tiny_gemma_multimodal)
 
 NEW = 16
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -193,9 +197,60 @@ def test_unsupported_features_are_named(over, feature):
     assert isinstance(e.value, UnsupportedArchitectureError) and e.value.field == "model"
 
 
-def test_the_multimodal_checkpoint_is_refused_naming_the_text_model():
-    d = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
-         "text_config": hf_gemma_config().to_dict()}
+# ---- the multimodal checkpoints (google/gemma-3-4b/12b/27b-it): their language model --------------------
+@pytest.mark.parametrize("original_format", [True, False])  # the Hub's language_model.*; transformers 5's names
+def test_multimodal_checkpoint_serves_its_language_model(tmp_path, original_format):
+    """Gemma3ForConditionalGeneration saved by transformers: the engine reads its text_config and its language
+    model's tensors (the vision tower unread) and gives transformers' own multimodal generate() on text."""
+    d = write_tiny_gemma_multimodal(tmp_path / "mm", original_format=original_format, initializer_range=0.03)
+    prompts = ONE + RAGGED[1:3]
+    tokens, logits = hf_gemma_greedy(d, prompts, NEW)
+    assert_greedy_equal(tokens, run(make(d, max_num_batched_tokens=32), prompts), logits)
+
+
+def test_multimodal_weights_load_by_tensor_parallel_rank(tmp_path):
+    from engine.loader import load_config, load_weights
+    from engine.parallel.rank_worker import load_shard
+
+    d = write_tiny_gemma_multimodal(tmp_path / "mm")
+    whole, half = load_weights(d), load_shard(d, load_config(d), 1, 2)
+    assert set(whole) == set(half) and not any("vision" in n or "projector" in n for n in whole)
+    assert "model.embed_tokens.weight" in whole and "lm_head.weight" not in whole  # tied
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(half[q], whole[q][64:])  # rank 1's two query heads of 32
+
+
+# google/gemma-3-27b-it's config.json (vision_config left out): the text_config writes only what differs from
+# transformers' Gemma3TextConfig defaults, in the older spelling (rope_scaling for the global layers)
+GEMMA3_27B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+    "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144, "mm_tokens_per_image": 256,
+    "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+                    "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+}
+
+
+def test_a_hub_multimodal_config_reads_as_transformers_and_the_planner_catalog_read_it():
+    from transformers import Gemma3Config
+
+    from cluster.planner.inputs.models import load_model
+
+    cfg = ModelConfig.from_hf_dict(GEMMA3_27B_IT)
+    hf = Gemma3Config(**GEMMA3_27B_IT).text_config.to_dict()  # transformers fills in its defaults
+    want = ModelConfig.from_hf_dict({**hf, "eos_token_id": [1, 106], "tie_word_embeddings": True})
+    assert cfg == want and cfg.eos_token_ids == (1, 106) and cfg.tie_word_embeddings
+    assert cfg.rope == {"factor": 8.0, "rope_type": "linear", "rope_theta": 1e6}
+    assert (cfg.local_window, len(cfg.gemma.local_layers), cfg.gemma.local_rope["rope_theta"]) == (1024, 52, 1e4)
+    g = load_model("gemma-3-27b")  # deploy/models/gemma-3-27b.yaml, whose hf_id is this checkpoint
+    assert g.hf_id == "google/gemma-3-27b-it" and g.architecture == "Gemma3ForCausalLM"
+    assert (g.layers, g.hidden, g.heads, g.kv_heads, g.head_dim, g.ffn, g.sliding_window, g.local_layers) == (
+        cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+        cfg.local_window, len(cfg.gemma.local_layers))
+
+
+def test_a_multimodal_config_without_a_text_config_is_refused():
     with pytest.raises(UnsupportedFeatureError) as e:
-        ModelConfig.from_hf_dict(d)
-    assert "Gemma3ForConditionalGeneration" in str(e.value) and "Gemma3ForCausalLM" in str(e.value)
+        ModelConfig.from_hf_dict({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]})
+    assert "Gemma3ForConditionalGeneration" in str(e.value) and "text_config" in str(e.value)
