@@ -45,8 +45,9 @@ _ACCELERATOR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")  # Ray's n
 
 
 class Resources(_Section):
-    """Ray resources of one rank of a replica (a replica reserves tensor_parallel x pipeline_parallel times
-    these; one process each: the replica's actor, or a rank process it starts), never the pool's."""
+    """Ray resources of one rank of a replica (a replica reserves tensor_parallel x pipeline_parallel x
+    expert_parallel times these; one process each: the replica's actor, or a rank process it starts), never the
+    pool's."""
     num_cpus: float = Field(1.0, ge=0)  # one torch thread per worker process
     num_gpus: float = Field(0.0, ge=0)
     custom: dict[str, float] = Field(default_factory=dict)  # e.g. {prefill: 1}: `ray start --resources`
@@ -129,8 +130,8 @@ def _pool_sparse_problems(pool, name: str) -> list[Problem]:
     if pool.kv.storage == "kivi4":
         out.append(Problem("sparse_attention", "kivi4 pages keep no page summaries; use storage raw, int8 or fp8"))
     if pool.degree > 1:
-        out.append(Problem("sparse_attention", "not with tensor/pipeline parallelism yet (page summaries live in "
-                                               "the single-process KV backend)"))
+        out.append(Problem("sparse_attention", "not with tensor/pipeline/expert parallelism yet (page summaries "
+                                               "live in the single-process KV backend)"))
     return out
 
 
