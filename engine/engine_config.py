@@ -32,6 +32,7 @@ class EngineConfig:
     # decoding
     speculative: object = None  # SpeculativeConfig or its dict (engine/spec_decode/config.py)
     decode_graphs: str = "auto"  # auto | static | off (engine/kernels/cuda/graph_decode.py)
+    sampler: str = "auto"  # auto (device on CUDA) | cpu | device: where sampled rows are drawn (engine/device_sampler.py)
     keep_logits: bool = False  # tests: keep each sampled position's float32 logits on the request
     # parallelism (engine/parallel)
     tensor_parallel_size: int = 1

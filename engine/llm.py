@@ -100,7 +100,7 @@ class LLM:
                 raise InvalidRequestError("sparse_attention", "runs on raw, int8 or fp8 pages without tensor/"
                                                               "pipeline parallelism (page summaries live in the backend)")
             install_sparse(self.backend, self.allocator, self.tables, self.sparse_attention)
-        self.runner = (ModelRunner(self.model, self.backend, page_size) if not parallel else
+        self.runner = (ModelRunner(self.model, self.backend, page_size, cfg.sampler) if not parallel else
                        make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device, ep))
         spec_cfg = SpeculativeConfig.of(speculative)
         verify_len = spec_cfg.max_draft + 1 if spec_cfg is not None else 0  # verify steps get graphs too

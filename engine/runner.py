@@ -15,14 +15,15 @@ import torch
 from engine.attention_context import AttentionContext, SeqLayout, build_context
 from engine.batch import PendingStep, SeqResult, StepBatch, StepOutput
 from engine.model import LlamaForward  # or engine.gemma.GemmaForward, its subclass
-from engine.sampler import sample_batch
+from engine.device_sampler import resolve as resolve_sampler, sample_step
 
 LayerHook = Callable[[int, StepBatch], None]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForward, backend, page_size: int):
+    def __init__(self, model: LlamaForward, backend, page_size: int, sampler: str = "cpu"):
         self.model = model
+        self.sampler = resolve_sampler(sampler, model.device)  # "device" | "cpu" (engine/device_sampler.py)
         self.backend = backend
         self.page_size = page_size
         self.device = model.device
@@ -104,7 +105,7 @@ class ModelRunner:
         if sample_reqs:
             # every logits row sampled, in order (plain decode): no [n, vocab] copy (3 MB at batch 16)
             every = sample_rows == list(range(logits.shape[0]))
-            tokens = sample_batch(logits if every else logits[sample_rows], sample_reqs)  # greedy on its device
+            tokens = sample_step(logits if every else logits[sample_rows], sample_reqs, self.sampler)
             for i, t in zip(sample_idx, tokens):
                 results[i].sampled = t
         return results

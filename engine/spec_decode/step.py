@@ -22,9 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.batch import SeqResult, SeqStep, StepBatch
+from engine.device_sampler import sample_step
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
-from engine.sampler import SampleRequest, sample_batch
+from engine.sampler import SampleRequest
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.spec_decode.config import PER_REQUEST_PROPOSERS, SpeculativeConfig
@@ -252,7 +253,7 @@ class SpecDecoder:
         # row j is output index num_output + j: penalties see draft[:j], min_tokens masks by that index
         reqs = [SampleRequest(req.params, req.seed, req.num_output + j, req.prompt_token_ids, outs + draft[:j],
                               llm.scheduler.eos) for j in range(k + 1)]
-        targets = sample_batch(rows, reqs)
+        targets = sample_step(rows, reqs, llm.runner.sampler)  # the plain step's sampler: lossless
         m = accepted_length(draft, [t.token_id for t in targets])
         self.trackers[req.request_id].update(k, m)
         st = self.stats

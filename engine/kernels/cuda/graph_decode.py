@@ -10,9 +10,13 @@ padded), one int64 device buffer holds every input (ids, positions, write slots:
 b; the written pages and their filled extents: b x q each, for page summaries; then the page table,
 column-major so the first P pages of every row are its first P x b values). A step fills the pinned host
 mirror, copies the used prefix in one non-blocking transfer, replays the graph (or, eagerly, calls the same
-`_forward`). Sampling: when every row is plain greedy, the argmax runs on the GPU and its B ids head for pinned
-memory while `launch` returns: the engine detokenizes the previous step meanwhile and reads the ids after
-(`PendingStep`); other rows are sampled on the CPU from the bucket's logits (engine/sampler.py).
+`_forward`). Sampling: when every row is plain greedy, the argmax runs on the GPU; when the engine samples on
+the device (`sampler`, engine/device_sampler.py) and every row is device-eligible (no penalties, logprobs or
+min_tokens mask), the bucket's sampling graph draws them (graph_sampling.py, its parameters uploaded with
+the inputs). Either way only the B ids head for pinned memory while `launch` returns: the engine detokenizes
+the previous step meanwhile and reads the ids after (`PendingStep`). Other batches are sampled from the
+bucket's logits by `sample_step`: device-eligible rows on the device, the rest on the CPU from a host copy
+of only their rows.
 Padding rows have context length 0 (the kernels skip them) and write their K/V into the backend's scratch
 page, which no request owns. Sparse (Quest) engines: the choice runs on the device at fixed shapes
 (quest.py), the written pages' summaries recomputed from extents the host keeps. No host sync inside a step:
@@ -28,8 +32,10 @@ import torch
 
 from engine.attention_context import AttentionContext, AttnGroup
 from engine.batch import PendingStep, SeqResult, StepBatch, StepOutput
+from engine.device_sampler import device_eligible, needs_filter, sample_step
+from engine.kernels.cuda.graph_sampling import StaticSampler
 from engine.request import SampledToken
-from engine.sampler import plain_greedy, sample_batch
+from engine.sampler import plain_greedy
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -43,6 +49,7 @@ class _Bucket:
     splits: int
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     logits: torch.Tensor | None = None  # [rows * qlen, vocab] float32, written by each replay
+    sampler: StaticSampler | None = None  # plain decode buckets of a device-sampling engine
 
     def views(self, max_pages: int):
         """ids, positions, write slots [rows * qlen]; lengths [rows]; the written pages and their filled
@@ -54,8 +61,9 @@ class _Bucket:
 
 class GraphDecode:
     def __init__(self, model, backend, page_size: int, max_batch: int, max_model_len: int, use_graphs: bool = True,
-                 verify_len: int = 0):
+                 verify_len: int = 0, sampler: str = "cpu"):
         self.model, self.backend, self.page_size = model, backend, page_size
+        self.sampler = sampler  # "device": eligible sampled rows drawn on the device (engine/device_sampler.py)
         self.device = model.device
         self.max_pages = -(-max_model_len // page_size)
         self.use_graphs = use_graphs and self.device.type == "cuda"
@@ -75,6 +83,8 @@ class GraphDecode:
                 self.buckets[b, qlen] = _Bucket(b, qlen, torch.zeros(n, dtype=torch.long, device=self.device),
                                                 torch.zeros(n, dtype=torch.long, pin_memory=pin),
                                                 num_splits(b, kv_heads, max_model_len, backend._sm_count))
+                if qlen == 1 and sampler == "device":
+                    self.buckets[b, qlen].sampler = StaticSampler(b, self.device, pin)
         self.max_rows = max_batch
         self.capture_s = 0.0
         self.pool = None
@@ -135,6 +145,8 @@ class GraphDecode:
             with torch.cuda.graph(bk.graph, pool=self.pool):
                 bk.logits = self._forward(bk)
             self.pool = bk.graph.pool()
+            if bk.sampler is not None:  # its sampling graphs read this bucket's static logits
+                self.pool = bk.sampler.capture(bk.logits, self.pool)
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
@@ -184,6 +196,10 @@ class GraphDecode:
             h[3 * t + b:4 * t + b], h[4 * t + b:5 * t + b] = written, ext
         end = 5 * t + b + pages * b
         bk.dev[:end].copy_(bk.host[:end], non_blocking=True)
+        on_device = self._device_sampled(batch, bk, qlen)  # None: the host samples (or all plain greedy)
+        if on_device is not None:
+            bk.sampler.fill(on_device)
+            bk.sampler.upload()
         if self.use_graphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -192,11 +208,15 @@ class GraphDecode:
             logits = bk.logits
         else:
             logits = self._forward(bk)
-        if qlen > 1 or batch.return_logits or not all(s.sample is not None and plain_greedy(s.sample)
-                                                      for s in batch.seqs):
+        if on_device is not None:
+            chosen = bk.sampler.run(logits, any(needs_filter(r) for r in on_device))[:n]
+        elif qlen > 1 or batch.return_logits or not all(s.sample is not None and plain_greedy(s.sample)
+                                                        for s in batch.seqs):
             return PendingStep.done(StepOutput(self._results(batch, logits, qlen)))
+        else:
+            chosen = torch.max(logits[:n], dim=-1).indices
         ids = self._ids_host[:n]
-        ids.copy_(torch.max(logits[:n], dim=-1).indices, non_blocking=True)
+        ids.copy_(chosen, non_blocking=True)
         done = None
         if self.use_graphs:
             done = torch.cuda.Event()
@@ -207,6 +227,17 @@ class GraphDecode:
                 done.synchronize()
             return StepOutput([SeqResult(s.request_id, SampledToken(t)) for s, t in zip(batch.seqs, ids.tolist())])
         return PendingStep(wait, overlaps=True)
+
+    def _device_sampled(self, batch: StepBatch, bk: _Bucket, qlen: int) -> list | None:
+        """The rows' sample requests when the bucket's sampler draws them all on the device (every row
+        device-eligible, not all plain greedy: those keep their one argmax); else None."""
+        reqs = [s.sample for s in batch.seqs]
+        if self.sampler != "device" or bk.sampler is None or qlen > 1 or batch.return_logits \
+                or any(r is None for r in reqs):
+            return None
+        if all(plain_greedy(r) for r in reqs) or not all(device_eligible(r) for r in reqs):
+            return None
+        return reqs
 
     def _fill_verify(self, h, table, batch: StepBatch, t: int, qlen: int, pages: int) -> None:
         """Host rows of a verify step: each row's tokens, positions and write slots, its unused queries as
@@ -242,7 +273,7 @@ class GraphDecode:
             last = [i * qlen + batch.seqs[i].logits_at[-1] for i in rows]
             every = last == list(range(len(batch.seqs)))
             chosen = logits[:len(rows)] if every else logits[torch.tensor(last, device=logits.device)]
-            tokens = sample_batch(chosen, [batch.seqs[i].sample for i in rows])
+            tokens = sample_step(chosen, [batch.seqs[i].sample for i in rows], self.sampler)
             for i, tok in zip(rows, tokens):
                 results[i].sampled = tok
         return results
@@ -273,7 +304,7 @@ def attach(runner, max_num_seqs: int, max_model_len: int, mode: str = "auto", ve
     if mode == "auto" and model.device.type != "cuda":
         return None
     graphs = GraphDecode(model, backend, runner.page_size, max_num_seqs, max_model_len, use_graphs=mode == "auto",
-                         verify_len=verify_len)
+                         verify_len=verify_len, sampler=runner.sampler)
     graphs.capture()
     runner.graphs = graphs
     return graphs
