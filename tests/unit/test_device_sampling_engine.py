@@ -67,6 +67,21 @@ def test_seeded_request_alone_twice_and_in_a_mixed_batch(model_dir, monkeypatch)
     assert cpu.generate([prompt], SEEDED)[0].token_ids != first and len(calls) == n
 
 
+def test_draft_verify_with_the_device_sampler_is_lossless(model_dir):
+    """Verify draws each row with the engine's sampler: drafts of the device-sampled continuation (oracle)
+    and always-wrong drafts both give exactly the plain device-sampled tokens."""
+    prompts = _prompts(3)
+    params = [SamplingParams(**dict(vars(SEEDED), seed=40 + i, top_k=12 * i)) for i in range(3)]
+    plain = [o.token_ids for o in _engine(model_dir, sampler="device").generate(prompts, params)]
+    futures = {tuple(p): o for p, o in zip(prompts, plain)}
+    for name in ("oracle", "always_wrong"):
+        spec = dict(proposer=name, max_draft=3, gate=False, proposer_options={"futures": futures})
+        llm = _engine(model_dir, sampler="device", speculative=spec)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+        assert llm.spec.stats.num_verifies > 0 and (llm.spec.stats.num_accepted > 0) == (name == "oracle")
+        assert_engine_empty(llm)
+
+
 def test_bad_sampler_name_is_a_typed_error(model_dir):
     with pytest.raises(InvalidRequestError, match="sampler"):
         _engine(model_dir, sampler="gpu")

@@ -87,6 +87,7 @@ class GraphDecode:
                     self.buckets[b, qlen].sampler = StaticSampler(b, self.device, pin)
         self.max_rows = max_batch
         self.capture_s = 0.0
+        self.sampler_error: str | None = None  # why sampling graphs were not captured (then run eagerly)
         self.pool = None
         self._copied = None  # CUDA event: the last upload from the pinned mirror finished
         self._ids_host = torch.zeros(max_batch, dtype=torch.long, pin_memory=pin)  # a step's greedy ids
@@ -146,7 +147,11 @@ class GraphDecode:
                 bk.logits = self._forward(bk)
             self.pool = bk.graph.pool()
             if bk.sampler is not None:  # its sampling graphs read this bucket's static logits
-                self.pool = bk.sampler.capture(bk.logits, self.pool)
+                try:
+                    self.pool = bk.sampler.capture(bk.logits, self.pool)
+                except RuntimeError as e:  # not capturable on this torch: the same pass runs eagerly
+                    bk.sampler.graphs.clear()
+                    self.sampler_error = f"{type(e).__name__}: {str(e)[:300]}"
         if self.use_graphs:
             torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
