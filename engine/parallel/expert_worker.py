@@ -6,7 +6,8 @@ an `ExpertSpec` in the rank's own process -> `__init__` joins the process group 
 reads the checkpoint without the other ranks' experts (`experts.expert_slice`) and builds a `ModelRunner`
 over a page pool of the replica's whole `KVPageSpec` -> every step's `StepBatch` goes to all ranks: each
 computes the attention of every token (replicated), routes every token over all experts (the router is whole,
-its inputs identical on every rank), runs only its own experts on the tokens routed to them, and the
+its inputs identical on every rank: bit-identical as long as the ranks' kernels are deterministic, as on CPU),
+runs only its own experts on the tokens routed to them, and the
 partial MoE outputs are summed with one all-reduce per MoE layer (`LlamaForward(expert_reduce=...)`) -> rank
 0 returns the output (logits, samples), the others None -> `close()` leaves the group.
 
