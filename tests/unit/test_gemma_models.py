@@ -92,6 +92,25 @@ def test_the_local_window_is_exercised(model, monkeypatch):
     assert run(make(d), ONE + RAGGED[:2]) != tokens[:3]
 
 
+def test_dense_decode_copies_serve_global_layers_only(model, monkeypatch):
+    """float32 decode groups keep dense K/V copies across steps (kv_cache/dense_decode.py, every group here):
+    planned on the step's full context, continued by every step; the local layers' windowed view gathers."""
+    from engine.kv_cache import dense_decode as dd
+
+    monkeypatch.setattr(dd, "MIN_GROUP_BYTES", 0)
+    counts = {"continue": 0}
+    real = dd.DenseDecode._continue
+
+    def counting(self, *a):
+        ok = real(self, *a)
+        counts["continue"] += ok
+        return ok
+    monkeypatch.setattr(dd.DenseDecode, "_continue", counting)
+    d, (tokens, logits) = model("gemma3")
+    assert_greedy_equal(tokens[1:], run(make(d), RAGGED), logits[1:])
+    assert counts["continue"] > 10
+
+
 def test_local_view_only_where_a_row_reaches_past_the_window():
     short = [SeqLayout("a", 3, 4, [0, 1]), SeqLayout("b", 1, 7, [2, 3])]  # 7 and 8 slots: within 8
     assert build_context(short, 4, 0.5, local_window=WINDOW).local is None
