@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device check of issue 32 in one call (< 8 minutes on an H100/H200), most important first: the decode
-# step vs the memory floor (graphs / Triton eager / torch eager side by side, int8 pages, a verify step),
+# step vs the memory floor (graphs / Triton eager / torch eager side by side, every row sampled on the device
+# (temperature 0.8, top-p 0.95) and, for SmolLM2, on the host, int8 pages, a verify step),
 # where the host's time goes (cProfile) and the int8 step's kernels (torch.profiler), tests/gpu, Quest at
 # 32k x 8 vs full attention; with FULL=1 also the disaggregated handoff over gRPC on one GPU, the engine's GPU
 # profile checked against its measured steps, and a torch.profiler table of bf16 b=128 steps. Each part is time-boxed; everything
@@ -26,7 +27,7 @@ run() {
 if [ "${TINY:-0}" = 1 ]; then
   export TRITON_INTERPRET=1 PDSERVE_ATTENTION=triton
   run 600 $PY bench/gpu/decode_floor.py --device cpu --model random:tiny --context 64 --batches 1,16 --steps 2 \
-    --kv int8 --verify 4 --out "$W"
+    --modes graphs,triton,torch,sampled,sampled_cpu --kv int8 --verify 4 --out "$W"
   run 300 $PY bench/gpu/decode_floor.py --device cpu --model random:tiny --context 96 --batches 2 --steps 2 \
     --modes graphs,triton --sparse 32 --out "$W/quest"
   run 120 $PY bench/gpu/int8_cells.py --device cpu --batch 2 --context 40 --heads 4,2,16 --reps 1
@@ -43,15 +44,17 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 HW=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -qi h200 && echo h200 || echo h100)
 # int8 pages take the Triton kernel only when asked (engine/kv_cache/quantized.py): asked here, to measure it
 export PDSERVE_ATTENTION=triton
-run 170 $PY bench/gpu/decode_floor.py --model random:llama-3-8b --context 2048 --batches 1,16,64,128 --steps 20 \
-  --kv int8 --verify 4 --out "$W"
-run 60 $PY bench/gpu/decode_floor.py --model random:smollm2-135m --context 1024 --batches 1,64 --steps 30 --out "$W"
+run 190 $PY bench/gpu/decode_floor.py --model random:llama-3-8b --context 2048 --batches 1,16,64,128 --steps 20 \
+  --modes graphs,triton,torch,sampled --kv int8 --verify 4 --out "$W"
+run 90 $PY bench/gpu/decode_floor.py --model random:smollm2-135m --context 1024 --batches 1,64 --steps 30 \
+  --modes graphs,triton,torch,sampled,sampled_cpu --out "$W"
 run 45 $PY bench/gpu/profile_step.py --model random:smollm2-135m --context 1024 --batch 64 --steps 20 \
   --modes graphs --host --out "$W"
 run 30 $PY bench/gpu/int8_cells.py --batch 128 --context 2048
 run 60 $PY bench/gpu/profile_step.py --model random:llama-3-8b --context 2048 --batch 128 --steps 3 \
   --modes graphs,triton --kv int8 --out "$W"
-run 90 env -u PDSERVE_ATTENTION $PY -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_attention.py -q
+run 100 env -u PDSERVE_ATTENTION $PY -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_attention.py \
+  tests/gpu/test_cuda_sampling.py -q
 run 120 $PY bench/gpu/decode_floor.py --model random:llama-3-8b --context 32768 --batches 8 --steps 10 \
   --modes graphs,triton --sparse 2048 --out "$W/quest"
 if [ "${FULL:-0}" = 1 ]; then

@@ -4,7 +4,10 @@ Per model and batch size: B requests are prefilled to --context tokens once, the
 stepped --steps times under each mode in turn:
   graphs  the default: CUDA-graph decode (engine/kernels/cuda/graph_decode.py) over Triton paged attention;
   triton  the same kernels launched eagerly (decode_graphs off);
-  torch   the path before issue 32: SDPA over gathered pages (PDSERVE_ATTENTION=torch), eager.
+  torch   the path before issue 32: SDPA over gathered pages (PDSERVE_ATTENTION=torch), eager;
+  sampled / sampled_cpu  (asked for with --modes) graphs with every row sampled (temperature 0.8, top-p 0.95,
+          seeded) on the device (engine/device_sampler.py: only the ids come back) / on the host from a copy of
+          the logits (the CPU sampler); each row's `over_greedy` is its step over the greedy graphs step's.
 For graphs, the GPU time of each replay (CUDA events around it) is reported too: step - GPU is the host's
 part (scheduling, inputs, sampling, detokenizing), which nothing overlaps with the GPU yet.
 `--kv int8` adds int8-page rows (a second engine, the first freed): graphs mode, ratio to bf16 graphs.
@@ -28,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +44,7 @@ from bench.gpu.step_power import RandomWeights, random_model_dir  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 MODES = ("graphs", "triton", "torch")
+GRAPH_MODES = ("graphs", "sampled", "sampled_cpu")  # CUDA-graph decode; the last two sample every row
 
 
 def copy_bandwidth(device: str, gib: float = 2.0) -> float:
@@ -73,7 +78,8 @@ def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp
     per_row = -(-(context + headroom(max_batch, steps) + 16) // ps)
     kw = dict(dtype="bfloat16", device=device, num_pages=max_batch * per_row + 8, max_num_seqs=max_batch,
               max_num_batched_tokens=8192 if device.startswith("cuda") else 256, num_threads=None, page_size=ps,
-              max_model_len=context + headroom(max_batch, steps) + 16, kv_storage=kv, sparse_attention=sparse)
+              max_model_len=context + headroom(max_batch, steps) + 16, kv_storage=kv, sparse_attention=sparse,
+              sampler="device")  # (greedy rows never reach it; the sampled modes choose per mode)
     if not model.startswith("random:"):
         return LLM(model=model, **kw)
     import engine.llm as engine_llm
@@ -97,9 +103,15 @@ def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp
 
 
 def set_mode(llm: LLM, mode: str, graphs) -> None:
-    llm.runner.graphs = graphs if mode == "graphs" else None
+    llm.runner.graphs = graphs if mode in GRAPH_MODES else None
     llm.backend.triton_paged = mode != "torch"
     llm.backend._dense = None  # the torch path's dense copies start afresh
+    llm.runner.sampler = "cpu" if mode == "sampled_cpu" else "device"
+    if graphs is not None:
+        graphs.sampler = llm.runner.sampler
+    sampled = mode in ("sampled", "sampled_cpu")  # every running row sampled, or every row greedy
+    for req in llm.requests.values():
+        req.params = replace(req.params, temperature=0.8 if sampled else 0.0, top_p=0.95 if sampled else 1.0)
 
 
 def sync(device: str) -> None:
@@ -197,7 +209,7 @@ def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes
     for mode in modes:
         set_mode(llm, mode, graphs)
         ctx0 = statistics.mean(llm.requests[r].num_computed for r in rids)
-        replays = time_graphs(graphs) if mode == "graphs" and graphs is not None and graphs.use_graphs else None
+        replays = time_graphs(graphs) if mode in GRAPH_MODES and graphs is not None and graphs.use_graphs else None
         times = time_steps(llm, device, steps)
         ctx1 = statistics.mean(llm.requests[r].num_computed for r in rids)
         floor = (weights + batch * (ctx0 + ctx1) / 2 * kv_bytes_per_token(llm)) / bw
@@ -209,6 +221,10 @@ def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes
         if replays:
             gpu = statistics.median(s.elapsed_time(e) for s, e in replays[-steps:])
             rows[-1].update(gpu_ms=round(gpu, 3), host_ms=round(med * 1e3 - gpu, 3))
+    greedy = [r["median_ms"] for r in rows if r["mode"] == "graphs"]
+    for r in rows:
+        if r["mode"] in GRAPH_MODES[1:] and greedy:
+            r["over_greedy"] = round(r["median_ms"] / greedy[0], 3)
     if verify_k:
         rows.append(verify_ratio(llm, device, rids, verify_k, steps))
         print(json.dumps(rows[-1]), flush=True)
@@ -222,7 +238,8 @@ def static_step(llm: LLM, max_batch: int):
     """CPU dry runs: the graphs' static step, run eagerly."""
     from engine.kernels.cuda.graph_decode import GraphDecode
 
-    return GraphDecode(llm.model, llm.backend, llm.kv_spec.page_size, max_batch, llm.max_model_len, use_graphs=False)
+    return GraphDecode(llm.model, llm.backend, llm.kv_spec.page_size, max_batch, llm.max_model_len, use_graphs=False,
+                       sampler=llm.runner.sampler)
 
 
 def main(argv=None) -> int:
@@ -252,7 +269,8 @@ def main(argv=None) -> int:
         result["load_s"] = round(time.monotonic() - t, 1)
         graphs = llm.decode_graphs
         result["capture_s"] = round(graphs.capture_s, 2) if graphs else None
-        if graphs is None and "graphs" in modes:
+        result["sampler_error"] = graphs.sampler_error if graphs else None  # sampling graphs not captured
+        if graphs is None and set(modes) & set(GRAPH_MODES):
             graphs = static_step(llm, max(batches))
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s; load {result['load_s']} s; capture {result['capture_s']} s",
               flush=True)
@@ -299,7 +317,8 @@ def table(result: dict) -> str:
             lines.append(f"| {r['batch']} | | | verify k={r['k']} | {r['verify_ms']} | | | plain {r['plain_ms']} | "
                          f"{r['verify_over_plain']} (verify / plain) |")
             continue
-        lines.append(f"| {r['batch']} | {r['context']} | {r['kv']} | {r['mode']} | {r['median_ms']} | "
+        mode = r["mode"] + (f" ({r['over_greedy']}x greedy)" if "over_greedy" in r else "")
+        lines.append(f"| {r['batch']} | {r['context']} | {r['kv']} | {mode} | {r['median_ms']} | "
                      f"{r.get('gpu_ms', '')} | {r.get('host_ms', '')} | {r['floor_ms']} | {r['ratio']} |")
     return "\n".join(lines)
 
