@@ -20,10 +20,10 @@ class ParallelConfigError(PdserveError, ValueError):
 
 
 class UnsupportedWithParallelError(PdserveError, ValueError):
-    """A feature combined with tensor, pipeline or expert parallelism that the ranks cannot run yet."""
+    """A feature combined with tensor, expert or pipeline parallelism that the ranks cannot run yet."""
 
     def __init__(self, field: str, message: str):
-        self.field, self.reason = field, f"{message} (not supported with tensor, pipeline or expert parallelism)"
+        self.field, self.reason = field, f"{message} (not supported with tensor, expert or pipeline parallelism)"
         super().__init__(f"{field}: {self.reason}")
 
 
