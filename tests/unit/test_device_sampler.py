@@ -137,3 +137,17 @@ def test_the_sampler_choice_is_checked_and_auto_means_device_on_cuda_only():
         resolve("gpu", "cpu")
     with pytest.raises(InvalidRequestError, match="top_p"):  # parameters keep their typed errors
         SamplingParams(temperature=0.8, top_p=0.0).validate(VOCAB)
+
+
+def test_no_host_sync_inside_the_batched_pass(monkeypatch):
+    """What a CUDA graph captures: no tensor method that copies device values to the host is called."""
+    x, reqs = rows(len(PARAMS), seed=6), [req(seed=i, **p) for i, p in enumerate(PARAMS)]
+    params = params_of(reqs)
+    calls = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _n=name, _r=real, **k: (calls.append(_n), _r(t, *a, **k))[1])
+    for filtered in (True, False):
+        sample_rows(x, params, filtered)
+    torch.zeros(1).item()  # the spy sees a sync
+    assert calls == ["item"], calls
