@@ -5,9 +5,10 @@ The parallel side reads/writes its ranks through `engine.parallel.kv_io` (a TP/P
 HELD, each rank's KV heads / each stage's layers as chunks addressed by global heads; a TP/PP decode
 writes each chunk into every rank holding one of its heads). Layouts: prefill TP=2 -> decode TP=1,
 TP=1 -> TP=2, PP=2 -> TP=1 on a random-weight Llama with 8 query / 2 KV heads; SmolLM2 TP=3 -> TP=1,
-TP=1 -> TP=3, PP=2 -> TP=1 (`slow`: issue 9's end-to-end acceptance); a tiny Mixtral one process -> EP=2
-and EP=2 -> one process (issue 35: every expert rank holds all the KV, so the decode side writes each chunk
-into both ranks and the prefill side ships rank 0's). Each is greedy-equal to one
+TP=1 -> TP=3, PP=2 -> TP=1 (`slow`: issue 9's end-to-end acceptance); a tiny Mixtral served by Hub id from
+a sharded snapshot, one process -> EP=2 and EP=2 -> one process, greedy-equal to transformers' generate (issue
+35: every expert rank holds all the KV, so the decode side writes each chunk into both ranks and the prefill
+side ships rank 0's). Each other layout is greedy-equal to one
 process alone, ends with nothing leaked on either engine (pages, reservations, requests, transfers, push
 threads) and every rank process reaped. The handshake compares
 the model-level layout: replicas of any layout share one signature, a shard's layout does not. A decode
@@ -30,7 +31,8 @@ from kv_transfer.sender import KVSender
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, decode_all, drive
 from tests.parallel_helpers import PROMPTS, assert_ranks_gone, reshard_engine, tiny_8q_2kv
-from tests.tiny_moe_models import write_tiny_moe
+from tests.hub_cache import hub_env, lay_out
+from tests.tiny_moe_models import hf_greedy, write_tiny_moe
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -104,10 +106,15 @@ def test_tiny_kv_reshards_over_grpc(tiny82, src, dst):
 
 
 @pytest.mark.parametrize("src, dst", [(dict(), dict(ep=2)), (dict(ep=2), dict())], ids=["ep1-ep2", "ep2-ep1"])
-def test_moe_kv_moves_between_one_process_and_expert_ranks_over_grpc(tmp_path, src, dst):
-    d = write_tiny_moe("mixtral", tmp_path / "mixtral")
+def test_moe_by_hub_id_moves_kv_between_one_process_and_expert_ranks_over_grpc(tmp_path, monkeypatch, src, dst):
+    d = write_tiny_moe("mixtral", tmp_path / "mixtral", shard="100KB")
+    assert (d / "model.safetensors.index.json").exists() and len(list(d.glob("*.safetensors"))) > 1
     prompts = PROMPTS[:3]
-    assert_greedy_equal(alone(d, prompts, GREEDY), over_grpc(d, src, dst, prompts, GREEDY))
+    ref, ref_logits = hf_greedy(d, prompts, GREEDY.max_tokens)  # transformers, float32
+    hub_env(monkeypatch, tmp_path / "hf")  # offline: the ranks read the snapshot the driver resolved
+    lay_out(tmp_path / "hf", "pdserve-test/tiny-mixtral", d, files=("config.json", "tokenizer.json",
+            "tokenizer_config.json", "model.safetensors.index.json", *(p.name for p in d.glob("*.safetensors"))))
+    assert_greedy_equal(ref, over_grpc("pdserve-test/tiny-mixtral", src, dst, prompts, GREEDY), ref_logits)
 
 
 def test_signature_is_model_level_and_a_shard_layout_is_refused(tiny82):
