@@ -78,10 +78,11 @@ def pack_params(reqs: list[SampleRequest], out: np.ndarray | None = None) -> np.
 
 
 def distribution(logits: torch.Tensor, params: torch.Tensor, filtered: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's masked distribution in its cumulative order: (probs [B, vocab] float32, unnormalised, 0 where
-    masked; order [B, vocab] int64 token ids, or None: token-id order for every row). Rows at temperature 0
-    are meaningless here (`sample_rows` takes their argmax)."""
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Each row's masked distribution in its cumulative order: probs [B, vocab] float32 (unnormalised, 0 where
+    masked); with `filtered` also order [B, vocab] int64 (the descending sort's token ids) and sorts [B] bool
+    (the rows whose probs are in that order; the others in token-id order); else None, None. Rows at
+    temperature 0 are meaningless here (`sample_rows` takes their argmax)."""
     x = logits.float()
     vocab = x.shape[-1]
     temp, top_k, top_p, min_p = params[0].float(), params[1].long(), params[2].float(), params[3].float()
@@ -89,7 +90,7 @@ def distribution(logits: torch.Tensor, params: torch.Tensor, filtered: bool
     x = x / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)  # [B, vocab]
     probs = x.softmax(-1)  # token-id order: plain-temperature rows
     if not filtered:
-        return probs, None
+        return probs, None, None
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     rowf = ((top_k > 0) | (top_p < 1.0) | (min_p > 0)) & ~greedy  # [B] rows that sort (as `needs_filter`)
     vals, order = torch.sort(x, dim=-1, descending=True, stable=True)  # [B, vocab]
@@ -100,15 +101,14 @@ def distribution(logits: torch.Tensor, params: torch.Tensor, filtered: bool
     excl = kept.cumsum(-1) - kept  # mass before each token
     drop = (excl >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)  # top-p: keep the prefix reaching p
     kept = kept.masked_fill(drop, 0.0)
-    probs = torch.where(rowf.unsqueeze(1), kept, probs)
-    order = torch.where(rowf.unsqueeze(1), order, torch.arange(vocab, device=x.device).expand_as(order))
-    return probs, order
+    return torch.where(rowf.unsqueeze(1), kept, probs), order, rowf
 
 
 def kept_tokens(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """[B, vocab] bool in token-id order: the tokens each row may draw (the tests' view of the masks)."""
-    probs, order = distribution(logits, params, True)
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, probs > 0)
+    probs, order, sorts = distribution(logits, params, True)
+    by_id = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, order, probs > 0)
+    return torch.where(sorts.unsqueeze(1), by_id, probs > 0)
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor, filtered: bool) -> torch.Tensor:
@@ -116,11 +116,11 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, filtered: bool) -> t
     Returns [B] int64 token ids, on the device. `filtered`: some row has min-p, top-k or top-p (one sort of
     every row); False only when none has (a row's token is the same in either variant). No host sync."""
     vocab = logits.shape[-1]
-    probs, order = distribution(logits, params, filtered)
+    probs, order, sorts = distribution(logits, params, filtered)
     cum = probs.double().cumsum(-1)  # [B, vocab]: float64 so a tail token keeps its share
     target = (params[4] * cum[:, -1]).unsqueeze(1)  # u x the row's total
     idx = torch.searchsorted(cum, target, right=True).clamp_(max=vocab - 1)  # [B, 1]: first cum > target
-    token = idx.squeeze(1) if order is None else order.gather(1, idx).squeeze(1)
+    token = idx.squeeze(1) if order is None else torch.where(sorts, order.gather(1, idx).squeeze(1), idx.squeeze(1))
     return torch.where(params[0] == 0, torch.max(logits, dim=-1).indices, token)
 
 
