@@ -2,7 +2,8 @@
 # The device check of issue 32 in one call (< 8 minutes on an H100/H200), most important first: the decode
 # step vs the memory floor (graphs / Triton eager / torch eager side by side, every row sampled on the device
 # (temperature 0.8, top-p 0.95) and, for SmolLM2, on the host, int8 pages, a verify step),
-# where the host's time goes (cProfile) and the int8 step's kernels (torch.profiler), tests/gpu, Quest at
+# where the host's time goes (cProfile) and the int8 step's kernels (torch.profiler), what sampling alone costs
+# (device sampler eager / graphs vs argmax vs the CPU sampler), tests/gpu, Quest at
 # 32k x 8 vs full attention; with FULL=1 also the disaggregated handoff over gRPC on one GPU, the engine's GPU
 # profile checked against its measured steps, and a torch.profiler table of bf16 b=128 steps. Each part is time-boxed; everything
 # lands in $OUT/gpu_check.log and $OUT/results.tar.gz (the device tool returns at most 8 files).
@@ -31,6 +32,7 @@ if [ "${TINY:-0}" = 1 ]; then
   run 300 $PY bench/gpu/decode_floor.py --device cpu --model random:tiny --context 96 --batches 2 --steps 2 \
     --modes graphs,triton --sparse 32 --out "$W/quest"
   run 120 $PY bench/gpu/int8_cells.py --device cpu --batch 2 --context 40 --heads 4,2,16 --reps 1
+  run 60 $PY bench/gpu/sampler_cost.py --device cpu --vocab 4096 --batches 1,4 --reps 2 --out "$W"
   run 300 $PY bench/gpu/profile_step.py --device cpu --model random:tiny --context 64 --batch 4 --steps 2 \
     --modes graphs --kv int8 --host --out "$W"
   run 300 $PY bench/gpu/disagg_check.py --model tiny --dtype float32 --prompt-len 24 --tokens 8 --graphs static \
@@ -51,6 +53,7 @@ run 90 $PY bench/gpu/decode_floor.py --model random:smollm2-135m --context 1024 
 run 45 $PY bench/gpu/profile_step.py --model random:smollm2-135m --context 1024 --batch 64 --steps 20 \
   --modes graphs --host --out "$W"
 run 30 $PY bench/gpu/int8_cells.py --batch 128 --context 2048
+run 45 $PY bench/gpu/sampler_cost.py --vocab 128256 --batches 1,16,64,128 --out "$W"
 run 60 $PY bench/gpu/profile_step.py --model random:llama-3-8b --context 2048 --batch 128 --steps 3 \
   --modes graphs,triton --kv int8 --out "$W"
 run 100 env -u PDSERVE_ATTENTION $PY -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_attention.py \
