@@ -132,15 +132,15 @@ def grouped(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.
     t, k = ids.shape
     if t * k <= HOST_GROUPING_MAX:
         return _grouped_on_host(layer, h, weights, ids)
-    flat = ids.reshape(-1) - layer.first_expert  # [t * k] (local) expert of each assignment, token-major
-    ws, rows = weights.reshape(-1), torch.arange(t * k, device=h.device) // k  # its weight, its token
-    held = len(layer.experts)
+    flat, ws = ids.reshape(-1), weights.reshape(-1)  # [t * k] expert and weight of each assignment, token-major
+    held, kept = len(layer.experts), None
     if held < layer.cfg.num_experts:  # an expert-parallel rank: only the assignments to its own experts
-        keep = ((flat >= 0) & (flat < held)).nonzero().squeeze(1)
-        flat, ws, rows = flat[keep], ws[keep], rows[keep]
+        flat = flat - layer.first_expert  # local ids
+        kept = ((flat >= 0) & (flat < held)).nonzero().squeeze(1)  # [assignments] kept, ascending
+        flat, ws = flat[kept], ws[kept]
     order = torch.argsort(flat, stable=True)  # assignments by expert, tokens ascending within one
     counts = torch.bincount(flat, minlength=held).tolist()  # the host sync (see moe_choice)
-    rows = rows[order]  # token of each sorted assignment
+    rows = (order if kept is None else kept[order]) // k  # token of each sorted assignment
     xs = h.index_select(0, rows)  # [assignments, hidden]: each expert's rows side by side
     ws = ws.index_select(0, order)[:, None]  # [assignments, 1]
     outs, start = [], 0
