@@ -375,7 +375,8 @@ def _parallel_problems(pool: Pool, c: ModelConfig) -> list[Problem]:
                              pool.kv.eviction is not None, pool.expert_parallel)
     hints = {"tensor_parallel_size": f"; use one of {', '.join(map(str, valid_tp_degrees(c)))}",
              "pipeline_parallel_size": f"; use 1 to {c.num_layers}",
-             "expert_parallel_size": f"; use one of {', '.join(map(str, valid_ep_degrees(c)))}"}
+             "expert_parallel_size": (f"; use one of {', '.join(map(str, valid_ep_degrees(c)))}" if c.moe is not None
+                                      else "; remove the key (or set 1)")}
     return [Problem(_PARALLEL_KEYS.get(e.field, e.field), e.reason + hints.get(e.field, "")) for e in errs]
 
 
