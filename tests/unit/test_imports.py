@@ -23,6 +23,7 @@ PURE = ("engine.scheduler", "engine.request", "engine.kv_cache.allocator", "engi
 # the planner's core rooms (inputs, latency models, simulators, search; every module in them) and its GPU table
 # readers and fit: pure Python; its profiler and reports are not
 PLANNER_PURE = ("cluster.planner.errors", "cluster.planner.calibrate.gpu_fit", "cluster.planner.calibrate.vidur_tables",
+                "cluster.planner.calibrate.moe_check",
                 *(f"cluster.planner.{room}.{p.stem}" for room in ("inputs", "latency", "sim", "search")
                   for p in sorted((ROOT / "cluster" / "planner" / room).glob("*.py")) if p.stem != "__init__"))
 PURE += PLANNER_PURE

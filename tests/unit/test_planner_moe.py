@@ -175,7 +175,7 @@ def test_spec_expert_parallel_is_validated(tmp_path):
 
 
 PLAN = ["plan", "--model", "qwen3-30b-a3b", "--hardware", "h100", "--nodes", "1", "--gpus-per-node", "8",
-        "--workload", "data/workloads/azure_llm_2023_conv.csv", "--rate", "60", "--ttft-ms", "1000",
+        "--workload", "data/workloads/azure_llm_2023_conv.csv", "--rate", "55", "--ttft-ms", "1000",
         "--tpot-ms", "100"]
 NARROW = dict(top_k=1, verify_per_mode=1, prefill_budgets=(8192,), coloc_budgets=(8192,))
 
@@ -199,7 +199,9 @@ def test_plan_qwen3_30b_a3b_picks_ep_and_writes_a_spec_validate_accepts(tmp_path
     decode = {str(c.parallel): c for c in res.phases if c.phase == "decode"}
     assert any(c.parallel.ep > 1 for c in decode.values())  # EP x TP decode instances were measured
     # the model's answer today: a TP1 x EP2 decode instance serves ~3% more per GPU than TP2 (the same bytes
-    # read per rank, no all-reduces), both at the 256-sequence cap; 2 prefill + 1 decode = 4 GPUs at 60 req/s
+    # read per rank, no all-reduces), both at the 256-sequence cap; 2 prefill + 1 decode = 4 GPUs at 55 req/s
+    # (at 60 one decode instance no longer keeps up since the step prices the routing kernels measured fused-MoE
+    # kernels spend, +0.8 ms a step: test_planner_moe_measured.py; 6 GPUs then, where colocated TP2 ties)
     hw, q = load_hardware("h100"), load_model("qwen3-30b-a3b")
     ep2, tp2 = (latency_model(q, hw, p).decode(256, 256 * 1500) for p in (Parallel(1, 1, 2), Parallel(2, 1)))
     assert ep2 < tp2 < 1.05 * ep2

@@ -11,4 +11,5 @@
 Checks of the models against measurements (their command lines: bench/checks/):
     bench_check.py   the simulator on what a `pdserve bench` run sent, beside what it measured
     gpu_check.py     the GPU step model against Vidur's measured steps, fitted and held-out rows
+    moe_check.py     the MoE step against measured fused-MoE kernel times and a served step (pure Python)
 """

@@ -11,6 +11,10 @@ Per rank of an instance of `ep` groups of `tp` GPUs (`Parallel.ep`; ep = 1: expe
   grouped GEMM     one kernel per projection over all of a rank's touched experts (the engine's grouped
                    path; a fused-MoE kernel on GPUs): each touched expert's weights read once, and each pads
                    its rows to a tile (the GEMM constants' n_half per touched expert on the compute side)
+  routing kernels  ROUTE_KERNELS small launches per MoE layer around the grouped GEMMs (top-k softmax, the
+                   tokens' sort by expert into tile-aligned blocks, the weighted sum over the k outputs), each at
+                   the GEMM kernel floor: what measured fused-MoE kernels spend at one token beyond their weight
+                   reads (data/gpu_profiles/moe/, bench/checks/moe_measured_check.py: 15.7 us on an H100)
   all-to-all       ep > 1: each rank sends its n/ep tokens' k copies of the hidden state to their experts'
                    ranks and takes the results back: per MoE layer 2 x (latency + n/ep x k x hidden x
                    bytes x (ep-1)/ep / link), the link being the hardware entry's NVLink inside a node
@@ -23,7 +27,8 @@ Memory (`search/configs.py`): every expert is held, split tp x ep ways; the rest
 
 Not modelled: skewed routing (fewer experts touched, but a hotter rank: a slower all-to-all and expert GEMM),
 fp8 dispatch, the all-to-all overlapped with compute (DeepEP, two-batch overlap), replicated hot experts
-(EPLB), capacity factors and dropped tokens, MoE-specific kernel efficiencies (the dense GEMM fit stands in).
+(EPLB), capacity factors and dropped tokens, MoE-specific GEMM efficiencies (the dense GEMM fit stands in: it
+is 0.86-1.11 of measured bf16 fused-MoE kernels, 1.0-1.11 from 8 tokens up; `expert_mlp` is what they time).
 
 Who calls: `profiles.latency_model` (models with experts), tests. Pure Python.
 """
@@ -37,6 +42,8 @@ from cluster.planner.inputs.models import DTYPE_BYTES, ModelSpec
 from cluster.planner.latency.base import Line, Parallel
 from cluster.planner.latency.gpu_latency import QUERY_BLOCK, OperatorLatency, sampled_positions, small_bytes
 from cluster.planner.latency.roofline import Calibration, RooflineLatency
+
+ROUTE_KERNELS = 4  # top-k softmax, block alignment (count, sort), top-k weighted sum: launches per MoE layer
 
 
 def expected_experts(experts: int, top_k: int, tokens: float) -> float:
@@ -109,16 +116,25 @@ class MoEOperatorLatency(OperatorLatency):
         return floor + ((flops * (assignments + n_half * touched)) ** p
                         + (weights * touched + per_token * assignments) ** p) ** (1 / p)
 
-    def moe_mlp(self, tokens: float) -> float:
-        """Seconds of one MoE layer's MLP on one rank for a step of `tokens` new tokens (the instance's)."""
+    def expert_mlp(self, tokens: float) -> float:
+        """Seconds of one MoE layer's routed experts on one rank for a step of `tokens` new tokens (the
+        instance's): the routing kernels, both grouped GEMMs and the activation between them -- what a fused-MoE
+        kernel benchmark times (router logits given; no shared expert, no all-to-all)."""
         m, local = self.model, tokens / self.ep
         if local <= 0:
             return 0.0
         assignments = local * m.experts_per_token  # uniform routing: every rank gets its share
         touched = expected_experts(m.experts, m.experts_per_token, tokens) / self.ep
-        t = self._gemm_at(self._router, local)
+        t = ROUTE_KERNELS * self.c.gemm.floor_s
         t += sum(self._grouped_at(g, assignments, touched) for g in self._experts)
-        t += _smooth(*self._act_expert, assignments)
+        return t + _smooth(*self._act_expert, assignments)
+
+    def moe_mlp(self, tokens: float) -> float:
+        """Seconds of one MoE layer's MLP on one rank for a step of `tokens` new tokens (the instance's)."""
+        local = tokens / self.ep
+        if local <= 0:
+            return 0.0
+        t = self._gemm_at(self._router, local) + self.expert_mlp(tokens)
         if self._shared:
             t += sum(self._gemm_at(g, local) for g in self._shared) + _smooth(*self._act_shared, local)
         if self._a2a is not None:
