@@ -5,10 +5,10 @@
 
 Prints, per measured row, the planner's routed-experts time of one MoE layer beside vLLM's published fused-MoE
 kernel time (ratio = planner / measured), decode steps composed from those measured layers beside the
-planner's own step, and a served Qwen3-30B-A3B step (mean TPOT) beside the planner's. What is composed and
+planner's own step, and served Qwen3-30B-A3B steps (mean TPOT) beside the planner's. What is composed and
 why: cluster/planner/calibrate/moe_check.py; the sources: data/gpu_profiles/moe/README.md. Bands (what the
 data show, tests/unit/test_planner_moe_measured.py): bf16 kernels 0.85-1.12, composed bf16 decode steps
-0.9-1.1; fp8 and the served step are reported, not banded here. Exit 0 when both bands hold.
+0.9-1.1; fp8 and the served steps are reported, not banded here. Exit 0 when both bands hold.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n## Decode steps composed from the measured MoE layers (bf16, batch <= {moe_check.DECODE_MAX}, "
           f"{args.context} tokens of context a sequence)\n")
     print(moe_check.step_table(steps))
-    print("\n## A served decode step (mean TPOT)\n")
+    print("\n## Served decode steps (mean TPOT)\n")
     print(moe_check.serving_table(served))
     print("\n## Summary\n")
     bf16 = [p.ratio for p in kernels if p.row.dtype == "bfloat16"]
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_line("kernels bf16, all", bf16))
     print(_line("composed decode steps", [p.ratio for p in steps]))
     for p in served:
-        print(f"served step {p.row.source}: ratio {p.ratio:.2f}")
+        print(f"served step {p.row.source} (concurrency {p.row.concurrency}, {p.row.input_len:.0f} in): ratio {p.ratio:.2f}")
     ok = (all(KERNEL_BAND[0] <= r <= KERNEL_BAND[1] for r in bf16)
           and all(STEP_BAND[0] <= p.ratio <= STEP_BAND[1] for p in steps))
     print(f"\nbands (bf16 kernels {KERNEL_BAND[0]}-{KERNEL_BAND[1]}, composed steps {STEP_BAND[0]}-{STEP_BAND[1]}): "

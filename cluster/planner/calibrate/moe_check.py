@@ -16,9 +16,9 @@ router logits (uniform routing, as the planner assumes) and without the router G
             MoE layers' `expert_mlp` replaced by the measured time (bf16 rows, batch <= 256: decode sizes). The
             rest of the step (attention, projections, norms, LM head, CPU) is the planner's own, fitted to
             Vidur's measured operator tables (bench/checks/planner_gpu_check.py: decode median 1.00).
-  serving   mean TPOT of a `benchmark_serving.py` run at fixed concurrency c vs the planner's decode step at
-            batch c and the mean context (prompt + half the output) plus the share of the other c - 1
-            prompts' prefills that land in one request's decode steps.
+  serving   mean TPOT of a served run at fixed concurrency c (vLLM's `benchmark_serving.py`, Tenstorrent's
+            GPU reference sweep) vs the planner's decode step at batch c and the mean context (prompt + half
+            the output) plus the share of the other c - 1 prompts' prefills that land in one request's steps.
 GPUs: the table's names map to hardware entries (`GPUS`); the A100 PCIe 40GB is the a100 entry with its own
 HBM bandwidth (datasheet: 1,555 GB/s; same 312 TFLOPS bf16). Who calls: bench/checks/moe_measured_check.py,
 tests/unit/test_planner_moe_measured.py. Pure Python (csv).
@@ -41,8 +41,8 @@ from cluster.planner.latency.moe import MoEOperatorLatency, expected_experts
 DEFAULT_DIR = Path(__file__).resolve().parents[3] / "data" / "gpu_profiles" / "moe"
 KERNELS, SERVING = "fused_moe_kernels.csv", "serving_steps.csv"
 # table name -> (hardware entry, HBM GB/s override, memory GiB override)
-GPUS = {"H100-SXM-80GB": ("h100", None, None), "H100": ("h100", None, None),
-        "A100-PCIe-40GB": ("a100", 1555.0, 40 * GB / GIB)}
+GPUS = {"H100-SXM-80GB": ("h100", None, None), "H100": ("h100", None, None), "A100": ("a100", None, None),
+        "A100-PCIe-40GB": ("a100", 1555.0, 40 * GB / GIB)}  # "H100", "A100": variant not stated by the source
 DTYPE_SPEED = {"bfloat16": 1.0, "fp8_w8a8": 2.0}  # bytes/s and FLOP/s multiplier of the bf16 model
 STEP_CONTEXT = 2048  # tokens of context per sequence in the composed decode steps
 DECODE_MAX = 256  # the largest decode batch a planned instance runs (max_num_seqs)
