@@ -11,11 +11,12 @@ models take the torch path on CUDA too (the fused Triton forward covers the plai
 
 Tensor parallelism (`engine.parallel`): a rank builds this with its shard of the weights, a config with
 its local head counts and an `all_reduce` callable; o and down are then row-parallel (partial sums
-all-reduced before the residual add). Pipeline parallelism: a stage builds it with `layers` (its slice of
-the global layer ids); only the first stage embeds, only the last norms and holds the LM head. Expert
-parallelism: a rank builds it with `experts` (the global expert ids it holds) and an `expert_reduce` that sums
-the MoE layers' partial outputs over the ranks; everything else is whole. Without any, the path is the
-single-process one, unchanged.
+all-reduced before the residual add); MoE layers hold every expert's slice of its width
+(`engine.parallel.shard`) and reduce their partial output with the same `all_reduce`. Pipeline parallelism: a
+stage builds it with `layers` (its slice of the global layer ids); only the first stage embeds, only the last
+norms and holds the LM head. Expert parallelism: a rank builds it with `experts` (the global expert ids it
+holds) and an `expert_reduce` that sums the MoE layers' partial outputs over the ranks (in place of
+`all_reduce` for them); everything else is whole. Without any, the path is the single-process one, unchanged.
 """
 from __future__ import annotations
 
@@ -153,9 +154,10 @@ class LlamaForward:
                 h = self._norm(x, lw.post_norm)
                 if lw.moe is None:
                     x = self._residual(lw.down, swiglu(lw.gate_up(h)), x)  # silu(gate) * up
-                else:  # tensor parallelism refuses MoE models (engine/parallel/validate.py)
-                    y = moe_forward(lw.moe, h)  # [num_tokens, hidden]; an expert rank's: its experts' share
-                    x = x + (y if self.expert_reduce is None else self.expert_reduce(y))
+                else:  # a TP rank's experts hold its slice of their width, an EP rank its experts: partial sums
+                    y = moe_forward(lw.moe, h)  # [num_tokens, hidden]
+                    reduce = self.expert_reduce or self.all_reduce
+                    x = x + (y if reduce is None else reduce(y))
                 if layer_hook is not None:
                     layer_hook(i)
         return self._norm(x, self.final_norm) if self.is_last else x

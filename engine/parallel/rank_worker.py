@@ -33,7 +33,7 @@ from engine.kv_cache.page_io import export_kv, import_kv
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import checkpoint_names, load_config
 from engine.forward import build_forward
-from engine.parallel.shard import local_config, shard_kv_spec, validate_tp, weight_slice
+from engine.parallel.shard import local_config, shard_kv_spec, take_parts, validate_tp, weight_parts
 from engine.runner import ModelRunner
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
@@ -60,13 +60,8 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, rank: int, size: int) ->
     for f in sorted(glob.glob(str(Path(model_dir) / "*.safetensors"))):
         with safe_open(f, framework="pt") as st:
             for stored, name in checkpoint_names(st):
-                sl = weight_slice(name, cfg, rank, size)
-                if sl is None:
-                    out[name] = st.get_tensor(stored)
-                elif sl[0] == 0:
-                    out[name] = st.get_slice(stored)[sl[1]:sl[2]]
-                else:
-                    out[name] = st.get_slice(stored)[:, sl[1]:sl[2]]
+                parts = weight_parts(name, cfg, rank, size)
+                out[name] = st.get_tensor(stored) if parts is None else take_parts(st.get_slice(stored), parts)
     return out
 
 

@@ -6,7 +6,9 @@ The one place the degrees are judged, so the engine and the cluster spec cannot 
 - `cluster.spec.ClusterSpec.check_against_model` (what `pdserve validate` and `serve` run) calls
   `parallel_problems` and reports every problem under the pool's YAML keys.
 `validate_tp` / `validate_pp` / `validate_ep` are also re-exported by `shard.py` / `stages.py` / `experts.py`,
-whose workers re-check. Expert parallelism runs alone (tensor_parallel_size = pipeline_parallel_size = 1):
+whose workers re-check. Tensor parallelism splits MoE models too (every expert by its intermediate width:
+`validate_tp` checks the experts' width beside the dense one). Expert parallelism runs alone
+(tensor_parallel_size = pipeline_parallel_size = 1):
 every expert rank holds the whole attention and dense parts.
 """
 from __future__ import annotations
@@ -32,6 +34,9 @@ def validate_tp(cfg: ModelConfig, size: int, field: str = "tensor_parallel_size"
     if cfg.intermediate_size % size:
         raise ParallelConfigError(field, f"{size} does not divide the model's intermediate_size "
                                          f"{cfg.intermediate_size}")
+    if cfg.moe is not None and cfg.moe.intermediate_size % size:  # each expert splits as a dense MLP
+        raise ParallelConfigError(field, f"{size} does not divide the model's expert intermediate size "
+                                         f"{cfg.moe.intermediate_size} (moe_intermediate_size / intermediate_size)")
 
 
 def validate_pp(cfg: ModelConfig, size: int) -> None:
@@ -106,10 +111,6 @@ def parallel_problems(cfg: ModelConfig, tp: int, pp: int, speculative: bool = Fa
             check(cfg, size)
         except ParallelConfigError as e:
             out.append(e)
-    if tp > 1 and cfg.moe is not None:  # the shard rules split dense MLPs only (experts would be summed tp times)
-        out.append(UnsupportedWithParallelError("tensor_parallel_size", "mixture-of-experts layers (Qwen3-MoE, "
-                                                                        "Mixtral): the experts are sharded by "
-                                                                        "expert_parallel_size, not by TP"))
     return out + unsupported(tp, pp, speculative, kv_eviction, ep)
 
 

@@ -5,7 +5,11 @@ the attention and dense layers whole; Qwen3-MoE with a dense layer 0 and fused e
 one by one) are greedy-equal to one process with logits within 1e-4, four ragged prompts
 together (chunked prefill beside decodes) and then one alone; every rank process is reaped; in bf16 (the
 experts' partial sums all-reduced in bf16) EP=2's first-token logits stay within the MoE tests' bf16 tolerance of
-float32's. TP of an MoE model is refused before any rank starts. KV between EP and one process over gRPC: test_parallel_kv_transfer.py."""
+float32's. Qwen3-MoE (fused experts, dense layer 0) and Mixtral (experts one by one, sharded files) at TP=2
+(heads split, every expert split by its intermediate width, the router whole, MoE partial sums reduced by the
+dense MLP's all-reduce) are greedy-equal to one process the same way; Qwen3-MoE at TP=2 in bf16 stays within
+the bf16 bound. EP together with TP stays refused before any rank starts. KV between EP / TP=2 and one process
+over gRPC: test_parallel_kv_transfer.py."""
 from __future__ import annotations
 
 import pytest
@@ -42,11 +46,14 @@ def test_moe_ep2_equals_one_process(tmp_path, arch):
     assert_parallel_equal(d, PROMPTS, GREEDY, alone=PROMPTS[:1], expert_parallel_size=2)
 
 
-def test_moe_ep2_bf16_close_to_float32(tmp_path):
+@pytest.mark.parametrize("degrees", [dict(expert_parallel_size=2), dict(tensor_parallel_size=2)], ids=["ep2", "tp2"])
+def test_moe_bf16_close_to_float32(tmp_path, degrees):
+    """bf16 ranks (EP: the experts' partial sums all-reduced in bf16; TP: every expert's and the attention's
+    partial products) against one float32 process."""
     d = write_tiny_moe("qwen3_moe", tmp_path / "qwen3_moe", **EP_MODELS["qwen3_moe"])
     first = SamplingParams(max_tokens=1, temperature=0.0)
     ref = torch.stack([lg[0] for lg in generate(d, PROMPTS, first)[1]])  # float32, one process
-    with LLM(model=str(d), dtype="bfloat16", keep_logits=True, expert_parallel_size=2, **BATCHING) as llm:
+    with LLM(model=str(d), dtype="bfloat16", keep_logits=True, **degrees, **BATCHING) as llm:
         got = torch.stack([o.logits[0] for o in llm.generate(PROMPTS, first)])
         assert_engine_empty(llm)
     assert_ranks_gone(llm)
@@ -54,8 +61,14 @@ def test_moe_ep2_bf16_close_to_float32(tmp_path):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
 
 
-def test_moe_tp_is_refused_before_ranks_start(tmp_path):
+@pytest.mark.parametrize("arch", list(EP_MODELS))
+def test_moe_tp2_equals_one_process(tmp_path, arch):
+    d = write_tiny_moe(arch, tmp_path / arch, **EP_MODELS[arch])
+    assert_parallel_equal(d, PROMPTS, GREEDY, alone=PROMPTS[:1], tensor_parallel_size=2)
+
+
+def test_moe_ep_with_tp_is_refused_before_ranks_start(tmp_path):
     d = write_tiny_moe("mixtral", tmp_path / "mixtral")
     with pytest.raises(UnsupportedWithParallelError) as e:
-        LLM(model=str(d), dtype="float32", tensor_parallel_size=2)
-    assert e.value.field == "tensor_parallel_size"
+        LLM(model=str(d), dtype="float32", tensor_parallel_size=2, expert_parallel_size=2)
+    assert e.value.field == "expert_parallel_size"
