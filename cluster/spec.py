@@ -119,7 +119,8 @@ class Pool(_Section):
     pipeline_parallel: int = Field(1, ge=1, le=1024)  # must divide layers (checked against the model)
     # mixture-of-experts models: each MoE layer's experts split over this many ranks, each running the attention
     # of every sequence (engine/parallel/expert_worker.py; checked against the model: experts, divides their
-    # count, tensor_parallel 1). The planner prices groups of tensor_parallel ranks with their own sequences.
+    # count); with tensor_parallel > 1, expert_parallel groups of tensor_parallel ranks, each group attending every
+    # sequence. The planner prices groups of tensor_parallel ranks with their own sequences (docs/engine.md).
     expert_parallel: int = Field(1, ge=1, le=1024)
     # How a replica's ranks are reserved (they run as child processes of the replica's actor, so on its node):
     # pack: one Ray bundle of degree x resources per replica; strict_pack: a STRICT_PACK placement group per

@@ -10,7 +10,8 @@ ids. Module map, in the order a step meets them:
 - `stage_worker.py`: `StageWorker`, one pipeline stage (its layers, hidden states to the next stage,
   micro-batches in flight).
 - `expert_worker.py`: `ExpertWorker`, one expert-parallel rank (the whole attention and page pool, its
-  block of every MoE layer's experts; partial MoE outputs all-reduced).
+  block of every MoE layer's experts; partial MoE outputs all-reduced); with TP, one rank of an expert group
+  of TP ranks (its heads and slices, attention reduced within the group).
 - `shard.py` / `stages.py` / `experts.py`: pure functions: which heads / layers / experts a rank holds (KV-head
   replication when TP exceeds the KV heads), which weights it reads, its `KVPageSpec`, validation with typed errors.
 - `kv_io.py`: a request's KV out of / into a replica of any layout by (layer, KV-head range, tokens),

@@ -11,6 +11,12 @@ runs only its own experts on the tokens routed to them, and the
 partial MoE outputs are summed with one all-reduce per MoE layer (`LlamaForward(expert_reduce=...)`) -> rank
 0 returns the output (logits, samples), the others None -> `close()` leaves the group.
 
+With tensor parallelism (`ExpertSpec.tp` > 1): `size` expert groups of `tp` ranks, world rank g = e * tp + t.
+Rank (e, t) holds query/KV heads and dense MLP slices of TP rank t (`shard.weight_parts`), and expert block e
+with every expert split by its width as a TP rank's; attention and dense layers reduce over its group's tp ranks
+(`all_reduce`, a gloo/NCCL subgroup), the MoE output over all size x tp ranks (`expert_reduce`: the world), one
+all-reduce each as before. Every group holds the whole replica's KV, each rank its TP heads of it.
+
 Why an all-reduce, not all-to-all dispatch/combine: with attention replicated, every rank already holds every
 token's hidden state, so there is nothing to dispatch; the combine is a sum. Each rank's KV is the whole
 replica's, so KV written into any rank's pool is written into all of them (`kv_io.py`: exported from rank
@@ -34,6 +40,7 @@ from engine.loader import load_config
 from engine.model import LlamaForward
 from engine.parallel.experts import expert_slice, rank_experts
 from engine.parallel.rank_worker import KVPoolIO, close_group, init_group, rank_device, without_logits
+from engine.parallel.shard import local_config, shard_kv_spec, take_parts, weight_parts
 from engine.runner import ModelRunner
 
 
@@ -50,49 +57,67 @@ class ExpertSpec:
     num_pages: int
     device: str = "cpu"  # "cuda": rank r uses cuda:r and NCCL ("cuda:N": that device)
     timeout_s: float = 300.0
+    tp: int = 1  # tensor-parallel ranks per expert group; `rank` is then the world rank e * tp + t
 
 
-def load_expert_shard(model_dir: str | Path, experts: range) -> dict[str, torch.Tensor]:
-    """The checkpoint without other ranks' experts; fused expert tensors read as the rank's rows only."""
+def load_expert_shard(model_dir: str | Path, experts: range, cfg: ModelConfig | None = None, tp_rank: int = 0,
+                      tp: int = 1) -> dict[str, torch.Tensor]:
+    """The checkpoint without other ranks' experts; fused expert tensors read as the rank's rows only; with
+    `tp` > 1, TP rank `tp_rank`'s slices of what it reads (`shard.weight_parts`)."""
     out: dict[str, torch.Tensor] = {}
     for f in sorted(glob.glob(str(Path(model_dir) / "*.safetensors"))):
         with safe_open(f, framework="pt") as st:
             for name in st.keys():
                 part = expert_slice(name, experts)
-                if part is True:
-                    out[name] = st.get_tensor(name)
-                elif part:
-                    out[name] = st.get_slice(name)[part.start:part.stop]
+                if part is False:
+                    continue
+                parts = weight_parts(name, cfg, tp_rank, tp) if tp > 1 else None
+                if part is not True:  # a fused [E, ...] tensor: the rank's experts (dim 0), then its TP slices
+                    rows = slice(part.start, part.stop)
+                    parts = (0, [(rows,)]) if parts is None else (parts[0], [(rows,) + ix[1:] for ix in parts[1]])
+                out[name] = st.get_tensor(name) if parts is None else take_parts(st.get_slice(name), parts)
     return out
 
 
 def expert_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, rank: int, size: int,
-                 device: torch.device | str = "cpu", expert_reduce=None) -> LlamaForward:
-    """Rank `rank`'s forward: whole attention and dense parts, its block of experts."""
+                 device: torch.device | str = "cpu", expert_reduce=None, tp_rank: int = 0, tp: int = 1,
+                 all_reduce=None) -> LlamaForward:
+    """Expert rank `rank` of `size`'s forward: its block of experts; the attention and dense parts whole, or
+    with `tp` > 1 TP rank `tp_rank`'s shard of them and of each expert (`all_reduce` over its TP group)."""
     experts = rank_experts(cfg, rank, size)
-    weights = load_expert_shard(model_dir, experts)
-    return LlamaForward(cfg, weights, torch_dtype(dtype), device, experts=experts, expert_reduce=expert_reduce)
+    weights = load_expert_shard(model_dir, experts, cfg, tp_rank, tp)
+    local = local_config(cfg, tp_rank, tp) if tp > 1 else cfg
+    return LlamaForward(local, weights, torch_dtype(dtype), device, all_reduce=all_reduce, experts=experts,
+                        expert_reduce=expert_reduce)
 
 
 class ExpertWorker(KVPoolIO):
     def __init__(self, spec: ExpertSpec):
         self.spec = spec
-        self.rank, self.size = spec.rank, spec.size
+        self.rank, self.size, tp = spec.rank, spec.size * spec.tp, spec.tp  # size: the world
+        group, t = divmod(spec.rank, tp)  # expert group and TP rank in it
         cfg = load_config(Path(spec.model_dir))
         self.device = rank_device(spec.device, spec.rank)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)
-        init_group(spec.init_method, spec.rank, spec.size, cuda, spec.timeout_s)
-        self.model = expert_model(spec.model_dir, cfg, spec.dtype, spec.rank, spec.size, self.device,
-                                  self._all_reduce)
-        self.kv_spec = spec.kv_spec
+        init_group(spec.init_method, spec.rank, self.size, cuda, spec.timeout_s)
+        self._tp_group = None
+        if tp > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
+            self._tp_group = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(spec.size)][group]
+        self.model = expert_model(spec.model_dir, cfg, spec.dtype, group, spec.size, self.device, self._all_reduce,
+                                  t, tp, self._tp_all_reduce if tp > 1 else None)
+        self.kv_spec = shard_kv_spec(spec.kv_spec, t, tp) if tp > 1 else spec.kv_spec
         self.backend = make_backend(self.kv_spec, spec.num_pages, self.device)
         self.runner = ModelRunner(self.model, self.backend, self.kv_spec.page_size)
 
     @staticmethod
     def _all_reduce(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t)  # in place: t is this rank's fresh partial MoE output
+        return t
+
+    def _tp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self._tp_group)  # in place: this rank's partial o / dense down product
         return t
 
     def execute(self, batch: StepBatch) -> StepOutput | None:

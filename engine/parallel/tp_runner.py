@@ -32,7 +32,7 @@ def make_parallel_runner(model_dir: str | Path, cfg: ModelConfig, dtype: str, kv
                          num_pages: int, tp: int, pp: int, device: str = "cpu", ep: int = 1):
     check_supported(cfg, tp, pp=pp, ep=ep)
     if ep > 1:
-        return EPRunner(model_dir, cfg, dtype, kv_spec, num_pages, ep, device)
+        return EPRunner(model_dir, cfg, dtype, kv_spec, num_pages, ep, device, tp)
     if pp > 1:
         return PPRunner(model_dir, cfg, dtype, kv_spec, num_pages, pp, device)
     return TPRunner(model_dir, cfg, dtype, kv_spec, num_pages, tp, device)
@@ -123,19 +123,24 @@ class PPRunner(_ParallelRunner):
 
 class EPRunner(_ParallelRunner):
     """Expert ranks (`expert_worker.py`): each holds the whole attention and a page pool of the replica's whole
-    spec, so KV is exported from rank 0 and imported into every rank (`kv_io.py`, by `holders`)."""
+    spec, so KV is exported from rank 0 and imported into every rank (`kv_io.py`, by `holders`). With `tp` > 1,
+    `size` groups of `tp` ranks (world rank e * tp + t): each rank holds TP rank t's KV heads, in every group."""
 
     def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec, num_pages: int,
-                 size: int, device: str = "cpu"):
+                 size: int, device: str = "cpu", tp: int = 1):
         validate_ep(cfg, size)
+        validate_tp(cfg, tp)
+        self.tp = tp
         init = f"tcp://127.0.0.1:{free_port()}"
-        specs = [ExpertSpec(str(model_dir), dtype, r, size, init, kv_spec, num_pages, device) for r in range(size)]
-        super().__init__(kv_spec, size, specs)
+        specs = [ExpertSpec(str(model_dir), dtype, r, size, init, kv_spec, num_pages, device, tp=tp)
+                 for r in range(size * tp)]
+        super().__init__(kv_spec, size * tp, specs)
 
     def rank_kv_spec(self, rank: int) -> KVPageSpec:
-        return self.kv_spec
+        return shard_kv_spec(self.kv_spec, rank % self.tp, self.tp) if self.tp > 1 else self.kv_spec
 
     def holders(self) -> list[tuple[int, range, range]]:
-        """(rank, global KV heads, global layers): every rank holds every head of every layer."""
-        heads, layers = range(self.kv_spec.num_kv_heads), range(self.kv_spec.num_layers)
-        return [(r, heads, layers) for r in range(self.size)]
+        """(rank, global KV heads, global layers): every group holds every head of every layer (each of its ranks
+        its TP heads)."""
+        layers = range(self.kv_spec.num_layers)
+        return [(r, kv_head_range(self.kv_spec.num_kv_heads, r % self.tp, self.tp), layers) for r in range(self.size)]

@@ -7,9 +7,9 @@ The one place the degrees are judged, so the engine and the cluster spec cannot 
   `parallel_problems` and reports every problem under the pool's YAML keys.
 `validate_tp` / `validate_pp` / `validate_ep` are also re-exported by `shard.py` / `stages.py` / `experts.py`,
 whose workers re-check. Tensor parallelism splits MoE models too (every expert by its intermediate width:
-`validate_tp` checks the experts' width beside the dense one). Expert parallelism runs alone
-(tensor_parallel_size = pipeline_parallel_size = 1):
-every expert rank holds the whole attention and dense parts.
+`validate_tp` checks the experts' width beside the dense one). Expert parallelism runs alone or over
+groups of tensor-parallel ranks (tensor_parallel_size x expert_parallel_size ranks), never with pipeline stages:
+every expert group holds every layer's attention and dense parts.
 """
 from __future__ import annotations
 
@@ -88,11 +88,9 @@ def unsupported(tp: int, pp: int, speculative: bool = False, kv_eviction: bool =
     out = []
     if tp > 1 and pp > 1:
         out.append(UnsupportedWithParallelError(PP_FIELD, "stages of several tensor-parallel ranks"))
-    if ep > 1 and (tp > 1 or pp > 1):
-        out.append(UnsupportedWithParallelError(EP_FIELD, "expert ranks together with tensor-parallel ranks or "
-                                                          "pipeline stages (each expert rank holds the whole "
-                                                          "attention); use tensor_parallel_size=1 and "
-                                                          "pipeline_parallel_size=1"))
+    if ep > 1 and pp > 1:
+        out.append(UnsupportedWithParallelError(EP_FIELD, "expert ranks together with pipeline stages (each expert "
+                                                          "rank holds every layer); use pipeline_parallel_size=1"))
     if speculative:
         out.append(UnsupportedWithParallelError("speculative", "draft-verify decoding runs proposers and drafts "
                                                                "against a single-process model"))

@@ -8,8 +8,8 @@ experts' partial sums all-reduced in bf16) EP=2's first-token logits stay within
 float32's. Qwen3-MoE (fused experts, dense layer 0) and Mixtral (experts one by one, sharded files) at TP=2
 (heads split, every expert split by its intermediate width, the router whole, MoE partial sums reduced by the
 dense MLP's all-reduce) are greedy-equal to one process the same way; Qwen3-MoE at TP=2 in bf16 stays within
-the bf16 bound. EP together with TP stays refused before any rank starts. KV between EP / TP=2 and one process
-over gRPC: test_parallel_kv_transfer.py."""
+the bf16 bound. EP=2 x TP=2 (two expert groups of two TP ranks) is greedy-equal too. KV between EP / TP=2 and
+one process over gRPC: test_parallel_kv_transfer.py."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +18,6 @@ import torch
 
 from engine import SamplingParams
 from engine.llm import LLM
-from engine.parallel.errors import UnsupportedWithParallelError
 from tests.conftest import assert_engine_empty
 from tests.parallel_helpers import BATCHING, PROMPTS, assert_parallel_equal, assert_ranks_gone, generate
 from tests.tiny_moe_models import write_tiny_moe
@@ -67,8 +66,8 @@ def test_moe_tp2_equals_one_process(tmp_path, arch):
     assert_parallel_equal(d, PROMPTS, GREEDY, alone=PROMPTS[:1], tensor_parallel_size=2)
 
 
-def test_moe_ep_with_tp_is_refused_before_ranks_start(tmp_path):
-    d = write_tiny_moe("mixtral", tmp_path / "mixtral")
-    with pytest.raises(UnsupportedWithParallelError) as e:
-        LLM(model=str(d), dtype="float32", tensor_parallel_size=2, expert_parallel_size=2)
-    assert e.value.field == "expert_parallel_size"
+def test_moe_ep2_by_tp2_equals_one_process(tmp_path):
+    """Two expert groups of two TP ranks (4 processes): the dense layer 0 and attention reduced in each group,
+    the MoE outputs over all four."""
+    d = write_tiny_moe("qwen3_moe", tmp_path / "qwen3_moe", **EP_MODELS["qwen3_moe"])
+    assert_parallel_equal(d, PROMPTS, GREEDY, tensor_parallel_size=2, expert_parallel_size=2)

@@ -8,8 +8,8 @@ TP=1 -> TP=2, PP=2 -> TP=1 on a random-weight Llama with 8 query / 2 KV heads; S
 TP=1 -> TP=3, PP=2 -> TP=1 (`slow`: issue 9's end-to-end acceptance); a tiny Mixtral served by Hub id from
 a sharded snapshot, one process -> EP=2 and EP=2 -> one process, greedy-equal to transformers' generate (issue
 35: every expert rank holds all the KV, so the decode side writes each chunk into both ranks and the prefill
-side ships rank 0's), and one process -> TP=2 (each rank its KV head, every expert split by its width). Each
-other layout is greedy-equal to one
+side ships rank 0's), and one process -> TP=2 (each rank its KV head, every expert split by its width) and ->
+EP=2 x TP=2 (each chunk into the rank of its heads in both expert groups). Each other layout is greedy-equal to one
 process alone, ends with nothing leaked on either engine (pages, reservations, requests, transfers, push
 threads) and every rank process reaped. The handshake compares
 the model-level layout: replicas of any layout share one signature, a shard's layout does not. A decode
@@ -106,8 +106,8 @@ def test_tiny_kv_reshards_over_grpc(tiny82, src, dst):
     assert_greedy_equal(alone(tiny82, prompts, GREEDY), over_grpc(tiny82, src, dst, prompts, GREEDY))
 
 
-@pytest.mark.parametrize("src, dst", [(dict(), dict(ep=2)), (dict(ep=2), dict()), (dict(), dict(tp=2))],
-                         ids=["ep1-ep2", "ep2-ep1", "tp1-tp2"])
+@pytest.mark.parametrize("src, dst", [(dict(), dict(ep=2)), (dict(ep=2), dict()), (dict(), dict(tp=2)),
+                                      (dict(), dict(tp=2, ep=2))], ids=["ep1-ep2", "ep2-ep1", "tp1-tp2", "tp1-tp2ep2"])
 def test_moe_by_hub_id_moves_kv_between_one_process_and_parallel_ranks_over_grpc(tmp_path, monkeypatch, src, dst):
     d = write_tiny_moe("mixtral", tmp_path / "mixtral", shard="100KB")
     assert (d / "model.safetensors.index.json").exists() and len(list(d.glob("*.safetensors"))) > 1

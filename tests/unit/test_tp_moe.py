@@ -5,7 +5,8 @@ A rank's experts put back together give the whole layer's (transformers 5's fuse
 the rank's gate rows then its up rows, and experts named one by one); the safetensors loader and the in-memory
 shard agree; the sharded forward with the ranks as threads (an in-process all-reduce, `test_tp_shard`) equals
 one process for each MoE implementation (grouped, per-token, dense), with a dense layer 0 (`mlp_only_layers`);
-an expert width the degree does not divide is refused naming the field. The ranks as processes:
+an expert width the degree does not divide is refused naming the field; expert groups of TP ranks (EP=2 x TP=2
+as four threads, two group all-reduces and one over all four) equal one process. The ranks as processes:
 tests/integration/test_moe_parallel.py."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.kv_cache.spec import KVPageSpec
 from engine.loader import load_config, load_weights
 from engine.model import LlamaForward
 from engine.parallel.errors import ParallelConfigError
+from engine.parallel.expert_worker import expert_model
 from engine.parallel.rank_worker import load_shard
 from engine.parallel.shard import local_config, shard_kv_spec, shard_weights
 from engine.parallel.validate import check_supported
@@ -95,3 +97,33 @@ def test_an_expert_width_the_degree_does_not_divide_is_refused(models):
     with pytest.raises(ParallelConfigError, match="expert intermediate size 30") as e:
         check_supported(odd, 4)
     assert e.value.field == "tensor_parallel_size"
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_expert_groups_of_tp_ranks_equal_one_process(models, arch):
+    """EP=2 x TP=2 as four threads: rank (e, t) holds expert block e split as TP rank t, TP rank t's heads and
+    dense slices; attention and dense layers reduce over its group, MoE outputs over all four."""
+    d = models[arch]
+    cfg = load_config(d)
+    spec = KVPageSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, "float32")
+    ids = list(MIXED)
+    reference = run_forward(LlamaForward(cfg, load_weights(d), torch.float32), spec, ids)
+    world, groups, out = ThreadAllReduce(4), [ThreadAllReduce(2), ThreadAllReduce(2)], [None] * 4
+
+    def rank(g: int) -> None:
+        e, t = divmod(g, 2)
+        model = expert_model(d, cfg, "float32", e, 2, expert_reduce=world.for_rank(g), tp_rank=t, tp=2,
+                             all_reduce=groups[e].for_rank(t))
+        assert [lw.moe.experts for lw in model.layers if lw.moe] and all(
+            lw.moe.experts == range(4 * e, 4 * e + 4) and lw.moe.gate_up.shape[1] == cfg.moe.intermediate_size
+            for lw in model.layers if lw.moe)  # 4 experts, each half its width (gate and up halves)
+        out[g] = run_forward(model, shard_kv_spec(spec, t, 2), ids)
+
+    threads = [threading.Thread(target=rank, args=(g,)) for g in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(o is not None and torch.equal(o, out[0]) for o in out)
+    assert (out[0] - reference).abs().max() < 1e-4
+    assert torch.equal(out[0].argmax(-1), reference.argmax(-1))
