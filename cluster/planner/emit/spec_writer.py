@@ -15,7 +15,7 @@ architectures the engine cannot run (OPT, for DistServe's comparisons): `model_n
 spec's header and on the terminal; `validate` refuses such a spec only once the model's config is in
 the Hugging Face cache (it never downloads), `serve` before any weight is fetched. A decode pool of a
 mixture-of-experts model may carry `expert_parallel` (written only when above 1); `layout_notes` says where a
-planned MoE layout (TP or EP) is ahead of what the engine runs today.
+planned MoE layout is one the engine's validators refuse.
 A pool of a GPU type with an `accelerator_type` in deploy/hardware.yaml asks for it in `resources`
 (`accelerator_type: H100`): heterogeneous plans put each pool on its own machine type that way.
 """
@@ -91,9 +91,10 @@ def model_notes(model: ModelSpec) -> list[str]:
 
 def layout_notes(spec: dict[str, Any], model: ModelSpec) -> list[str]:
     """What `pdserve validate` says of a planned mixture-of-experts spec once the model's config is in the
-    Hugging Face cache (`check_against_model`, the engine's own judges): the planner plans TP and EP for MoE
-    models as issue 35 defines them, ahead of what the engine runs today. Dense plans keep only layouts the
-    engine runs (`search/configs.py`), so they get none."""
+    Hugging Face cache (`check_against_model`, the engine's own judges): the engine serves TP, EP and EP x TP of
+    an MoE model (in its own layout: docs/planner.md), so a note names only what its validators still refuse
+    (a degree that does not divide the experts, EP with PP). Dense plans keep only layouts the engine runs
+    (`search/configs.py`), so they get none."""
     if not model.is_moe:
         return []
     from cluster.spec import SpecError, parse_spec  # lazy, as write_spec
