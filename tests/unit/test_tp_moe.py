@@ -63,28 +63,30 @@ def test_rank_experts_reassemble_the_whole_layer(models, arch):
         assert all(torch.equal(p.router, lw.moe.router) for p in parts)  # whole: the same routing on every rank
 
 
-@pytest.mark.parametrize("impl", ["grouped", "per_token", "dense"])
+@pytest.mark.parametrize("impl, size", [("grouped", 2), ("per_token", 2), ("dense", 2), ("grouped", 4)],
+                         ids=["grouped", "per_token", "dense", "grouped-tp4"])  # TP=4: 2 KV heads replicated
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_sharded_moe_forward_equals_one_process(models, arch, impl, monkeypatch):
+def test_sharded_moe_forward_equals_one_process(models, arch, impl, size, monkeypatch):
     monkeypatch.setenv("PDSERVE_MOE", impl)
     d = models[arch]
     cfg, full = load_config(d), load_weights(d)
     spec = KVPageSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, "float32")
     ids = list(MIXED)
     reference = run_forward(LlamaForward(cfg, full, torch.float32), spec, ids)
-    reducer, out = ThreadAllReduce(2), [None, None]
+    reducer, out = ThreadAllReduce(size), [None] * size
 
     def rank(r: int) -> None:
-        model = LlamaForward(local_config(cfg, r, 2), shard_weights(full, cfg, r, 2), torch.float32,
+        model = LlamaForward(local_config(cfg, r, size), shard_weights(full, cfg, r, size), torch.float32,
                              all_reduce=reducer.for_rank(r))
-        out[r] = run_forward(model, shard_kv_spec(spec, r, 2), ids)
+        out[r] = run_forward(model, shard_kv_spec(spec, r, size), ids)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert out[0] is not None and torch.equal(out[0], out[1])  # same sums in the same order on every rank
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank thread is stuck in an all-reduce"
+    assert all(o is not None and torch.equal(o, out[0]) for o in out)  # same sums in the same order on every rank
     assert (out[0] - reference).abs().max() < 1e-4
     assert torch.equal(out[0].argmax(-1), reference.argmax(-1))
 
@@ -123,7 +125,8 @@ def test_expert_groups_of_tp_ranks_equal_one_process(models, arch):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a rank thread is stuck in an all-reduce"
     assert all(o is not None and torch.equal(o, out[0]) for o in out)
     assert (out[0] - reference).abs().max() < 1e-4
     assert torch.equal(out[0].argmax(-1), reference.argmax(-1))
