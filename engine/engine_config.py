@@ -37,7 +37,7 @@ class EngineConfig:
     # parallelism (engine/parallel)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    expert_parallel_size: int = 1  # mixture-of-experts models: experts split over this many ranks (alone)
+    expert_parallel_size: int = 1  # MoE models: experts split over this many ranks (or groups of TP ranks)
 
     @staticmethod
     def of(value: "EngineConfig | dict") -> "EngineConfig":
