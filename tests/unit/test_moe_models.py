@@ -6,7 +6,8 @@ Hub cache: greedy tokens equal transformers' generate() for one prompt and for 8
 together (chunked prefill, continuous batching). The MoE layer's implementations (grouped, per-token
 reference, dense) agree with each other and with transformers' router and sparse block; prefix caching,
 draft-verify decoding and KV transfer (prefill engine -> decode engine) give the plain engine's tokens;
-unsupported config features and tensor parallelism of experts are typed errors naming what is missing.
+unsupported config features and a TP degree that does not divide the experts' width are typed errors
+naming what is missing.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from engine.config import ModelConfig, MoEConfig
 from engine.errors import UnsupportedArchitectureError, UnsupportedFeatureError
 from engine import moe
 from engine.moe import IMPLS, load_moe_layer, moe_forward, route
-from engine.parallel.errors import UnsupportedWithParallelError
+from engine.parallel.errors import ParallelConfigError
 from engine.parallel.validate import check_supported as check_parallel
 from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
@@ -241,10 +242,12 @@ def test_unknown_architecture_lists_the_new_ones():
                                            "Gemma3ForCausalLM"))
 
 
-def test_tensor_parallel_refuses_experts_but_not_qwen3():
+def test_tensor_parallel_splits_experts_and_refuses_a_width_it_does_not_divide():
     moe = ModelConfig.from_hf_dict(hf_moe_config("mixtral").to_dict())
-    with pytest.raises(UnsupportedWithParallelError) as e:
-        check_parallel(moe, 2)
-    assert e.value.field == "tensor_parallel_size" and "experts" in str(e.value)
+    check_parallel(moe, 2)  # every expert split by its width (tests/unit/test_tp_moe.py)
+    odd = ModelConfig.from_hf_dict(hf_moe_config("qwen3_moe", moe_intermediate_size=30).to_dict())
+    with pytest.raises(ParallelConfigError, match="expert intermediate size 30") as e:
+        check_parallel(odd, 4)
+    assert e.value.field == "tensor_parallel_size"
     check_parallel(moe, 1, pp=2)  # pipeline stages hold whole layers: experts and all
     check_parallel(ModelConfig.from_hf_dict(hf_moe_config("qwen3").to_dict()), 2)
