@@ -1,4 +1,5 @@
-"""`assert_greedy_equal`: the one exactness check every test in the project uses.
+"""`assert_greedy_equal`: the one exactness check every test in the project uses (`assert_greedy_forced`: the
+same rule against teacher-forced reference logits).
 
 Greedy tokens must be identical. A divergence is tolerated only where the reference's top-2 logit gap at
 that position is below `gap` (a near-tie, where float summation order may flip the argmax), at most one
@@ -49,6 +50,29 @@ def assert_greedy_equal(reference: list[list[int]], actual: list[list[int]],
     allowed = math.ceil(rep.compared / per_tokens)
     assert len(rep.divergences) <= allowed, f"too many near-tie divergences ({allowed} allowed): {rep}"
     print(rep)
+    return rep
+
+
+def assert_greedy_forced(actual: list[list[int]], reference_logits: list[torch.Tensor], *,
+                         gap: float = 1e-4, per_tokens: int = 1000) -> GreedyReport:
+    """`assert_greedy_equal` against teacher-forced logits: reference_logits[case][j] scored actual[case][j]
+    given the prompt and actual[case][:j] (the engine's own prefix), so every position is compared -- a
+    tolerated near-tie does not end its case -- and each token must be that row's argmax unless it is a
+    near-tie; at most one tolerated divergence per `per_tokens` compared tokens."""
+    assert len(reference_logits) == len(actual), f"{len(reference_logits)} reference cases vs {len(actual)} actual"
+    rep = GreedyReport()
+    for case, (got, logits) in enumerate(zip(actual, reference_logits)):
+        assert len(got) == len(logits), f"case {case}: {len(got)} tokens vs {len(logits)} reference rows"
+        for j, (tok, best) in enumerate(zip(got, logits.argmax(-1).tolist())):
+            if tok == best:
+                continue
+            g = float(logits[j, best] - logits[j, tok])  # the chosen token's shortfall from the argmax
+            assert g < gap, (f"case {case}: token {tok} at position {j} is not the reference's argmax {best} and "
+                             f"trails it by {g:.3e} (not a near-tie, < {gap})")
+            rep.divergences.append((case, j, g))
+        rep.compared += len(got)
+    allowed = math.ceil(rep.compared / per_tokens)
+    assert len(rep.divergences) <= allowed, f"too many near-tie divergences ({allowed} allowed): {rep}"
     return rep
 
 
