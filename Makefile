@@ -15,7 +15,7 @@ generate: venv
 	.venv/bin/pdserve generate --chat --stream "$(PROMPT)"
 
 test: venv
-	.venv/bin/python -m pytest tests --durations=20 $(PYTEST_ARGS)
+	.venv/bin/python -m pytest tests -n 2 --dist loadgroup --durations=20 $(PYTEST_ARGS)
 
 bench: venv
 	.venv/bin/python bench/engine/engine_bench.py

@@ -41,3 +41,24 @@ def smollm2_dir():
     from engine.loader import resolve_model
 
     return resolve_model("smollm2-135m")
+
+
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`: one per core). A module's
+# tests stay together (its module-scoped fixtures -- a loaded model, a reference -- are built once), and every
+# test that starts a Ray cluster (the shared `ray_session`, a `ray start` head, a `pdserve serve` with its
+# embedded Ray) runs on one worker, one after another, first: no two Ray clusters ever run at once, and the
+# longest block of work does not start last. The other worker meanwhile runs the rest.
+STARTS_RAY = {"ray_session", "ray_head", "own_server"}
+
+
+def starts_ray(item) -> bool:
+    return bool(STARTS_RAY & set(getattr(item, "fixturenames", ())))
+
+
+@pytest.hookimpl(trylast=True)  # after tests/integration/conftest.py ordered its Ray modules
+def pytest_collection_modifyitems(session, config, items):
+    ray_items = [i for i in items if starts_ray(i)]
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("ray" if starts_ray(item) else item.nodeid.split("::")[0]))
+    if getattr(config.option, "dist", "no") != "no":
+        items[:] = ray_items + [i for i in items if not starts_ray(i)]

@@ -25,6 +25,7 @@ WORKLOAD = ["--workload", "random:input=48,output=6,range=0.5", "--rate", "2", "
             "--seed", "3", "--ttft-ms", "5x", "--tpot-ms", "5x", "--unloaded-requests", "2", "--warmup", "1",
             "--no-progress"]
 PNGS = ("attainment_vs_rate.png", "ttft_cdf.png", "tpot_cdf.png")
+LOOSE = 50  # how far two runs' medians may differ (a unit slip is 1,000x)
 
 
 def read(out):
@@ -88,9 +89,11 @@ def test_spec_then_endpoint_reproduce(tmp_path, own_server):
     assert [(r["input_len"], r["max_tokens"], r["output_tokens"]) for r in a] == \
            [(r["input_len"], r["max_tokens"], r["output_tokens"]) for r in b]
     assert [r["arrival_s"] for r in a] == [r["arrival_s"] for r in b]  # same seeded arrivals
-    # same server code on the same shared machine: medians agree within a loose factor, no timing bound
+    # same server code on the same shared machine: medians agree within a loose factor, no timing bound. The
+    # factor only has to catch a unit slip (seconds for milliseconds: 1,000x); the suite runs on two workers
+    # and the other one's load changes between the two runs (TTFT 217 ms then 1,608 ms once: 7.4x).
     for key in ("ttft_ms", "tpot_ms"):
         m1, m2 = run["summary"][key]["p50"], run2["summary"][key]["p50"]
-        assert m1 / 5 < m2 < m1 * 5, (key, m1, m2)
+        assert m1 / LOOSE < m2 < m1 * LOOSE, (key, m1, m2)
     for key in ("ttft_s", "tpot_s"):
-        assert doc["slo"][key] / 5 < doc2["slo"][key] < doc["slo"][key] * 5, (key, doc["slo"], doc2["slo"])
+        assert doc["slo"][key] / LOOSE < doc2["slo"][key] < doc["slo"][key] * LOOSE, (key, doc["slo"], doc2["slo"])

@@ -1,5 +1,7 @@
 """Every spec `pdserve plan` writes passes `pdserve validate` as written: each model of deploy/models/ on each
-entry of deploy/hardware.yaml (one node, 8 devices; 2 cores for cpu-local), plus a two-node plan.
+entry of deploy/hardware.yaml (one node, 8 devices; 2 cores for cpu-local) -- Splitwise's three machine types
+(`splitwise-*`, the paper's per-GPU prices and power on A100/H100 shapes) on a dense and an MoE model rather
+than on all sixteen, the rest on every model -- plus a two-node plan.
 
 Offline: SmolLM2's files are laid out as its Hub id in a temporary HF_HOME (tests/hub_cache.py), so its
 specs validate with the config checked; the other ids are not cached and validate on their id alone (with a
@@ -50,11 +52,15 @@ def _plan(tmp_path, capsys, model: str, hw: str, *extra: str) -> str | None:
     return out
 
 
-@pytest.mark.parametrize("model", known_models())
-def test_every_planned_spec_validates_as_written(planner, tmp_path, capsys, model):
+SPLITWISE = [hw for hw in known_hardware() if hw.startswith("splitwise-")]
+PRODUCT = [hw for hw in known_hardware() if hw not in SPLITWISE]
+
+
+def _plan_and_validate(tmp_path, capsys, model: str, hardware: list[str]) -> list[str]:
+    """Plans `model` on each entry, validates every spec written; the entries it was planned on."""
     m = load_model(model)
     planned = []
-    for hw in known_hardware():
+    for hw in hardware:
         out = _plan(tmp_path, capsys, model, hw)
         if out is None:
             continue
@@ -66,7 +72,19 @@ def test_every_planned_spec_validates_as_written(planner, tmp_path, capsys, mode
         header = open(out).read().split("\n\n")[0]
         # OPT and BLOOM: architectures the engine does not run
         assert ("planned for comparison only" in header) == (m.architecture not in ARCHITECTURES.values())
-    assert len(planned) >= 3, f"{model} planned only on {planned}"
+    return planned
+
+
+@pytest.mark.parametrize("model", known_models())
+def test_every_planned_spec_validates_as_written(planner, tmp_path, capsys, model):
+    planned = _plan_and_validate(tmp_path, capsys, model, PRODUCT)
+    assert len(planned) >= 2, f"{model} planned only on {planned}"
+
+
+@pytest.mark.parametrize("model", ["llama-3-70b", "mixtral-8x7b"])
+def test_splitwise_machine_types_plan_specs_that_validate(planner, tmp_path, capsys, model):
+    assert len(SPLITWISE) == 3
+    assert _plan_and_validate(tmp_path, capsys, model, SPLITWISE) == SPLITWISE
 
 
 def test_a_two_node_plan_validates(planner, tmp_path, capsys):
