@@ -117,10 +117,9 @@ class Pool(_Section):
     max_replicas: int | None = Field(None, ge=1, le=4096)
     tensor_parallel: int = Field(1, ge=1, le=1024)  # must divide heads and KV heads (checked against the model)
     pipeline_parallel: int = Field(1, ge=1, le=1024)  # must divide layers (checked against the model)
-    # mixture-of-experts models: each MoE layer's experts split over this many ranks, each running the attention
-    # of every sequence (engine/parallel/expert_worker.py; checked against the model: experts, divides their
-    # count); with tensor_parallel > 1, expert_parallel groups of tensor_parallel ranks, each group attending every
-    # sequence. The planner prices groups of tensor_parallel ranks with their own sequences (docs/engine.md).
+    # mixture-of-experts models: each MoE layer's experts split over this many ranks (groups of tensor_parallel
+    # ranks), each attending every sequence (engine/parallel/expert_worker.py; checked against the model). The
+    # planner prices groups with their own sequences instead (docs/engine.md).
     expert_parallel: int = Field(1, ge=1, le=1024)
     # How a replica's ranks are reserved (they run as child processes of the replica's actor, so on its node):
     # pack: one Ray bundle of degree x resources per replica; strict_pack: a STRICT_PACK placement group per
@@ -363,8 +362,7 @@ class ClusterSpec(_Section):
 
 # engine setting -> the pool's YAML key, for the engine's own parallel validators
 _PARALLEL_KEYS = {"tensor_parallel_size": "tensor_parallel", "pipeline_parallel_size": "pipeline_parallel",
-                  "expert_parallel_size": "expert_parallel",
-                  "speculative": "speculative", "kv_eviction": "kv.eviction"}
+                  "expert_parallel_size": "expert_parallel", "speculative": "speculative", "kv_eviction": "kv.eviction"}
 
 
 def _parallel_problems(pool: Pool, c: ModelConfig) -> list[Problem]:

@@ -149,3 +149,12 @@ def test_the_readme_links_every_docs_page():
               if not SCHEME.match(t)}
     missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked]
     assert missing == [], f"docs pages the README does not link: {missing}"
+
+
+MAX_LINES = 400  # docs/design.md, Style 3: a file fits a screen or two; split it into a subpackage before this
+
+
+def test_no_python_file_is_over_400_lines():
+    long = {n: count for n in repo_files() if n.endswith(".py")
+            if (count := len((ROOT / n).read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines (split before adding): {long}"
