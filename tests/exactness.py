@@ -91,3 +91,19 @@ def plain_reference(llm, prompts, params) -> tuple[list[list[int]], list[torch.T
     outs = [llm.generate(p, params)[0] for p in prompts]
     assert_engine_empty(llm)
     return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
+
+
+def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int
+                       ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """A transformers model's own greedy generate(), one prompt at a time with EOS ignored (as ignore_eos=True):
+    each prompt's new tokens and the logits that chose them ([new_tokens, vocab], float32)."""
+    model.generation_config.eos_token_id = None
+    tokens, logits = [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+            tokens.append(out.sequences[0, len(ids):].tolist())
+            logits.append(torch.cat(out.logits).float())
+    return tokens, logits

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tests.exactness import hf_generate_greedy
 from tests.tiny_models import TINY, write_tiny_tokenizer
 
 WINDOW = 8
@@ -79,13 +80,4 @@ def hf_gemma_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: i
     multimodal = json.loads((Path(model_dir) / "config.json").read_text())["model_type"] == "gemma3"
     cls = Gemma3ForConditionalGeneration if multimodal else Gemma3ForCausalLM
     model = cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
-    model.generation_config.eos_token_id = None  # EOS ignored, as ignore_eos=True
-    tokens, logits = [], []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-            tokens.append(out.sequences[0, len(ids):].tolist())
-            logits.append(torch.cat(out.logits).float())  # [new_tokens, vocab]
-    return tokens, logits
+    return hf_generate_greedy(model, prompts, max_new_tokens)

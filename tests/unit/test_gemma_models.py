@@ -17,14 +17,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.attention_context import SeqLayout, build_context
 from engine.config import ModelConfig
 from engine.errors import UnsupportedArchitectureError, UnsupportedFeatureError
-from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal, assert_logits_close
 from tests.hub_cache import hub_env, lay_out
 from tests.kv_helpers import close_all, ship_all
+from tests.tiny_llm import generate_to_empty, tiny_llm
 from tests.tiny_gemma_models import (WINDOW, hf_gemma_config, hf_gemma_greedy, write_tiny_gemma,
                                      write_tiny_gemma_multimodal)
 
@@ -56,15 +56,11 @@ def model(tmp_path_factory):
     return get
 
 
-def make(d, **kw) -> LLM:
-    return LLM(model=str(d), dtype=kw.pop("dtype", "float32"), num_pages=kw.pop("num_pages", 96),
-               page_size=kw.pop("page_size", 4), **kw)
+make = tiny_llm
 
 
 def run(llm, prompts, params=GREEDY) -> list[list[int]]:
-    out = [o.token_ids for o in llm.generate(prompts, params)]
-    assert_engine_empty(llm)
-    return out
+    return generate_to_empty(llm, prompts, params)
 
 
 # ---- token-exact against transformers ---------------------------------------------------------------

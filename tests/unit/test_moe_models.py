@@ -21,10 +21,10 @@ from engine import moe
 from engine.moe import IMPLS, load_moe_layer, moe_forward, route
 from engine.parallel.errors import ParallelConfigError
 from engine.parallel.validate import check_supported as check_parallel
-from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
 from tests.hub_cache import hub_env, lay_out
 from tests.kv_helpers import close_all, ship_all
+from tests.tiny_llm import generate_to_empty, tiny_llm
 from tests.tiny_moe_models import hf_greedy, hf_moe_config, write_tiny_moe
 
 NEW = 16
@@ -55,15 +55,11 @@ def model(tmp_path_factory):
     return get
 
 
-def make(d, **kw) -> LLM:
-    return LLM(model=str(d), dtype=kw.pop("dtype", "float32"), num_pages=kw.pop("num_pages", 96),
-               page_size=kw.pop("page_size", 4), **kw)
+make = tiny_llm
 
 
 def run(llm, prompts, params=GREEDY) -> list[list[int]]:
-    out = [o.token_ids for o in llm.generate(prompts, params)]
-    assert_engine_empty(llm)
-    return out
+    return generate_to_empty(llm, prompts, params)
 
 
 # ---- token-exact against transformers ---------------------------------------------------------------

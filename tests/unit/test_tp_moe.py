@@ -26,7 +26,7 @@ from engine.parallel.shard import local_config, shard_kv_spec, shard_weights
 from engine.parallel.validate import check_supported
 from tests.prompts import MIXED
 from tests.tiny_moe_models import write_tiny_moe
-from tests.unit.test_tp_shard import ThreadAllReduce, run_forward
+from tests.tp_threads import ThreadAllReduce, run_forward, sharded_forward
 
 # fused [E, ...] experts with a dense layer 0 / experts one by one, sharded files
 ARCHS = {"qwen3_moe": dict(original_format=False, mlp_only_layers=[0]), "mixtral": dict(shard="100KB")}
@@ -73,22 +73,14 @@ def test_sharded_moe_forward_equals_one_process(models, arch, impl, size, monkey
     spec = KVPageSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, "float32")
     ids = list(MIXED)
     reference = run_forward(LlamaForward(cfg, full, torch.float32), spec, ids)
-    reducer, out = ThreadAllReduce(size), [None] * size
-
-    def rank(r: int) -> None:
+    def rank_logits(r: int, all_reduce) -> torch.Tensor:
         model = LlamaForward(local_config(cfg, r, size), shard_weights(full, cfg, r, size), torch.float32,
-                             all_reduce=reducer.for_rank(r))
-        out[r] = run_forward(model, shard_kv_spec(spec, r, size), ids)
+                             all_reduce=all_reduce)
+        return run_forward(model, shard_kv_spec(spec, r, size), ids)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "a rank thread is stuck in an all-reduce"
-    assert all(o is not None and torch.equal(o, out[0]) for o in out)  # same sums in the same order on every rank
-    assert (out[0] - reference).abs().max() < 1e-4
-    assert torch.equal(out[0].argmax(-1), reference.argmax(-1))
+    logits = sharded_forward(size, rank_logits)  # every rank the same sums in the same order
+    assert (logits - reference).abs().max() < 1e-4
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
 
 
 def test_an_expert_width_the_degree_does_not_divide_is_refused(models):

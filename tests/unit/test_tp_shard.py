@@ -8,14 +8,11 @@ here, summing partial products through an in-process all-reduce (no process grou
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
 
-from engine.attention_context import SeqLayout, build_context
 from engine.config import ModelConfig
-from engine.kv_cache.backend import make_backend
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import load_config, load_weights
 from engine.model import LlamaForward
@@ -24,6 +21,7 @@ from engine.parallel.shard import (kv_head_range, kv_replicas, local_config, q_h
                                    shard_weights, validate_tp)
 from tests.prompts import MIXED
 from tests.tiny_models import write_tiny
+from tests.tp_threads import run_forward, sharded_forward
 
 
 def cfg_of(heads: int, kv: int, inter: int = 144):
@@ -103,53 +101,20 @@ def test_shards_reassemble_the_full_weights(tiny84, size):
             assert all(p is t for p in parts), name
 
 
-class ThreadAllReduce:
-    """Sum over `n` threads in rank order: each rank calls its own `for_rank(r)` callable."""
-
-    def __init__(self, n: int):
-        self.parts: list[torch.Tensor | None] = [None] * n
-        self.barrier = threading.Barrier(n)
-
-    def for_rank(self, rank: int):
-        def all_reduce(t: torch.Tensor) -> torch.Tensor:
-            self.parts[rank] = t
-            self.barrier.wait()
-            total = sum(self.parts[1:], self.parts[0].clone())
-            self.barrier.wait()  # everyone has read the parts before the next call overwrites them
-            return total
-        return all_reduce
-
-
-def run_forward(model: LlamaForward, spec: KVPageSpec, ids: list[int]) -> torch.Tensor:
-    backend = make_backend(spec, 4)
-    ctx = build_context([SeqLayout("a", len(ids), 0, [0, 1, 2, 3])], spec.page_size, model.scale)
-    with torch.inference_mode():
-        hidden = model.forward(torch.tensor(ids), torch.arange(len(ids)), ctx, backend)
-        return model.logits(hidden)  # [num_tokens, vocab]
-
-
 @pytest.mark.parametrize("size", [2, 4])
 def test_sharded_forward_equals_full_forward(tiny84, size):
     cfg, full = load_config(tiny84), load_weights(tiny84)
     spec = KVPageSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, "float32")
     ids = list(MIXED)
     reference = run_forward(LlamaForward(cfg, full, torch.float32), spec, ids)
-    reducer, out = ThreadAllReduce(size), [None] * size
-
-    def rank(r: int) -> None:
+    def rank_logits(r: int, all_reduce) -> torch.Tensor:
         model = LlamaForward(local_config(cfg, r, size), shard_weights(full, cfg, r, size), torch.float32,
-                             all_reduce=reducer.for_rank(r))
-        out[r] = run_forward(model, shard_kv_spec(spec, r, size), ids)
+                             all_reduce=all_reduce)
+        return run_forward(model, shard_kv_spec(spec, r, size), ids)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in range(size):
-        assert (out[r] - reference).abs().max() < 1e-4
-        assert torch.equal(out[r], out[0])  # every rank sums in the same order: identical logits
-    assert torch.equal(torch.argmax(out[0], -1), torch.argmax(reference, -1))
+    logits = sharded_forward(size, rank_logits)  # every rank sums in the same order: identical logits
+    assert (logits - reference).abs().max() < 1e-4
+    assert torch.equal(torch.argmax(logits, -1), torch.argmax(reference, -1))
 
 
 def test_local_config_is_a_plain_replace():
