@@ -55,3 +55,15 @@ def sharded_forward(size: int, rank_logits: Callable[[int, Callable], torch.Tens
     assert not any(t.is_alive() for t in threads), "a rank thread is stuck in an all-reduce"
     assert all(o is not None and torch.equal(o, out[0]) for o in out), "the ranks' logits differ"
     return out[0]
+
+
+def tp_forward(cfg, full: dict, spec: KVPageSpec, ids: list[int], size: int) -> torch.Tensor:
+    """The logits of `size` TP ranks built from `full`'s shards (engine.parallel.shard), run as threads."""
+    from engine.parallel.shard import local_config, shard_kv_spec, shard_weights
+
+    def rank_logits(r: int, all_reduce) -> torch.Tensor:
+        model = LlamaForward(local_config(cfg, r, size), shard_weights(full, cfg, r, size), torch.float32,
+                             all_reduce=all_reduce)
+        return run_forward(model, shard_kv_spec(spec, r, size), ids)
+
+    return sharded_forward(size, rank_logits)

@@ -26,7 +26,7 @@ from engine.parallel.shard import local_config, shard_kv_spec, shard_weights
 from engine.parallel.validate import check_supported
 from tests.prompts import MIXED
 from tests.tiny_moe_models import write_tiny_moe
-from tests.tp_threads import ThreadAllReduce, run_forward, sharded_forward
+from tests.tp_threads import ThreadAllReduce, run_forward, tp_forward
 
 # fused [E, ...] experts with a dense layer 0 / experts one by one, sharded files
 ARCHS = {"qwen3_moe": dict(original_format=False, mlp_only_layers=[0]), "mixtral": dict(shard="100KB")}
@@ -73,12 +73,7 @@ def test_sharded_moe_forward_equals_one_process(models, arch, impl, size, monkey
     spec = KVPageSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, "float32")
     ids = list(MIXED)
     reference = run_forward(LlamaForward(cfg, full, torch.float32), spec, ids)
-    def rank_logits(r: int, all_reduce) -> torch.Tensor:
-        model = LlamaForward(local_config(cfg, r, size), shard_weights(full, cfg, r, size), torch.float32,
-                             all_reduce=all_reduce)
-        return run_forward(model, shard_kv_spec(spec, r, size), ids)
-
-    logits = sharded_forward(size, rank_logits)  # every rank the same sums in the same order
+    logits = tp_forward(cfg, full, spec, ids, size)  # every rank the same sums in the same order
     assert (logits - reference).abs().max() < 1e-4
     assert torch.equal(logits.argmax(-1), reference.argmax(-1))
 

@@ -21,7 +21,7 @@ from engine.parallel.shard import (kv_head_range, kv_replicas, local_config, q_h
                                    shard_weights, validate_tp)
 from tests.prompts import MIXED
 from tests.tiny_models import write_tiny
-from tests.tp_threads import run_forward, sharded_forward
+from tests.tp_threads import run_forward, tp_forward
 
 
 def cfg_of(heads: int, kv: int, inter: int = 144):
@@ -107,12 +107,7 @@ def test_sharded_forward_equals_full_forward(tiny84, size):
     spec = KVPageSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, "float32")
     ids = list(MIXED)
     reference = run_forward(LlamaForward(cfg, full, torch.float32), spec, ids)
-    def rank_logits(r: int, all_reduce) -> torch.Tensor:
-        model = LlamaForward(local_config(cfg, r, size), shard_weights(full, cfg, r, size), torch.float32,
-                             all_reduce=all_reduce)
-        return run_forward(model, shard_kv_spec(spec, r, size), ids)
-
-    logits = sharded_forward(size, rank_logits)  # every rank sums in the same order: identical logits
+    logits = tp_forward(cfg, full, spec, ids, size)  # every rank sums in the same order: identical logits
     assert (logits - reference).abs().max() < 1e-4
     assert torch.equal(torch.argmax(logits, -1), torch.argmax(reference, -1))
 
