@@ -14,6 +14,8 @@ every slot of the pages before its own page from the quantized cells and the slo
 (page i // page_size, up to i) from staging. Prefill in one step or in chunks, decode, and a 1 + k
 verify step therefore see the same numbers: speculative output equals non-speculative output. The
 full-precision tail is at most page_size - 1 tokens (15 at the default 16; the issue's gate allows 128).
+A sliding window (Mistral, Gemma 3's local layers: a group marked `windowed`) applies to both parts
+through the group's mask, by each column's position.
 
 Cell layout (one (token, head) cell, K and V the same size: `spec.kivi_cell_bytes`), so pages stay
 fixed-size and token-addressed and the wire format is the storage format:
@@ -313,7 +315,7 @@ class KIVIBackend(RawKVBackend):
         ev = self._rot(self.sv[layer][rows.view(-1)], ROTATE_V).view(b, e * ps, *v.shape[2:])
         kk = torch.cat([k, ek], 1).to(self.compute_dtype)  # [B, n + E * ps, H, hd]
         vv = torch.cat([v, ev], 1).to(self.compute_dtype)
-        mask = self._mask(cached, first, ql, n, e)  # [B, 1, q_len, n + E * ps]
+        mask = self._mask(cached, first, ql, n, e, g)  # [B, 1, q_len, n + E * ps]
         qh = q.view(b, ql, *q.shape[1:])
         qh = (self._rot(qh, ROTATE_K).to(q.dtype) if ROTATE_K else qh).transpose(1, 2)  # [B, Hq, q_len, hd]
         o = F.scaled_dot_product_attention(qh, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=mask,
@@ -321,12 +323,19 @@ class KIVIBackend(RawKVBackend):
         o = o.transpose(1, 2).reshape(b * ql, *q.shape[1:])
         return self._rot(o, ROTATE_V, inverse=True).to(q.dtype) if ROTATE_V else o
 
-    def _mask(self, cached: torch.Tensor, first: torch.Tensor, ql: int, n: int, e: int) -> torch.Tensor:
+    def _mask(self, cached: torch.Tensor, first: torch.Tensor, ql: int, n: int, e: int, g: AttnGroup
+              ) -> torch.Tensor:
         ps, b, dev = self.spec.page_size, len(cached), cached.device
         pos = cached.view(b, 1) + torch.arange(ql, device=dev).view(1, ql)  # [B, q_len] query positions
         own = pos // ps  # [B, q_len] each query's own page
         main = torch.arange(n, device=dev).view(1, 1, n) < (own * ps).unsqueeze(-1)  # [B, q_len, n]
         j = torch.arange(e * ps, device=dev).view(1, 1, e * ps)
         ext = (j // ps == (own - first.view(b, 1)).unsqueeze(-1)) & (j % ps <= (pos % ps).unsqueeze(-1))
+        if g.windowed:  # a sliding window (Mistral, Gemma 3's local layers): the group's mask says which
+            # positions a query may still see; the staging columns stand for positions of the queries' pages
+            t = (first.view(b, 1) * ps + j.view(1, -1)).clamp_max(n - 1)  # [B, E * ps] their positions
+            seen = g.mask[:, 0]  # [B, q_len, n]
+            main &= seen
+            ext &= seen.gather(2, t.unsqueeze(1).expand(b, ql, e * ps))
         return torch.cat([main, ext], -1).unsqueeze(1)  # [B, 1, q_len, n + E * ps]
 
