@@ -23,7 +23,7 @@ class EngineConfig:
     kv_storage: str = "raw"  # raw | int8 | fp8 | kivi4 (engine/kv_cache/spec.py)
     kv_eviction: object = None  # EvictionPolicy or its dict (engine/kv_cache/eviction_policy.py)
     enable_prefix_caching: bool = False
-    sparse_attention: object = None  # SparseAttentionConfig fields, "quest", or None (engine/kv_cache/sparse_config.py)
+    sparse_attention: object = None  # SparseAttentionConfig or a dict of its fields, "off" or None (kv_cache/sparse_config.py)
     # scheduling
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
