@@ -1,12 +1,13 @@
-"""Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) over a paged KV cache.
+"""Llama-family forward (Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral) over a paged KV cache.
 
 Called by `engine.runner.ModelRunner` once per step with packed token ids, explicit positions and an
 `AttentionContext`; K/V go to, and attention comes from, the KV backend (keys stored after RoPE). The
 model holds plain tensors (no nn.Module): q/k/v and gate/up projections are fused into one matmul each,
 which is where most of the CPU time goes. GQA, RMSNorm, SwiGLU, tied embeddings. bf16 on CPU: RMSNorm by
 a numba kernel (`cpu_kernels`), SwiGLU's activation by a C kernel (`cpu_activations`), each rounding
-where Hugging Face rounds. Qwen3 RMS-normalises each query and key head before RoPE (`_qk`); Qwen3-MoE and
-Mixtral layers run a mixture-of-experts MLP (`engine.moe`) where the others run gate_up / down. Those
+where Hugging Face rounds. Qwen3 RMS-normalises each query and key head before RoPE (`_qk`); Qwen2-MoE,
+Qwen3-MoE and Mixtral layers run a mixture-of-experts MLP (`engine.moe`, Qwen2-MoE's with a gated shared
+expert: `_moe`) where the others run gate_up / down. Those
 models take the torch path on CUDA too (the fused Triton forward covers the plain layer only).
 
 Tensor parallelism (`engine.parallel`): a rank builds this with its shard of the weights, a config with
@@ -16,7 +17,8 @@ all-reduced before the residual add); MoE layers hold every expert's slice of it
 stage builds it with `layers` (its slice of the global layer ids); only the first stage embeds, only the last
 norms and holds the LM head. Expert parallelism: a rank builds it with `experts` (the global expert ids it
 holds) and an `expert_reduce` that sums the MoE layers' partial outputs over the ranks (in place of
-`all_reduce` for them); everything else is whole. Without any, the path is the single-process one, unchanged.
+`all_reduce` for them); everything else is whole, the shared expert too (added after that sum: `_moe`). Without
+any, the path is the single-process one, unchanged.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from engine.kernels.cpu import activations as cpu_activations
 from engine.kernels.cpu.activations import swiglu
 from engine.kernels.cpu.numba_kernels import bits, from_bits, rms_norm_bf16
 from engine.linear import Linear
-from engine.moe import MoELayer, load_moe_layer, moe_forward
+from engine.moe import MoELayer, load_moe_layer, moe_forward, routed_forward, shared_forward
 from engine.rope import RotaryTable, apply_rotary
 from engine.sdpa_backends import sdpa_context
 
@@ -51,7 +53,7 @@ class LayerWeights:
     down: Linear | None
     q_norm: torch.Tensor | None = None  # [head_dim]: Qwen3's per-head RMSNorm weights
     k_norm: torch.Tensor | None = None
-    moe: MoELayer | None = None  # Qwen3-MoE / Mixtral sparse layers: the experts and their router
+    moe: MoELayer | None = None  # Qwen2-MoE / Qwen3-MoE / Mixtral sparse layers: experts, router, shared expert
 
 
 class LlamaForward:
@@ -154,13 +156,28 @@ class LlamaForward:
                 h = self._norm(x, lw.post_norm)
                 if lw.moe is None:
                     x = self._residual(lw.down, swiglu(lw.gate_up(h)), x)  # silu(gate) * up
-                else:  # a TP rank's experts hold its slice of their width, an EP rank its experts: partial sums
-                    y = moe_forward(lw.moe, h)  # [num_tokens, hidden]
-                    reduce = self.expert_reduce or self.all_reduce
-                    x = x + (y if reduce is None else reduce(y))
+                else:
+                    x = x + self._moe(lw.moe, h)
                 if layer_hook is not None:
                     layer_hook(i)
         return self._norm(x, self.final_norm) if self.is_last else x
+
+    def _moe(self, layer: MoELayer, h: torch.Tensor) -> torch.Tensor:
+        """The MoE MLP's whole output [num_tokens, hidden] on every rank. A TP rank's experts and shared expert
+        hold its slice of their width, an EP rank its block of experts: partial sums, reduced here."""
+        if self.expert_reduce is None and self.all_reduce is None:
+            return moe_forward(layer, h)
+        y = routed_forward(layer, h)  # [num_tokens, hidden]: this rank's part
+        s = shared_forward(layer, h)  # None without a shared expert
+        if self.expert_reduce is None:  # TP only: both are partial over the same ranks, so one all-reduce
+            return self.all_reduce(y if s is None else y + s)
+        # EP: the shared expert is whole on every rank (as the dense layers; under EP x TP split in the group),
+        # computed on each and added once after the experts' sum: adding it to one rank's partial first
+        # would save its compute on the others but sum (p0 + s) + p1, not transformers' (p0 + p1) + s
+        y = self.expert_reduce(y)
+        if s is None:
+            return y
+        return y + (s if self.all_reduce is None else self.all_reduce(s))
 
     def _qk(self, lw: LayerWeights, qkv: torch.Tensor, t: int) -> torch.Tensor:
         """The query then key heads of `qkv`, [num_tokens, q_heads + kv_heads, head_dim], before RoPE; Qwen3

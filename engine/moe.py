@@ -1,10 +1,11 @@
-"""Mixture-of-experts MLP (Qwen3-MoE, Mixtral): the router, the experts' SwiGLU, and the one point that
-chooses how a step's tokens reach their experts.
+"""Mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE, Mixtral): the router, the experts' SwiGLU, Qwen2-MoE's gated
+shared expert, and the one point that chooses how a step's tokens reach their experts.
 
 Who calls it: `engine.model.LlamaForward` builds an `MoELayer` for each sparse layer (`load_moe_layer`, from
 the checkpoint's per-expert tensors or transformers' fused 3-D ones) and calls `moe_forward(layer, h)` where
-a dense layer runs its gate_up / down projections. The model's interface, KV pages, prefix caching,
-speculation and KV transfer do not see the difference: only the MLP changes.
+a dense layer runs its gate_up / down projections (or, under expert or tensor parallelism, `routed_forward`
+and `shared_forward` apart, to reduce each where it belongs: `engine.model`). The model's interface, KV pages,
+prefix caching, speculation and KV transfer do not see the difference: only the MLP changes.
 
 Order of `moe_forward(layer, h)`:
     route: router logits (model dtype) -> softmax over all experts in float32 -> top-k -> renormalised to
@@ -21,13 +22,16 @@ Order of `moe_forward(layer, h)`:
       assignment. Plain torch; the grouped path's test compares against it.
   "dense": every expert on every row through two batched matmuls over the stacked weights, unchosen experts
       weighted 0. No host sync, static shapes: what a CUDA graph can capture (E/k times the FLOPs).
+Then, where the layer has one (Qwen2-MoE), the shared expert: SwiGLU of `shared_intermediate_size` on every
+token times sigmoid(shared_expert_gate(h)), added to the routed sum (routed + shared, as transformers adds them).
 Choice: `PDSERVE_MOE` = "auto" (grouped; dense while a CUDA graph is being captured, since the grouped path
 reads its per-expert counts on the host), "grouped", "per_token" or "dense".
 
 Expert parallelism (`engine.parallel.expert_worker`): a rank's layer holds a contiguous block of the experts
 (`MoELayer.experts`, global ids) and the whole router; every implementation routes over all experts and
 computes only the assignments to its own, so a rank's output is its partial sum (zero for a token none of its
-experts chose), summed over the ranks by the model's `expert_reduce`.
+experts chose), summed over the ranks by the model's `expert_reduce`; the shared expert is whole on every rank
+(like the dense layers) and added once, after that sum (`engine.model`).
 """
 from __future__ import annotations
 
@@ -48,6 +52,17 @@ HOST_GROUPING_MAX = 4  # assignments (tokens x top-k) up to which `grouped` grou
 
 
 @dataclass
+class SharedExpert:
+    """Qwen2-MoE's shared expert: a SwiGLU MLP every token runs, scaled by sigmoid(gate . h)."""
+    gate_up: Linear  # [2 * shared_intermediate, hidden]: gate rows, then up rows
+    down: Linear  # [hidden, shared_intermediate]
+    gate: torch.Tensor  # [1, hidden]: shared_expert_gate (whole on every rank, also under TP)
+
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes() + self.down.nbytes() + self.gate.numel() * self.gate.element_size()
+
+
+@dataclass
 class MoELayer:
     cfg: MoEConfig
     router: torch.Tensor  # [num_experts, hidden]
@@ -56,6 +71,7 @@ class MoELayer:
     gate_up_linear: list[Linear]  # one per expert, over views of `gate_up` (packed / GEMV paths on CPU)
     down_linear: list[Linear]
     first_expert: int = 0  # global id of gate_up[0]: an expert-parallel rank holds experts from here on
+    shared: SharedExpert | None = None  # Qwen2-MoE: the gated shared expert
 
     @property
     def experts(self) -> range:
@@ -66,6 +82,7 @@ class MoELayer:
         """Every expert's weights and the router (a step reads only its active experts': `expert_bytes`)."""
         extra = sum(lin.nbytes() - lin.weight.numel() * lin.weight.element_size()
                     for lin in self.gate_up_linear + self.down_linear)  # float32 copies where bf16 cannot pack
+        extra += self.shared.nbytes() if self.shared is not None else 0
         return sum(t.numel() * t.element_size() for t in (self.router, self.gate_up, self.down)) + extra
 
     def expert_bytes(self) -> int:
@@ -97,7 +114,17 @@ def load_moe_layer(cfg: MoEConfig, weights: Mapping[str, torch.Tensor], w: Calla
     assert gate_up.shape[:2] == (len(experts), 2 * cfg.intermediate_size), gate_up.shape
     gate_up, down = gate_up.contiguous(), down.contiguous()
     return MoELayer(cfg, w(p + "gate.weight"), gate_up, down, [Linear(t) for t in gate_up], [Linear(t) for t in down],
-                    experts.start)
+                    experts.start, _shared(cfg, w, p))
+
+
+def _shared(cfg: MoEConfig, w: Callable[[str], torch.Tensor], p: str) -> SharedExpert | None:
+    """Qwen2-MoE's mlp.shared_expert.{gate,up,down}_proj and mlp.shared_expert_gate (a TP rank's slices of
+    the first three: `engine.parallel.shard`)."""
+    if not cfg.shared_intermediate_size:
+        return None
+    s = p + "shared_expert."
+    gate_up = torch.cat([w(s + "gate_proj.weight"), w(s + "up_proj.weight")])
+    return SharedExpert(Linear(gate_up), Linear(w(s + "down_proj.weight")), w(p + "shared_expert_gate.weight"))
 
 
 # ---- routing and one expert ------------------------------------------------------------------------
@@ -214,6 +241,24 @@ def moe_choice(device: torch.device) -> str:
 
 
 def moe_forward(layer: MoELayer, h: torch.Tensor, impl: str | None = None) -> torch.Tensor:
-    """h [num_tokens, hidden] (post-attention normed) -> the MoE MLP's output [num_tokens, hidden]."""
+    """h [num_tokens, hidden] (post-attention normed) -> the MoE MLP's output [num_tokens, hidden]: the routed
+    experts' sum, plus the gated shared expert where the layer has one."""
+    y = routed_forward(layer, h, impl)
+    s = shared_forward(layer, h)
+    return y if s is None else y + s  # transformers' order: expert_output + shared_expert_output
+
+
+def routed_forward(layer: MoELayer, h: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    """The routed experts' weighted sum [num_tokens, hidden] (an expert-parallel rank's: its experts' part)."""
     weights, ids = route(layer, h)
     return IMPLS[impl or moe_choice(h.device)](layer, h, weights, ids)
+
+
+def shared_forward(layer: MoELayer, h: torch.Tensor) -> torch.Tensor | None:
+    """sigmoid(shared_expert_gate(h)) * shared_expert(h) [num_tokens, hidden] (a TP rank's: its slice of the
+    shared expert's width, a partial sum); None where the layer has no shared expert."""
+    sh = layer.shared
+    if sh is None:
+        return None
+    y = sh.down(swiglu(sh.gate_up(h)))  # [num_tokens, hidden]
+    return torch.sigmoid(F.linear(h, sh.gate)) * y  # gate [num_tokens, 1], in the model dtype as transformers

@@ -9,7 +9,9 @@ Called by `rank_worker.RankWorker` (slice after loading) and by anyone validatin
 Mixture-of-experts layers (Qwen3-MoE, Mixtral) split the same way inside every expert: gate/up (w1/w3) by rows of
 the expert's intermediate width, down (w2) by its columns, so a rank's MoE output is a partial sum reduced by
 the dense MLP's all-reduce; the router is whole (every rank routes every token identically). transformers 5's
-fused [E, 2I, H] gate_up tensor is two slices of dim 1 (the rank's gate rows, then its up rows).
+fused [E, 2I, H] gate_up tensor is two slices of dim 1 (the rank's gate rows, then its up rows). Qwen2-MoE's
+shared expert splits as a dense MLP of its own width (reduced with the experts' partial sum); its
+shared_expert_gate ([1, hidden]) is whole on every rank.
 Query heads are split evenly. KV heads are split evenly when `size` divides them; when `size` exceeds them
 and is a multiple, each KV head is replicated on `size / num_kv_heads` consecutive ranks (8 query / 2 KV
 heads at TP=4: ranks 0-1 hold KV head 0, ranks 2-3 KV head 1), which keeps each rank's query heads on the
@@ -50,7 +52,8 @@ def kv_replicas(num_kv_heads: int, size: int) -> int:
 def local_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
     """The config a rank's forward runs with: its own head counts and intermediate widths (dense and expert)."""
     validate_tp(cfg, size)
-    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // size)
+    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // size,
+                                          shared_intermediate_size=cfg.moe.shared_intermediate_size // size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size,
                                num_kv_heads=len(kv_head_range(cfg.num_kv_heads, rank, size)),
                                intermediate_size=cfg.intermediate_size // size, moe=moe)
@@ -59,6 +62,7 @@ def local_config(cfg: ModelConfig, rank: int, size: int) -> ModelConfig:
 Index = tuple[slice, ...]  # a basic index of one tensor (safetensors slices and torch tensors take it alike)
 _EXPERT_COLUMN = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$")  # [I, H]: rows
 _EXPERT_ROW = re.compile(r"\.experts\.\d+\.(down_proj|w2)\.weight$")  # [H, I]: columns
+_SHARED = re.compile(r"\.mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")  # Qwen2-MoE's
 
 
 def _rows(dim: int, start: int, stop: int) -> Index:
@@ -91,12 +95,17 @@ def weight_parts(name: str, cfg: ModelConfig, rank: int, size: int) -> tuple[int
             return 0, [_rows(0, lo, hi)]
         if _EXPERT_ROW.search(name):
             return 1, [_rows(1, lo, hi)]
+    shared = _SHARED.search(name) if cfg.moe is not None else None
+    if shared is not None:  # a dense MLP of the shared expert's width: gate/up [S, H] rows, down [H, S] columns
+        i = cfg.moe.shared_intermediate_size // size
+        return (1, [_rows(1, rank * i, (rank + 1) * i)]) if shared.group(1) == "down_proj" else (
+            0, [_rows(0, rank * i, (rank + 1) * i)])
     inter = cfg.intermediate_size // size
     if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:  # [intermediate, hidden]
         return 0, [_rows(0, rank * inter, (rank + 1) * inter)]
     if name.endswith(".mlp.down_proj.weight"):  # [hidden, intermediate]
         return 1, [_rows(1, rank * inter, (rank + 1) * inter)]
-    return None  # embedding, lm_head, norms, routers: whole on every rank
+    return None  # embedding, lm_head, norms, routers, shared_expert_gate: whole on every rank
 
 
 def take_parts(t, parts: tuple[int, list[Index]] | None) -> torch.Tensor:

@@ -37,6 +37,9 @@ def validate_tp(cfg: ModelConfig, size: int, field: str = "tensor_parallel_size"
     if cfg.moe is not None and cfg.moe.intermediate_size % size:  # each expert splits as a dense MLP
         raise ParallelConfigError(field, f"{size} does not divide the model's expert intermediate size "
                                          f"{cfg.moe.intermediate_size} (moe_intermediate_size / intermediate_size)")
+    if cfg.moe is not None and cfg.moe.shared_intermediate_size % size:  # Qwen2-MoE's, split the same way
+        raise ParallelConfigError(field, f"{size} does not divide the model's shared expert intermediate size "
+                                         f"{cfg.moe.shared_intermediate_size} (shared_expert_intermediate_size)")
 
 
 def validate_pp(cfg: ModelConfig, size: int) -> None:
