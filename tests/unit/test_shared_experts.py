@@ -4,12 +4,14 @@ sigmoid(shared_expert_gate(h)), against transformers' own implementation (issue 
 Tiny random checkpoints written with transformers' `Qwen2MoeForCausalLM` (tests/tiny_moe_models.py; q/k/v
 biases drawn): greedy tokens equal transformers' generate() in float32 for one prompt and for 8 ragged prompts
 run together, with experts named one by one (sharded files, every layer sparse, top-k renormalised, no q/k/v
-bias) and as fused 3-D tensors (layer 0 dense by `mlp_only_layers`); the sparse block equals transformers' for
-each implementation (grouped, per-token, dense); the config's fields read as transformers reads them
-(`decoder_sparse_step`, `mlp_only_layers`, `qkv_bias`). The parallel forwards as threads: TP=2 (the shared
-expert split as a dense MLP, its gate whole), EP=2 (the shared expert whole on each rank, added once after the
-experts' all-reduce) and EP=2 x TP=2 equal one process. Rank processes against transformers' tokens:
-tests/integration/test_shared_experts_parallel.py. DeepSeek's `n_shared_experts` stays refused, named.
+bias) and as fused 3-D tensors (layer 0 dense by `mlp_only_layers`); served by Hub id from a sharded snapshot
+with transformers' tokens; bf16 first-token logits within the MoE tests' 0.25 of transformers' float32. The
+sparse block equals transformers' for each implementation (grouped, per-token, dense); the config's fields
+read as transformers reads them (`decoder_sparse_step`, `mlp_only_layers`, `qkv_bias`). The parallel forwards
+as threads: TP=2 (the shared expert split as a dense MLP, its gate whole), EP=2 (the shared expert whole on
+each rank, added once after the experts' all-reduce) and EP=2 x TP=2 equal one process. Rank processes against
+transformers' tokens: tests/integration/test_shared_experts_parallel.py. DeepSeek's `n_shared_experts` stays
+refused, named.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from engine.parallel.expert_worker import expert_model
 from engine.parallel.shard import shard_kv_spec
 from engine.parallel.validate import check_supported as check_parallel
 from tests.exactness import assert_greedy_equal
+from tests.hub_cache import hub_env, lay_out
 from tests.prompts import MIXED
 from tests.tiny_llm import generate_to_empty, tiny_llm
 from tests.tiny_moe_models import hf_greedy, hf_moe_config, write_tiny_moe
@@ -75,6 +78,27 @@ def test_eight_ragged_prompts_together_equal_transformers_generate(model, name):
     sparse = [lw.moe for lw in llm.model.layers if lw.moe is not None]
     assert sparse and all(m.shared is not None for m in sparse)  # served with its shared experts
     assert all(lw.qkv.bias is not None for lw in llm.model.layers) == (name == "fused-dense0")
+
+
+def test_served_by_hub_id_from_a_sharded_snapshot(model, tmp_path, monkeypatch):
+    d, (tokens, logits) = model("per-expert")
+    assert len(list(d.glob("*.safetensors"))) > 1
+    hub_env(monkeypatch, tmp_path / "hf")
+    files = ["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json"]
+    files += [p.name for p in d.glob("*.safetensors")]
+    lay_out(tmp_path / "hf", "pdserve-test/tiny-qwen2-moe", d, files=tuple(files))
+    llm = tiny_llm("pdserve-test/tiny-qwen2-moe")
+    assert llm.model_dir.parent.name == "snapshots"
+    assert_greedy_equal(tokens[1:4], generate_to_empty(llm, RAGGED[:3], GREEDY), logits[1:4])
+
+
+def test_bf16_engine_close_to_transformers(model):
+    d, (_, logits) = model("fused-dense0")
+    outs = tiny_llm(d, dtype="bfloat16", keep_logits=True).generate(RAGGED, SamplingParams(max_tokens=1, temperature=0))
+    got = torch.stack([o.logits[0] for o in outs])
+    ref = torch.stack([lg[0] for lg in logits[1:]])  # float32 transformers, first new token
+    assert (got - ref).abs().max() < 0.25  # test_moe_models' bf16 bound
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
 
 
 def test_configs_read_as_transformers_reads_them():
