@@ -3,7 +3,8 @@ page sealing when its last slot is written, the read rule (own page from full-pr
 pages from cells) making chunked, single-step and speculative runs agree, rollback into a page sealed in
 the same step, shipping sealed pages by page_io equal to local decoding (unsealed pages refused, typed;
 the sender and receiver: test_kv_kivi_transfer.py),
-prefix caching composing, eviction refused -- and every test ending with no staging row held."""
+prefix caching composing, eviction refused, a sliding window (Mistral) applied to cells and staging alike --
+and every test ending with no staging row held."""
 from __future__ import annotations
 
 import pytest
@@ -200,3 +201,17 @@ def test_yaml_pool_takes_kivi4_but_not_with_eviction():
 
     with pytest.raises(SpecError, match="pools.decode.kv.page_size.*same page size"):
         parse_spec({"model": "m", "pools": {"prefill": kv, "decode": {"kv": {"storage": "kivi4", "page_size": 32}}}})
+
+
+def test_a_sliding_window_applies_to_cells_and_staging(tmp_path):
+    """Mistral's sliding window (Gemma 3's local layers alike: tests/integration/test_new_models_kv.py): pages
+    too long to seal read exactly like raw pages, and chunked / batched reads of sealed pages agree."""
+    from tests.tiny_models import write_tiny
+
+    d = write_tiny("mistral", tmp_path / "mistral", sliding_window=8, initializer_range=0.1)
+    assert max(map(len, PROMPTS)) + GREEDY.max_tokens > 8
+    raw = LLM(model=str(d), dtype="float32", num_pages=8, page_size=64)
+    want = [o.token_ids for o in raw.generate(PROMPTS, GREEDY)]
+    assert_greedy_equal(want, run(make(d, page_size=64, num_pages=8)))
+    sealed = run(make(d, max_num_batched_tokens=512))
+    assert_greedy_equal(sealed, run(make(d, max_num_batched_tokens=3, max_num_seqs=2)))
