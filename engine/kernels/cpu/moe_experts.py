@@ -120,11 +120,24 @@ def _moe_kernel(x, starts, rows, rw, max_rows, ys, gate_up, down, out):
             for o in range(hidden):
                 _dots(down[e, o], act, n, y, o)
         for r in range(n):
-            t, w = rows[s + r], rw[s + r]
-            for o in range(hidden):
-                v = y[r, o] if n <= max_rows else _bf16_to_f32(ys[s + r, o])
-                p = _bf16_to_f32(_round_bf16(v * w))
-                out[t, o] = _round_bf16(_bf16_to_f32(out[t, o]) + p)
+            if n <= max_rows:
+                _add_weighted(y[r], rw[s + r], out[rows[s + r]])
+            else:
+                _add_weighted_bits(ys[s + r], rw[s + r], out[rows[s + r]])
+
+
+@_jit(fastmath={"reassoc", "nsz", "contract"})
+def _add_weighted(y, w, out):
+    """out (bf16 bits) = bf16(out + bf16(y * w)), y float32: torch's bf16 mul, then its bf16 index_add_."""
+    for o in range(y.shape[0]):
+        out[o] = _round_bf16(_bf16_to_f32(out[o]) + _bf16_to_f32(_round_bf16(y[o] * w)))
+
+
+@_jit(fastmath={"reassoc", "nsz", "contract"})
+def _add_weighted_bits(y, w, out):
+    """`_add_weighted` for y given as bf16 bits."""
+    for o in range(y.shape[0]):
+        out[o] = _round_bf16(_bf16_to_f32(out[o]) + _bf16_to_f32(_round_bf16(_bf16_to_f32(y[o]) * w)))
 
 
 def moe_experts_bf16(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, first_expert: int,
@@ -139,13 +152,13 @@ def moe_experts_bf16(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     max_rows = max_work // (gate_up[0].numel() + down[0].numel())
     starts, rows, rw = _sort(ids.contiguous().numpy(), weights.float().contiguous().numpy(), first_expert, held)
     big = np.flatnonzero(np.diff(starts) > max_rows).tolist()
-    ys = np.empty((len(rows) if big else 0, hidden), np.uint16)
+    ys = torch.empty((len(rows) if big else 0, hidden), dtype=torch.bfloat16)
     for e in big:  # many rows: a blocked GEMM (oneDNN) beats this kernel's dot products
         s, stop = int(starts[e]), int(starts[e + 1])
         x = h.index_select(0, torch.from_numpy(rows[s:stop]))
-        ys[s:stop] = bits((expert or _expert_reference(gate_up, down))(e, x))
+        ys[s:stop] = (expert or _expert_reference(gate_up, down))(e, x)
     out = torch.zeros_like(h)
-    _moe_kernel(bits(h), starts, rows, rw, max_rows, ys, bits(gate_up), bits(down), bits(out))
+    _moe_kernel(bits(h), starts, rows, rw, max_rows, bits(ys), bits(gate_up), bits(down), bits(out))
     return out
 
 
