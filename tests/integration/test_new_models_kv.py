@@ -3,6 +3,7 @@ random checkpoint (tests/tiny_moe_models.py, tests/tiny_gemma_models.py) written
 
 Eight ragged prompts share a 17-token prefix (past Gemma's local window of 8, four whole pages of 4) and run
 together in 32-token steps (chunked prefill beside decodes), float32, 12 greedy tokens each:
+- the plain engine's tokens are transformers' float32 greedy generate() (what equals them equals it);
 - prefix caching: after one prompt warmed the cache, the eight give the tokens of an engine without it, and
   every one of them hit the cached prefix pages;
 - speculation (ngram; self_sparse over Quest page summaries): exactly the non-speculative tokens, drafts made;
@@ -74,6 +75,19 @@ def run(llm, prompts, params=GREEDY) -> list[list[int]]:
 def assert_empty(llm) -> None:
     assert_engine_empty(llm)
     assert getattr(llm.backend, "num_staged", 0) == 0, "kivi4 staging rows leaked"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_plain_tokens_are_transformers_generate(models, arch):
+    """The reference every test here compares with, against transformers' float32 greedy generate() on these
+    prompts: what equals it below (prefix caching, speculation, raw pages over gRPC, Quest reading every page,
+    unsealed kivi4) equals transformers."""
+    from tests.tiny_gemma_models import hf_gemma_greedy
+    from tests.tiny_moe_models import hf_greedy
+
+    d, want = models(arch)
+    tokens, logits = (hf_gemma_greedy if arch == "gemma3" else hf_greedy)(d, PROMPTS, NEW)
+    assert_greedy_equal(tokens, want, logits)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
