@@ -1,6 +1,7 @@
-"""Qwen3, Qwen3-MoE and Mixtral on CUDA (skipped without a GPU): the engine's default CUDA path (Triton paged
-attention, CUDA-graph decode steps, whose capture takes the MoE layer's dense path: engine/moe.py) gives the
-CPU engine's float32 greedy tokens, for 8 ragged prompts with chunked prefill; bf16 runs."""
+"""Qwen3, Qwen2-MoE (shared expert), Qwen3-MoE and Mixtral on CUDA (skipped without a GPU): the engine's default
+CUDA path (Triton paged attention, CUDA-graph decode steps, whose capture takes the MoE layer's dense path:
+engine/moe.py) gives the CPU engine's float32 greedy tokens, for 8 ragged prompts with chunked prefill; bf16
+runs."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32 = False
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2_moe", "qwen3_moe", "mixtral"])
 def test_cuda_engine_equals_cpu_engine(tmp_path, arch):
     model = write_tiny_moe(arch, tmp_path / arch)
     kw = dict(dtype="float32", num_pages=256, page_size=16, max_num_batched_tokens=64)
