@@ -4,7 +4,8 @@ Called by `expert_worker.ExpertWorker` (what to read) and by the driver's `EPRun
 experts of every MoE layer are split into `size` contiguous blocks, rank r holding global ids
 [r * E / size, (r + 1) * E / size): a rank's block is one slice of transformers 5's fused [E, ...] tensors,
 and a rank sums its share of a token's experts in ascending order, as one process does. Everything else
-(embedding, attention, norms, the router, dense MLP layers, the LM head) is whole on every rank.
+(embedding, attention, norms, the router, dense MLP layers, Qwen2-MoE's shared expert, the LM head) is whole
+on every rank: the shared expert's `mlp.shared_expert.*` names match neither pattern below.
 """
 from __future__ import annotations
 
