@@ -15,9 +15,10 @@ Order of `moe_forward(layer, h)`:
   "grouped" (default): the step's (token, expert) assignments sorted by expert; each active expert runs one
       GEMM over all of its rows, so its weights are read once per step however many tokens chose it (up to
       `HOST_GROUPING_MAX` assignments grouped in Python from the ids: no sort kernels at batch 1-2, top-2).
-      bf16 on CPU: the whole step in one numba call (`engine.kernels.cpu.moe_experts`: sort, the experts of
-      few rows by its own dot products, weighting and sum), experts of many rows through `expert` (oneDNN):
-      torch's per-expert ops cost ~100 us an active expert at tiny widths, more than reading its weights.
+      bf16 on CPU with small experts (`kernel_rows` > 0): the whole step in one numba call
+      (`engine.kernels.cpu.moe_experts`: sort, the experts of few rows by its own dot products, weighting and
+      sum), experts of many rows through `expert` (oneDNN): torch's per-expert ops cost ~100 us an active
+      expert at tiny widths, more than reading its weights. Wide experts (Qwen3-30B's) keep the torch path.
   "per_token" (the reference): each token runs its k experts one row at a time: weights read once per
       assignment. Plain torch; the grouped path's test compares against it.
   "dense": every expert on every row through two batched matmuls over the stacked weights, unchosen experts
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 
 from engine.config import MoEConfig
 from engine.kernels.cpu.activations import swiglu
-from engine.kernels.cpu.moe_experts import moe_experts_bf16
+from engine.kernels.cpu.moe_experts import kernel_rows, moe_experts_bf16
 from engine.linear import Linear
 
 CHOICES = ("auto", "grouped", "per_token", "dense")
@@ -160,7 +161,8 @@ def per_token(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torc
 
 def grouped(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Assignments grouped by expert: one GEMM per active expert over all of its rows."""
-    if h.dtype == torch.bfloat16 and h.device.type == "cpu":  # one numba call; experts of many rows on oneDNN
+    if h.dtype == torch.bfloat16 and h.device.type == "cpu" and kernel_rows(layer.gate_up, layer.down) > 0:
+        # one numba call for the step (experts of many rows through `expert`); wide experts keep the torch path
         return moe_experts_bf16(h, ids, weights, layer.first_expert, layer.gate_up, layer.down,
                                 lambda e, x: expert(layer, layer.first_expert + e, x))
     t, k = ids.shape

@@ -144,6 +144,12 @@ def _add_weighted_bits(y, w, out):
         out[o] = _round_bf16(_bf16_to_f32(out[o]) + _bf16_to_f32(_round_bf16(_bf16_to_f32(y[o]) * w)))
 
 
+def kernel_rows(gate_up: torch.Tensor, down: torch.Tensor, max_work: int = MAX_WORK) -> int:
+    """An expert's rows up to which the kernel computes it (0: never, wide experts: `engine.moe` then keeps
+    its torch path)."""
+    return max_work // (gate_up[0].numel() + down[0].numel())
+
+
 def moe_experts_bf16(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, first_expert: int,
                      gate_up: torch.Tensor, down: torch.Tensor,
                      expert: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
@@ -153,7 +159,7 @@ def moe_experts_bf16(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     than `max_work` / its weight elements rows runs `expert(local id, rows [n, hidden]) -> [n, hidden]` (bf16)
     instead."""
     held, hidden = gate_up.shape[0], h.shape[1]
-    max_rows = max_work // (gate_up[0].numel() + down[0].numel())
+    max_rows = kernel_rows(gate_up, down, max_work)
     starts, rows, rw = _sort(ids.contiguous().numpy(), weights.float().contiguous().numpy(), first_expert, held)
     big = np.flatnonzero(np.diff(starts) > max_rows).tolist()
     ys = torch.empty((0, hidden), dtype=torch.bfloat16)
