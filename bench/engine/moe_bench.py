@@ -2,7 +2,8 @@
 bf16 on CPU, one thread, tiny widths (hidden 256, experts of 128 by default), random router and experts.
 
   grouped    the step's (token, expert) assignments sorted by expert: one GEMM per active expert, so an
-             expert's weights are read once per step however many of the batch's tokens chose it
+             expert's weights are read once per step however many of the batch's tokens chose it (bf16 on
+             CPU, experts this small: the whole step in one numba call, engine/kernels/cpu/moe_experts.py)
   per_token  each token's k experts one row at a time: an expert's weights read once per assignment
 
 Per case (experts x top-k x batch) each timed call runs a batch through `--layers` MoE layers with separate
@@ -10,8 +11,13 @@ weights (so weights come from memory, not from the cache a single layer would st
 layer, the thread's CPU time (robust to other processes on this shared machine; the ratio is of these) and
 wall clock. Order: warm-up of both, then grouped, per-token, grouped, ... `--repeats` times; medians. The weight
 bytes read per layer per step: per-token = assignments x one expert's bytes, grouped = distinct experts
-chosen x one expert's bytes (router weights, the same for both, left out).
+chosen x one expert's bytes (router weights, the same for both, left out); "bound" is their ratio, the
+grouped/per-token time ratio that reading weights alone allows (when both are bound by the weight reads).
+Targets (issue 35): grouped <= 0.5x per-token at batch 16, <= 1x at batch 1. The "bound" only binds where
+per-token is limited by its weight reads; at these widths it is limited by ops per assignment (~50 us each),
+so grouped can fall below it (64 experts top-2, batch 16: ~0.35x against a bound of 0.77x).
 Run: .venv/bin/python bench/engine/moe_bench.py [--experts 8,16,64] [--top-k 2,8] [--batches 1,2,4,16,64]
+Results: docs/engine.md (the MoE paragraph).
 """
 from __future__ import annotations
 
@@ -68,7 +74,8 @@ def case(experts: int, top_k: int, batch: int, args) -> dict:
     gw, pw = (statistics.median(x[1] for x in grouped), statistics.median(x[1] for x in per_token))
     return {"experts": experts, "top_k": top_k, "batch": batch, "grouped_ms": g, "per_token_ms": p,
             "ratio": g / p, "grouped_wall_ms": gw, "per_token_wall_ms": pw, "wall_ratio": gw / pw,
-            "grouped_MB": distinct * one / 1e6, "per_token_MB": batch * top_k * one / 1e6, "distinct_experts": distinct}
+            "grouped_MB": distinct * one / 1e6, "per_token_MB": batch * top_k * one / 1e6, "distinct_experts": distinct,
+            "bytes_bound": distinct / (batch * top_k)}
 
 
 def main() -> None:
@@ -86,7 +93,7 @@ def main() -> None:
     print(f"bf16, 1 thread, hidden {args.hidden}, expert intermediate {args.inter}, {args.layers} layers per call, "
           f"medians of {args.repeats}; thread CPU ms (wall ms) and MB per layer per step")
     print(f"{'experts':>7} {'top_k':>5} {'batch':>5} {'grouped ms':>16} {'per-token ms':>16} {'ratio':>6} "
-          f"{'wall':>6} {'grouped MB':>10} {'per-token MB':>12} {'distinct':>8}")
+          f"{'wall':>6} {'grouped MB':>10} {'per-token MB':>12} {'distinct':>8} {'bound':>6}")
     rows = []
     for experts in args.experts:
         for top_k in (k for k in args.top_k if k <= experts):
@@ -97,7 +104,8 @@ def main() -> None:
                 p = f"{r['per_token_ms']:.3f} ({r['per_token_wall_ms']:.3f})"
                 print(f"{experts:>7} {top_k:>5} {batch:>5} {g:>16} {p:>16} {r['ratio']:>5.2f}x "
                       f"{r['wall_ratio']:>5.2f}x "
-                      f"{r['grouped_MB']:>10.2f} {r['per_token_MB']:>12.2f} {r['distinct_experts']:>8.1f}", flush=True)
+                      f"{r['grouped_MB']:>10.2f} {r['per_token_MB']:>12.2f} {r['distinct_experts']:>8.1f} "
+                      f"{r['bytes_bound']:>5.2f}x", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
