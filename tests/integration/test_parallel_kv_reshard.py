@@ -4,9 +4,10 @@ A prompt is prefilled on one replica (`prefill_only`), its KV read out per (laye
 range) with `kv_io.export_heads`, written into pages reserved on a replica of another layout with
 `kv_io.import_heads`, and decoded there: the tokens are greedy-equal to one process alone. Layouts: a
 random-weight Llama with 8 query / 2 KV heads, TP=4 (each KV head on two ranks) -> TP=1, TP=1 -> TP=4,
-TP=2 -> TP=4, PP=2 -> TP=2; SmolLM2 (`slow`): TP=3 -> TP=1, TP=1 -> TP=3, PP=2 -> TP=1. Page sizes
-differ between the two sides, as between real prefill and decode pools. Every engine ends empty and
-every rank process is reaped.
+TP=2 -> TP=4, PP=2 -> TP=2. Page sizes differ between the two sides, as between real prefill and decode
+pools. Every engine ends empty and every rank process is reaped. SmolLM2's layouts (TP=3 -> TP=1, TP=1 ->
+TP=3, PP=2 -> TP=1) are test_parallel_kv_transfer's `slow` cases: the sender and receiver there call these
+same two functions on the real model, so a second SmolLM2 run by hand here checked nothing more (issue 33).
 """
 from __future__ import annotations
 
@@ -54,26 +55,18 @@ def prefill_there_decode_here(model_dir, src: dict, dst: dict, prompts, params) 
     return got
 
 
-def alone(model_dir, prompts, params) -> list[list[int]]:
-    with engine(model_dir) as llm:
-        return [o.token_ids for o in llm.generate(prompts, params)]
+@pytest.fixture(scope="module")
+def tiny_alone(tiny82) -> list[list[int]]:
+    """The reference of every layout: the prompts in one process (computed once; each layout changes only the
+    replicas under test)."""
+    with engine(tiny82) as llm:
+        out = [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)]
+        assert_engine_empty(llm)
+    return out
 
 
 @pytest.mark.parametrize("src, dst", [(dict(tp=4), dict()), (dict(), dict(tp=4)), (dict(tp=2), dict(tp=4)),
                                       (dict(pp=2), dict(tp=2))], ids=["tp4-tp1", "tp1-tp4", "tp2-tp4", "pp2-tp2"])
-def test_tiny_kv_moves_between_layouts(tiny82, src, dst):
-    prompts = PROMPTS[:3]
-    assert_greedy_equal(alone(tiny82, prompts, GREEDY), prefill_there_decode_here(tiny82, src, dst, prompts, GREEDY))
+def test_tiny_kv_moves_between_layouts(tiny82, tiny_alone, src, dst):
+    assert_greedy_equal(tiny_alone, prefill_there_decode_here(tiny82, src, dst, PROMPTS[:3], GREEDY))
 
-
-@pytest.mark.slow
-@pytest.mark.parametrize("src, dst", [(dict(tp=3), dict()), (dict(), dict(tp=3)), (dict(pp=2), dict())],
-                         ids=["tp3-tp1", "tp1-tp3", "pp2-tp1"])
-def test_smollm2_kv_moves_between_layouts(smollm2_dir, src, dst):
-    from engine.tokenizer import Tokenizer
-
-    tok = Tokenizer(smollm2_dir)
-    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    assert_greedy_equal(alone(smollm2_dir, prompts, params),
-                        prefill_there_decode_here(smollm2_dir, src, dst, prompts, params))
