@@ -10,8 +10,10 @@ a sharded snapshot, one process -> EP=2 and EP=2 -> one process, greedy-equal to
 35: every expert rank holds all the KV, so the decode side writes each chunk into both ranks and the prefill
 side ships rank 0's), and one process -> TP=2 (each rank its KV head, every expert split by its width) and ->
 EP=2 x TP=2 (each chunk into the rank of its heads in both expert groups). Each other layout is greedy-equal to one
-process alone, ends with nothing leaked on either engine (pages, reservations, requests, transfers, push
-threads) and every rank process reaped. The handshake compares
+process alone (one reference run per model, shared by its layouts), ends with nothing leaked on either engine
+(pages, reservations, requests, transfers, push threads) and every rank process reaped. SmolLM2's three
+layouts here are also the resharding tests' real-model cases (test_parallel_kv_reshard moves the tiny
+model's KV by hand through the same `kv_io` functions). The handshake compares
 the model-level layout: replicas of any layout share one signature, a shard's layout does not. A decode
 rank lost mid-transfer fails the transfer typed (UNAVAILABLE) and frees its reservation.
 """
@@ -29,6 +31,7 @@ from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.contract import ErrorCode, FailedPrecondition, TransferState, make_transport
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
+from tests.conftest import assert_engine_empty
 from tests.exactness import assert_greedy_equal
 from tests.kv_helpers import close_all, decode_all, drive
 from tests.parallel_helpers import PROMPTS, assert_ranks_gone, reshard_engine, tiny_8q_2kv
@@ -48,7 +51,28 @@ engine = reshard_engine
 
 def alone(model_dir, prompts, params) -> list[list[int]]:
     with engine(model_dir) as llm:
-        return [o.token_ids for o in llm.generate(prompts, params)]
+        out = [o.token_ids for o in llm.generate(prompts, params)]
+        assert_engine_empty(llm)
+    return out
+
+
+# Each layout pair's reference is the same one-process run: computed once per module, not once per pair.
+@pytest.fixture(scope="module")
+def tiny_alone(tiny82) -> list[list[int]]:
+    return alone(tiny82, PROMPTS[:3], GREEDY)
+
+
+SMOLLM2_PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2_alone(smollm2_dir) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, their tokens in one process) of the SmolLM2 cases."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_dir)
+    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    return prompts, alone(smollm2_dir, prompts, SMOLLM2_PARAMS)
 
 
 def _spy_on_rank_reads(tx) -> dict[str, list[int]]:
@@ -101,22 +125,30 @@ def over_grpc(model_dir, src: dict, dst: dict, prompts, params) -> list[list[int
 
 @pytest.mark.parametrize("src, dst", [(dict(tp=2), dict()), (dict(), dict(tp=2)), (dict(pp=2), dict())],
                          ids=["tp2-tp1", "tp1-tp2", "pp2-tp1"])
-def test_tiny_kv_reshards_over_grpc(tiny82, src, dst):
-    prompts = PROMPTS[:3]
-    assert_greedy_equal(alone(tiny82, prompts, GREEDY), over_grpc(tiny82, src, dst, prompts, GREEDY))
+def test_tiny_kv_reshards_over_grpc(tiny82, tiny_alone, src, dst):
+    assert_greedy_equal(tiny_alone, over_grpc(tiny82, src, dst, PROMPTS[:3], GREEDY))
+
+
+@pytest.fixture(scope="module")
+def mixtral_hub(tmp_path_factory):
+    """(an offline HF_HOME holding the sharded tiny Mixtral as a Hub snapshot, transformers' float32 greedy
+    tokens and logits for PROMPTS[:3]): laid out and generated once for the four layouts (read only)."""
+    root = tmp_path_factory.mktemp("moe_hub")
+    d = write_tiny_moe("mixtral", root / "mixtral", shard="100KB")
+    assert (d / "model.safetensors.index.json").exists() and len(list(d.glob("*.safetensors"))) > 1
+    ref, ref_logits = hf_greedy(d, PROMPTS[:3], GREEDY.max_tokens)  # transformers, float32
+    lay_out(root / "hf", "pdserve-test/tiny-mixtral", d, files=("config.json", "tokenizer.json",
+            "tokenizer_config.json", "model.safetensors.index.json", *(p.name for p in d.glob("*.safetensors"))))
+    return root / "hf", ref, ref_logits
 
 
 @pytest.mark.parametrize("src, dst", [(dict(), dict(ep=2)), (dict(ep=2), dict()), (dict(), dict(tp=2)),
                                       (dict(), dict(tp=2, ep=2))], ids=["ep1-ep2", "ep2-ep1", "tp1-tp2", "tp1-tp2ep2"])
-def test_moe_by_hub_id_moves_kv_between_one_process_and_parallel_ranks_over_grpc(tmp_path, monkeypatch, src, dst):
-    d = write_tiny_moe("mixtral", tmp_path / "mixtral", shard="100KB")
-    assert (d / "model.safetensors.index.json").exists() and len(list(d.glob("*.safetensors"))) > 1
-    prompts = PROMPTS[:3]
-    ref, ref_logits = hf_greedy(d, prompts, GREEDY.max_tokens)  # transformers, float32
-    hub_env(monkeypatch, tmp_path / "hf")  # offline: the ranks read the snapshot the driver resolved
-    lay_out(tmp_path / "hf", "pdserve-test/tiny-mixtral", d, files=("config.json", "tokenizer.json",
-            "tokenizer_config.json", "model.safetensors.index.json", *(p.name for p in d.glob("*.safetensors"))))
-    assert_greedy_equal(ref, over_grpc("pdserve-test/tiny-mixtral", src, dst, prompts, GREEDY), ref_logits)
+def test_moe_by_hub_id_moves_kv_between_one_process_and_parallel_ranks_over_grpc(mixtral_hub, monkeypatch, src,
+                                                                                   dst):
+    hf_home, ref, ref_logits = mixtral_hub
+    hub_env(monkeypatch, hf_home)  # offline: the ranks read the snapshot the driver resolved
+    assert_greedy_equal(ref, over_grpc("pdserve-test/tiny-mixtral", src, dst, PROMPTS[:3], GREEDY), ref_logits)
 
 
 def test_signature_is_model_level_and_a_shard_layout_is_refused(tiny82):
@@ -180,10 +212,6 @@ def test_a_decode_rank_lost_mid_transfer_fails_it_typed_and_frees_the_reservatio
 @pytest.mark.slow
 @pytest.mark.parametrize("src, dst", [(dict(tp=3), dict()), (dict(), dict(tp=3)), (dict(pp=2), dict())],
                          ids=["tp3-tp1", "tp1-tp3", "pp2-tp1"])
-def test_smollm2_kv_reshards_over_grpc(smollm2_dir, src, dst):
-    from engine.tokenizer import Tokenizer
-
-    tok = Tokenizer(smollm2_dir)
-    prompts = [tok.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    assert_greedy_equal(alone(smollm2_dir, prompts, params), over_grpc(smollm2_dir, src, dst, prompts, params))
+def test_smollm2_kv_reshards_over_grpc(smollm2_dir, smollm2_alone, src, dst):
+    prompts, want = smollm2_alone
+    assert_greedy_equal(want, over_grpc(smollm2_dir, src, dst, prompts, SMOLLM2_PARAMS))
