@@ -47,17 +47,30 @@ def reference(gqa_dir):
     return [o.token_ids for o in outs], [torch.stack(o.logits) for o in outs]
 
 
+@pytest.fixture(scope="module")
+def eager(gqa_dir):
+    """(the engine, its outputs): the Triton kernel without the static step, GREEDY over the prompts. Run once:
+    the [off] case checks it against the torch path, the deferred-output test reads its tokens and text."""
+    mp = pytest.MonkeyPatch()
+    try:
+        llm = _engine(gqa_dir, mp, "triton", decode_graphs="off")
+        return llm, llm.generate(_prompts(), GREEDY)
+    finally:
+        mp.undo()
+
+
 @pytest.mark.parametrize("graphs", ["off", "static"])
-def test_triton_decode_equals_torch_path(gqa_dir, monkeypatch, reference, graphs):
-    llm = _engine(gqa_dir, monkeypatch, "triton", decode_graphs=graphs)
+def test_triton_decode_equals_torch_path(gqa_dir, monkeypatch, reference, eager, graphs):
+    llm = eager[0] if graphs == "off" else _engine(gqa_dir, monkeypatch, "triton", decode_graphs=graphs)
     assert llm.backend.triton_paged and llm.backend.ragged_decode
     used = []
     if graphs == "static":
         real = llm.decode_graphs.launch
         llm.decode_graphs.launch = lambda batch: (used.append(len(batch.seqs)), real(batch))[1]
+        outs = llm.generate(_prompts(), GREEDY)
     else:
         assert llm.decode_graphs is None
-    outs = llm.generate(_prompts(), GREEDY)
+        outs = eager[1]
     assert_greedy_equal(reference[0], [o.token_ids for o in outs], reference[1])
     if graphs == "static":  # the static step served the plain decode steps, at several batch sizes
         assert len(used) >= GREEDY.max_tokens - 1 and len(set(used)) > 1
@@ -99,7 +112,8 @@ class _SyncDetector:
 def test_no_host_sync_inside_the_static_step(gqa_dir, monkeypatch):
     llm = _engine(gqa_dir, monkeypatch, "triton", decode_graphs="static")
     graphs = llm.decode_graphs
-    llm.add_request(_prompts()[2], GREEDY)
+    # the shortest prompt: the bucket checked holds padding rows until a decode step fills it, whatever the prompt
+    llm.add_request(_prompts()[0], GREEDY)
     llm.step()  # the prompt
     bucket = graphs.buckets[1, 1]
     with monkeypatch.context() as m:
@@ -143,7 +157,7 @@ def test_verify_steps_take_the_static_step_and_stay_lossless(gqa_dir, monkeypatc
     qlens = []
     real = graphs.launch
     graphs.launch = lambda batch: (qlens.append(graphs._qlen(batch)), real(batch))[1]
-    prompts = [p * 3 for p in _prompts()[:3]]  # repeats: the n-gram proposer finds drafts
+    prompts = [p * 2 for p in _prompts()[:3]]  # a repeat: the n-gram proposer finds drafts
     ref = _engine(gqa_dir, monkeypatch, "torch", keep_logits=True)
     want = ref.generate(prompts, GREEDY)
     got = llm.generate(prompts, GREEDY)
@@ -206,17 +220,17 @@ def _stream(llm, prompts, params, abort_at=None):
     return [seen[i] for i in ids]
 
 
-def test_deferred_outputs_stream_stop_strings_and_aborts_as_eager(gqa_dir, monkeypatch):
+def test_deferred_outputs_stream_stop_strings_and_aborts_as_eager(gqa_dir, monkeypatch, eager):
     """Plain greedy static steps hand their tokens to the next step to detokenize (on a GPU that work
     overlaps the device's): the streamed deltas add up to each final output, a stop string found one step
     late ends the request with the eager path's tokens and text (the token computed past it dropped), an
     abort while a request's output is deferred emits nothing more for it, and no page leaks."""
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    params, n = GREEDY, GREEDY.max_tokens
     prompts = _prompts()
-    plain = _engine(gqa_dir, monkeypatch, "triton", decode_graphs="off").generate(prompts, params)
+    plain = eager[1]  # the same prompts and params through the Triton kernel without the static step
     stops = [o.text[len(o.text) // 2:len(o.text) // 2 + 2] for o in plain]  # hit mid-way through each output
     assert all(stops), [o.text for o in plain]
-    stop_params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop=stops)
+    stop_params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, stop=stops)
     eager = _engine(gqa_dir, monkeypatch, "triton", decode_graphs="off")
     want = [s[-1] for s in _stream(eager, prompts, stop_params)]
     llm = _engine(gqa_dir, monkeypatch, "triton", decode_graphs="static")
@@ -225,7 +239,7 @@ def test_deferred_outputs_stream_stop_strings_and_aborts_as_eager(gqa_dir, monke
     llm.decode_graphs.launch = lambda batch: (lambda p: (deferred.append(p.overlaps), p)[1])(real(batch))
     got = _stream(llm, prompts, stop_params)
     assert any(deferred), "no static step overlapped"
-    assert any(o.finish_reason == "stop" and len(o.token_ids) < 10 for o in want)
+    assert any(o.finish_reason == "stop" and len(o.token_ids) < n for o in want)
     for outs, w in zip(got, want):
         final = outs[-1]
         assert final.finished and [o.finished for o in outs].count(True) == 1
