@@ -78,11 +78,24 @@ def test_unsupported_combinations_raise_at_construction(tiny84, kw, field):
     assert e.value.field == field
 
 
-def test_layer_hooks_are_refused_and_a_dead_rank_fails_the_step(tiny84):
+def test_refusals_on_a_live_replica_then_a_dead_rank_fails_the_step(tiny84):
+    """One TP=2 replica (its ranks started once for three checks): layer hooks are refused; per-request KV
+    eviction (it observes attention inside the ranks) is refused when the request arrives, not mid-step;
+    then a rank killed fails the next step with RankFailedError and takes the replica down."""
+    import dataclasses
+
+    from engine import InvalidRequestError
+
     with LLM(model=str(tiny84), dtype="float32", tensor_parallel_size=2, **BATCHING) as llm:
         with pytest.raises(UnsupportedWithParallelError, match="layer hooks"):
             llm.runner.add_layer_hook(lambda layer, batch: None)
         assert llm.generate([PROMPTS[1]], GREEDY)[0].finished
+        for prefill_only in (False, True):
+            with pytest.raises(InvalidRequestError, match="kv_eviction"):
+                llm.add_request(PROMPTS[0], dataclasses.replace(GREEDY, kv_eviction={"method": "snapkv"}),
+                                prefill_only=prefill_only)
+        assert llm.generate([PROMPTS[1]], dataclasses.replace(GREEDY, kv_eviction="off"))[0].finished
+        assert_engine_empty(llm)
         llm.runner.ranks.procs[1].kill()
         llm.runner.ranks.procs[1].wait()
         llm.add_request(PROMPTS[0], GREEDY)
@@ -155,20 +168,4 @@ def test_prefix_caching_with_tp_skips_cached_pages_and_stays_equal(tiny84):
     got, hit, llm = run(tensor_parallel_size=2)
     assert hit == ref_hit > 0
     assert_greedy_equal(ref, got)
-    assert_ranks_gone(llm)
-
-
-def test_per_request_kv_eviction_is_refused_at_admission(tiny84):
-    """Eviction observes attention inside the ranks: refused when the request arrives, not mid-step."""
-    import dataclasses
-
-    from engine import InvalidRequestError
-
-    with LLM(model=str(tiny84), dtype="float32", tensor_parallel_size=2, **BATCHING) as llm:
-        for prefill_only in (False, True):
-            with pytest.raises(InvalidRequestError, match="kv_eviction"):
-                llm.add_request(PROMPTS[0], dataclasses.replace(GREEDY, kv_eviction={"method": "snapkv"}),
-                                prefill_only=prefill_only)
-        assert llm.generate([PROMPTS[1]], dataclasses.replace(GREEDY, kv_eviction="off"))[0].finished
-        assert_engine_empty(llm)
     assert_ranks_gone(llm)
