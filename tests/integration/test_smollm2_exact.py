@@ -2,9 +2,10 @@
 
 Eight real-text prompts of 8 to 1,500 tokens, 128 new tokens each with EOS ignored; three of them (under a
 page, whole pages, the longest) run one at a time, then all eight together in one continuous batch with
-staggered arrivals and a page pool small enough that chunked prefill and preemption both happen (a few
-preemptions: a pool much smaller makes the longest prompts evict each other over and over, which costs
-minutes and checks nothing more).
+staggered arrivals, longest first, and a page pool small enough that chunked prefill and preemption both
+happen. Longest first, the newest request (the one preempted) is a short one, so recompute is cheap; a
+pool much smaller, or shortest first, makes the longest prompts evict each other and be recomputed over
+and over, which costs minutes and checks nothing more.
 
 The reference is teacher-forced: one transformers forward over each prompt followed by the engine's own 128
 tokens gives the logits at every generated position; each engine token must be that position's argmax (a
@@ -25,9 +26,12 @@ from tests.prompts import token_prompts
 LENGTHS = [8, 40, 100, 250, 500, 800, 1100, 1500]
 ALONE = [0, 5, 7]  # one at a time: 8 tokens (under a page of 16), 800 (50 whole pages), 1,500 (the longest)
 NEW_TOKENS = 128
-# 5,152 slots for 4,298 prompt tokens + 8 x 128 new ones: 3 preemptions, 31 chunked prefills, 8,622 tokens
-# prefilled (the scheduler alone, driven with these lengths). 150 pages made 95 preemptions and 54,210.
-BATCH_PAGES = 322
+# 4,960 slots for 4,298 prompt tokens + 8 x 128 new ones, arrivals longest first (the scheduler alone, driven
+# with these lengths and arrivals): 3 preemptions, of the 8-, 40- and 100-token prompts at 79, 128 and 209 tokens,
+# 17 chunked prefills (one a recompute: the 40-token prompt's 128 tokens come back as 43 + 85), 4,714 tokens
+# prefilled in 191 steps; 300-312 pages do the same. Shortest first, 322 pages preempted the 1,500-token prompt
+# 3 times (8,622 prefilled, 173 steps), 150 pages 95 times (54,210).
+BATCH_PAGES = 310
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
@@ -75,7 +79,7 @@ def test_one_at_a_time(reference):
 def test_continuous_batch_with_chunking_and_preemption(reference):
     prompts = reference[0]
     llm = LLM(dtype="float32", page_size=16, num_pages=BATCH_PAGES, max_num_batched_tokens=256, keep_logits=True)
-    pending = list(enumerate(prompts))
+    pending = list(enumerate(prompts))[::-1]  # longest first: the newest, preempted first, are short
     ids: dict[int, str] = {}
     final = {}
     step = 0
@@ -88,6 +92,7 @@ def test_continuous_batch_with_chunking_and_preemption(reference):
                 final[out.request_id] = out
         step += 1
     stats = llm.scheduler.stats
+    print(stats)  # the counts BATCH_PAGES's comment gives
     assert stats.num_chunked_prefills > 0, "chunked prefill never happened"
     assert stats.num_preemptions > 0, "preemption never happened"
     outputs = [final[ids[i]] for i in range(len(prompts))]
