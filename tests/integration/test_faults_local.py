@@ -163,7 +163,12 @@ def test_a_slow_decode_actor_times_its_requests_out_on_time_and_others_finish(cl
         await slow.handle.actor.slow_steps.remote(step_s)
         try:
             tasks = [asyncio.ensure_future(one(f"s{i}", i)) for i in range(4)]
-            while not all(f is not None and f.decode for f in map(router.flights.by_request.get, [f"s{i}" for i in range(4)])):
+            # every request on a decode actor, or already done (a fast one can finish before the last is
+            # placed: waiting for all four flights at once spun forever then); bounded, so a stall fails
+            placed_by = time.monotonic() + 60.0
+            while not all(t.done() or (f is not None and f.decode) for t, f in
+                          zip(tasks, map(router.flights.by_request.get, [f"s{i}" for i in range(4)]))):
+                assert time.monotonic() < placed_by, "requests not placed on decode actors within 60 s"
                 await asyncio.sleep(0.05)  # (a generator opens its request when first iterated)
             on_slow = {f.req.request_id for f in router.flights.by_wid.values() if f.decode is slow}
             got = await asyncio.gather(*tasks)
@@ -235,11 +240,15 @@ def test_the_prefill_actor_killed_mid_prefill_is_restarted_and_its_requests_resu
     async def main():
         (prefill,) = [w for w in router.workers["prefill"] if w.alive]
         untouched = [asyncio.ensure_future(r.tokens(f"u{i}", i)) for i in (4, 5)]
-        while not all(f is not None and f.prefill_ended for f in map(router.flights.by_request.get, ["u4", "u5"])):
+        ended_by = time.monotonic() + 60.0  # bounded: a stall fails instead of spinning
+        while not all(t.done() or (f is not None and f.prefill_ended)
+                      for t, f in zip(untouched, map(router.flights.by_request.get, ["u4", "u5"]))):
+            assert time.monotonic() < ended_by, "u4, u5 not past prefill within 60 s"
             await asyncio.sleep(0.05)  # their KV has left the prefill actor: the kill must not touch them
         await prefill.handle.actor.slow_steps.remote(2.0)  # the next prefill steps crawl: kill mid-prefill
         victims = [asyncio.ensure_future(r.tokens(f"v{i}", i)) for i in (0, 1)]
         while sum(wid.startswith("v") for wid in prefill.flights) < 2:
+            assert time.monotonic() < ended_by + 60.0, "v0, v1 not on the prefill actor within 60 s"
             await asyncio.sleep(0.05)
         t0 = time.monotonic()
         ray.kill(prefill.handle.actor, no_restart=False)  # a crash Ray restarts (max_restarts 1)
