@@ -164,6 +164,10 @@ class OperatorLatency(LatencyModel):
         self._emb = (emb.floor_s, small_bytes("emb", s, 1.0, nb) / (hw.hbm_bw * emb.mem_eff), emb.sharpness)
         self._lm = self._gemm(h, s.vocab)
         self._gather = (link.latency_s, s.vocab * (tp - 1) * nb / link.bus_bw) if tp > 1 else None
+        # `_stage` seconds keyed on its (prefill tokens, SQ, batch, context): a pure function of them and of
+        # the coefficients above, which nothing changes after construction; a simulation asks the same
+        # steps again and again (equal prompt lengths, the same batch sizes), so each is computed once
+        self._stages: dict[tuple[float, float, float, float], float] = {}
 
     def _gemm(self, k: float, m: float) -> tuple[float, ...]:
         g, nb = self.c.gemm, self.nbytes
@@ -212,8 +216,15 @@ class OperatorLatency(LatencyModel):
         return (self.stage_layers * self._layer(prefill_tokens, sq, batch, context)
                 + self._once(prefill_tokens + batch, sampled) / self.parallel.pp)
 
+    def _stage_memo(self, prefill_tokens: float, sq: float, batch: float, context: float) -> float:
+        key = (prefill_tokens, sq, batch, context)
+        t = self._stages.get(key)
+        if t is None:
+            t = self._stages[key] = self._stage(prefill_tokens, sq, batch, context)
+        return t
+
     def stage_prefill(self, tokens: float, sq: float) -> float:
-        return self._stage(tokens, sq, 0.0, 0.0)
+        return self._stage_memo(tokens, sq, 0.0, 0.0)
 
     def stage_decode_lines(self, batch: float) -> tuple[Line, Line]:
         slope = self.stage_layers * self._decode[1]
@@ -221,7 +232,7 @@ class OperatorLatency(LatencyModel):
         return line, line
 
     def stage_mixed(self, tokens: float, sq: float, batch: float, context: float) -> float:
-        return self._stage(tokens, sq, batch, context)
+        return self._stage_memo(tokens, sq, batch, context)
 
     def p2p(self, tokens: float) -> float:
         return self.c.p2p_latency_s + tokens * self.model.hidden * self.nbytes / self.pp_link_bw
