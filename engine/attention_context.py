@@ -10,7 +10,7 @@ Masks come from slot counts only: query i of a sequence with `cached` slots alre
 slots [0, cached + i] (with a sliding window, none below cached + i - window + 1; a model mixing local and
 global layers gets a windowed view for its local layers in `AttentionContext.local`). Optional observation
 (off by default) exposes attention of a query window (SnapKV-style eviction) and per-slot attention mass
-(H2O-style eviction).
+(H2O-style eviction), computed by `attention_stats` a few query rows at a time.
 """
 from __future__ import annotations
 
@@ -88,22 +88,65 @@ class AttentionContext:
 
     def observe_attention(self, layer: int, g: AttnGroup, qh: torch.Tensor, kh: torch.Tensor) -> None:
         """Record attention statistics for observed rows. qh [B,Hq,q,D], kh [B,Hkv,ctx,D]."""
-        rep = qh.shape[1] // kh.shape[1]
         for row, spec in g.observe.items():
             n = g.ctx_lens[row]
-            k = kh[row, :, :n].repeat_interleave(rep, dim=0)  # [Hq, n, D]
-            scores = (qh[row].float() @ k.float().transpose(-1, -2)) * self.scale  # [Hq, q, n]
-            if g.mask is not None:
-                scores = scores.masked_fill(~g.mask[row, :, :, :n], float("-inf"))
-            elif g.is_causal:
-                causal = torch.ones(g.q_len, n, dtype=torch.bool).tril(n - g.q_len)
-                scores = scores.masked_fill(~causal, float("-inf"))
-            probs = scores.softmax(-1)
-            rec = self.observations.setdefault((g.request_ids[row], layer), {})
-            if spec.window:
-                rec["window"] = probs[:, -spec.window:].mean(0)
-            if spec.slot_mass:
-                rec["slot_mass"] = probs.sum((0, 1))
+            mask = None if g.mask is None else g.mask[row, 0, :, :n]  # [q, n]
+            stats = attention_stats(qh[row], kh[row, :, :n], self.scale, mask, g.is_causal, spec)
+            self.observations.setdefault((g.request_ids[row], layer), {}).update(stats)
+
+
+OBSERVE_CHUNK_ELEMS = 1 << 18  # float32 scores per query chunk (1 MiB): the chunk's softmax stays in L2
+
+
+def attention_stats(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None, causal: bool,
+                    spec: ObserveSpec) -> dict[str, torch.Tensor]:
+    """One row's statistics in float32. q [Hq, ql, D], k [Hkv, n, D], mask [ql, n] (True = may attend) or
+    None (causal: query i sees slots [0, n - ql + i]; else every slot). "window": the head mean of the
+    last `spec.window` queries' probabilities [min(window, ql), n]; "slot_mass": probabilities summed over
+    heads and queries [n]. Why not one [Hq, ql, n] softmax: at 1,024 tokens that is 36 MiB per layer and
+    most of an H2O prefill's time. Instead query chunks of a few rows, each KV head's query heads batched
+    as its rows (no repeated K), only the slots a chunk may see (a causal chunk skips the columns past its
+    last query), and only the rows a statistic needs (window alone: its last rows)."""
+    hq, ql, d = q.shape
+    hkv, n = k.shape[0], k.shape[1]
+    rep = hq // hkv
+    qg = q.float().view(hkv, rep, ql, d)  # a KV head's query heads are consecutive (repeat_interleave order)
+    kt = k.float().contiguous().transpose(1, 2)  # [Hkv, D, n]
+    w = min(spec.window, ql) if spec.window else 0
+    out = {}
+    if spec.slot_mass:
+        out["slot_mass"] = torch.zeros(n, dtype=torch.float32, device=q.device)
+    if w:
+        out["window"] = torch.zeros(w, n, dtype=torch.float32, device=q.device)
+    step = max(1, OBSERVE_CHUNK_ELEMS // (hq * n))
+    # Chunks start at the window's first row, so a chunk is all window rows or none.
+    starts = list(range(ql - w, ql, step))
+    if spec.slot_mass:
+        starts = list(range(0, ql - w, step)) + starts
+    tri = torch.ones(step, step, dtype=torch.bool, device=q.device).triu(1)  # [i, j]: j > i
+    for r0, r1 in zip(starts, starts[1:] + [ql]):
+        c = r1 - r0
+        if mask is not None:
+            m = mask[r0:r1]  # [c, n]
+            seen = m.any(0).nonzero()
+            cols = int(seen[-1]) + 1 if len(seen) else n  # nothing visible: keep the softmax's NaN
+            m = m[:, :cols]
+        elif causal:
+            cols = n - ql + r1  # the chunk's last query sees slots [0, cols)
+        else:
+            cols = n
+        qc = qg[:, :, r0:r1].reshape(hkv, rep * c, d)
+        scores = torch.bmm(qc, kt[:, :, :cols]).mul_(scale).view(hkv, rep, c, cols)
+        if mask is not None:
+            scores.masked_fill_(~m, float("-inf"))
+        elif causal and c > 1:  # query r0 + i sees slots < cols - c + i + 1: hide the last c columns' triangle
+            scores[..., cols - c:].masked_fill_(tri[:c, :c], float("-inf"))
+        probs = scores.softmax(-1)  # [Hkv, rep, c, cols]
+        if spec.slot_mass:
+            out["slot_mass"][:cols] += probs.sum((0, 1, 2))
+        if w and r0 >= ql - w:
+            out["window"][r0 - (ql - w):r1 - (ql - w), :cols] = probs.view(hq, c, cols).mean(0)
+    return out
 
 
 @dataclass(frozen=True)
