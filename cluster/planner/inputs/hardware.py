@@ -11,7 +11,9 @@ applies `--price` / `--power`.
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -82,7 +84,20 @@ class _HardwareEntry(BaseModel):
 
 def _table() -> dict[str, _HardwareEntry]:
     path = deploy_dir() / "hardware.yaml"
-    data = read_data(path)
+    try:
+        text = path.read_text()
+    except OSError:
+        text = None  # read_data names the file and the reason
+    return dict(_parsed(path, text))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(path: Path, text: str | None) -> dict[str, _HardwareEntry]:
+    """The table parsed and checked, keyed on the file's path and its whole text: every plan looks the
+    table up (YAML + pydantic took ~0.1 s a call), and the text in the key means an edited or another
+    deploy/ file is parsed afresh. Safe to share: the entries are frozen; `_table` hands out a copy of the
+    dict. A bad file raises, and lru_cache keeps nothing then."""
+    data = read_data(path)  # `text` is the key only (None: unreadable, and read_data says why)
     if not isinstance(data, dict):
         raise BadConfigError(f"{path}: expected a mapping of hardware names")
     try:
