@@ -120,4 +120,5 @@ def poisson_requests(pairs: list[tuple[int, int]], rate: float, n: int, seed: in
     """`n` requests with Poisson arrivals at `rate` req/s and lengths drawn from `pairs`."""
     assert rate > 0 and pairs
     times, idx = _unit_draws(n, len(pairs), seed)
-    return [Request(t / rate, *pairs[k]) for t, k in zip(times, idx)]
+    new = tuple.__new__  # Request(...) without the NamedTuple's Python-level __new__ (the same tuple)
+    return [new(Request, (t / rate, *pairs[k])) for t, k in zip(times, idx)]

@@ -180,7 +180,8 @@ def simulate_colocated(requests: list[Request], replicas: list[ColocSetup], shar
     reps = [s.replica(ev, st, b) for s, b in zip(replicas, buses)]
 
     def arrive(i: int) -> None:
-        min(reps, key=lambda r: r.load()).arrive(i)
+        # one replica (every per-instance goodput probe): itself, without the key calls
+        (reps[0] if len(reps) == 1 else min(reps, key=lambda r: r.load())).arrive(i)
 
     late = replicas[0].model.admission_s  # the runtime's routing before a replica sees it
     for i, r in enumerate(requests):

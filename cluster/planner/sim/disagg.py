@@ -203,7 +203,9 @@ class _Disagg:
         self.decode = [_Decode(s, self, b) for s, b in zip(decode, buses[len(prefill):])]
 
     def arrive(self, i: int) -> None:
-        min(self.prefill, key=lambda p: p.pending_tokens).enqueue(i)
+        # one instance (every per-instance goodput probe): itself, without the key calls
+        pool = self.prefill
+        (pool[0] if len(pool) == 1 else min(pool, key=lambda p: p.pending_tokens)).enqueue(i)
 
     def prefill_done(self, batch: list[int], tokens: int, latency: float) -> None:
         now = self.ev.now
@@ -218,7 +220,8 @@ class _Disagg:
                 self.ev.at(now + tail + reshard, self.to_decode, i)
 
     def to_decode(self, i: int) -> None:
-        max(self.decode, key=lambda d: d.free()).arrive(i)
+        pool = self.decode
+        (pool[0] if len(pool) == 1 else max(pool, key=lambda d: d.free())).arrive(i)
 
 
 def simulate_disaggregated(requests: list[Request], prefill: list[PrefillSetup], decode: list[DecodeSetup],
@@ -249,9 +252,9 @@ def simulate_decode_only(requests: list[Request], decode: list[DecodeSetup],
 
 
 def results_of(st: RunState) -> SimResult:
-    out = []
+    out, new = [], tuple.__new__  # the NamedTuple's own __new__ does just this, one call deeper
     for i, r in enumerate(st.reqs):
         ttft = st.first[i] - r.arrival
         tpot = (st.done[i] - st.first[i]) / (r.output_len - 1) if r.output_len > 1 else 0.0
-        out.append(RequestResult(r.arrival, ttft, tpot, st.done[i] - r.arrival, r.input_len, r.output_len))
+        out.append(new(RequestResult, (r.arrival, ttft, tpot, st.done[i] - r.arrival, r.input_len, r.output_len)))
     return SimResult(tuple(out), max(st.done))

@@ -29,6 +29,7 @@ class EventQueue:
         self.now = min(time, self.next_time())  # a run of steps summed in closed form may round up
 
     def run(self) -> None:
-        while self._heap:
-            self.now, _, fn, args = heapq.heappop(self._heap)
+        heap, pop = self._heap, heapq.heappop  # bound once: this loop runs once per event
+        while heap:
+            self.now, _, fn, args = pop(heap)
             fn(*args)
