@@ -95,7 +95,7 @@ class AttentionContext:
             self.observations.setdefault((g.request_ids[row], layer), {}).update(stats)
 
 
-OBSERVE_CHUNK_ELEMS = 1 << 18  # float32 scores per query chunk (1 MiB): the chunk's softmax stays in L2
+OBSERVE_CHUNK_ELEMS = 1 << 19  # float32 scores per query chunk (2 MiB): cache-sized, ~20 chunks at 1,024 tokens
 
 
 def attention_stats(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None, causal: bool,
