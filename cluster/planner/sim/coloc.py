@@ -122,6 +122,8 @@ class Replica:
         larger part is what this replica looks like to its neighbours."""
         model, bus = self.s.model, self.bus
         total = model.mixed(tokens, sq, self.batch, self.context)
+        if bus is ALONE and model.drift is None:  # no neighbours (set does nothing), no drift: factors 1
+            return total
         pre = model.mixed(tokens, sq, 0, 0)
         bus.set(self.me, "prefill" if pre >= total - pre else "decode")
         fp, fd = bus.factor(self.me, "prefill"), bus.factor(self.me, "decode")
