@@ -79,7 +79,7 @@ def _signal(pids: list[int], sig: int) -> None:
 def _wait_gone(sid: int, timeout_s: float) -> list[int]:
     end = time.monotonic() + timeout_s
     while (left := _session_pids(sid)) and time.monotonic() < end:
-        time.sleep(0.5)
+        time.sleep(0.1)  # (a short poll: the processes usually go within a second of the signal)
     return left
 
 
@@ -122,7 +122,7 @@ def ray_head():
         while not (_status(f"{url}/api/version", token) == 200 and _status(f"{url}/api/jobs/", token) == 200):
             assert head.poll() is None, f"ray start exited {head.returncode}:\n{(temp / 'head.log').read_text()}"
             assert time.monotonic() < end, f"no dashboard at {url}:\n{(temp / 'head.log').read_text()}"
-            time.sleep(1)
+            time.sleep(0.2)  # a short poll: the job API answers a few seconds after `ray start`, not on a tick
         assert _status(f"{url}/api/jobs/") == 401, "the Jobs API answers a caller without the token"
         yield url, env, temp
     finally:
