@@ -4,7 +4,7 @@
 # (temperature 0.8, top-p 0.95) and, for SmolLM2, on the host, int8 pages, a verify step),
 # where the host's time goes (cProfile) and the int8 step's kernels (torch.profiler), what sampling alone costs
 # (device sampler eager / graphs vs argmax vs the CPU sampler), tests/gpu, Quest at
-# 32k x 8 vs full attention; with FULL=1 also the disaggregated handoff over gRPC on one GPU, the engine's GPU
+# 32k x 8 vs full attention, the Qwen3-30B-A3B shape's decode vs its touched experts (issue 35); with FULL=1 also the disaggregated handoff over gRPC on one GPU, the engine's GPU
 # profile checked against its measured steps, and a torch.profiler table of bf16 b=128 steps. Each part is time-boxed; everything
 # lands in $OUT/gpu_check.log and $OUT/results.tar.gz (the device tool returns at most 8 files).
 #   on the device:  bash bench/gpu_check.sh
@@ -31,6 +31,8 @@ if [ "${TINY:-0}" = 1 ]; then
     --modes graphs,triton,torch,sampled,sampled_cpu --kv int8 --verify 4 --out "$W"
   run 300 $PY bench/gpu/decode_floor.py --device cpu --model random:tiny --context 96 --batches 2 --steps 2 \
     --modes graphs,triton --sparse 32 --out "$W/quest"
+  run 300 $PY bench/gpu/decode_floor.py --device cpu --model random:tiny-moe --context 64 --batches 1,4 --steps 2 \
+    --modes graphs,triton --out "$W/moe"
   run 120 $PY bench/gpu/int8_cells.py --device cpu --batch 2 --context 40 --heads 4,2,16 --reps 1
   run 60 $PY bench/gpu/sampler_cost.py --device cpu --vocab 4096 --batches 1,4 --reps 2 --out "$W"
   run 300 $PY bench/gpu/profile_step.py --device cpu --model random:tiny --context 64 --batch 4 --steps 2 \
@@ -58,8 +60,13 @@ run 60 $PY bench/gpu/profile_step.py --model random:llama-3-8b --context 2048 --
   --modes graphs,triton --kv int8 --out "$W"
 run 100 env -u PDSERVE_ATTENTION $PY -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_attention.py \
   tests/gpu/test_cuda_sampling.py -q
+run 60 env -u PDSERVE_ATTENTION $PY -m pytest tests/gpu/test_cuda_moe.py tests/gpu/test_cuda_gemma.py -q
 run 120 $PY bench/gpu/decode_floor.py --model random:llama-3-8b --context 32768 --batches 8 --steps 10 \
   --modes graphs,triton --sparse 2048 --out "$W/quest"
+# issue 35: the Qwen3-30B-A3B shape (random weights, 61 GB; context 512 so that 128 rows of KV fit beside them on
+# an H100) decode step vs the bytes of its touched experts
+run 150 $PY bench/gpu/decode_floor.py --model random:qwen3-30b-a3b --context 512 --batches 1,16,64,128 --steps 10 \
+  --modes graphs,triton --out "$W/moe"
 if [ "${FULL:-0}" = 1 ]; then
   run 60 $PY -m pytest tests/gpu/test_cuda_kv_transfer.py -q  # (needs the gRPC wheels carried)
   run 120 $PY bench/gpu/disagg_check.py --device cuda --model random:smollm2-135m,random:llama-3-8b --prompt-len 512 \

@@ -15,7 +15,9 @@ part (scheduling, inputs, sampling, detokenizing), which nothing overlaps with t
 choice runs on the device, and Triton eager) beside the full-attention rows of the same batch and context
 (e.g. 8 x 32k), each row's ratio to them in `over_full`.
 The floor: (weight bytes + K/V bytes the step reads) / the device-to-device copy bandwidth measured at the
-start of the run (bytes read + written per second), so ratio = step / floor. Steps are whole `LLM.step()`
+start of the run (bytes read + written per second), so ratio = step / floor; for an MoE model (random:qwen3-30b-a3b,
+random:mixtral-8x7b; random:tiny-moe on CPU) the weight bytes are those of the experts a step of B rows
+touches in expectation (`unread_expert_bytes`), each row's `experts_touched` a layer beside it. Steps are whole `LLM.step()`
 calls (scheduling, sampling and detokenizing included), synchronised before and after.
 
 Run:  python bench/gpu/decode_floor.py --model random:llama-3-8b --context 2048 --batches 1,16,64,128 --out DIR
@@ -72,6 +74,24 @@ def headroom(max_batch: int, steps: int) -> int:
     return 2 * steps + max_batch // 2 + 64
 
 
+# random:tiny-moe: a Qwen3-MoE of tiny widths (8 experts, top-2) for the CPU rehearsal of the MoE rows
+TINY_MOE = dict(name="tiny-moe", architecture="Qwen3MoeForCausalLM", layers=2, hidden=64, heads=4, kv_heads=2,
+                head_dim=16, ffn=128, vocab=512, max_positions=4096, tied_embeddings=False, experts=8,
+                experts_per_token=2, expert_ffn=32)
+
+
+def unread_expert_bytes(llm: LLM, batch: int) -> tuple[int, float]:
+    """(bytes of the experts a decode step of `batch` rows leaves unread, experts touched a layer): with
+    uniform routing (random weights route near-uniformly) a layer touches E (1 - (1 - k/E)^batch) distinct
+    experts in expectation -- the planner's count (docs/planner.md). (0, 0.0) for a dense model."""
+    moe = llm.config.moe
+    if moe is None:
+        return 0, 0.0
+    touched = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** batch)
+    layer = next(lw.moe for lw in llm.model.layers if lw.moe is not None)
+    return int((moe.num_experts - touched) * layer.expert_bytes() * len(moe.sparse_layers)), touched
+
+
 def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp: Path, kv: str = "raw",
           sparse: dict | None = None) -> LLM:
     ps = 16
@@ -91,7 +111,8 @@ def build(model: str, device: str, max_batch: int, context: int, steps: int, tmp
         return LLM(model=str(model_dir), **kw)
     from cluster.planner.calibrate.random_model import model_entry
 
-    entry = model_entry(name)  # a longer context than the entry's (Quest at 32k): the step's shapes are the same
+    # a longer context than the entry's (Quest at 32k): the step's shapes are the same
+    entry = TINY_MOE if name == "tiny-moe" else model_entry(name)
     entry = dict(entry, max_positions=max(entry["max_positions"], kw["max_model_len"]))
     model_dir, shapes = random_model_dir(entry, tmp / "model")
     real = engine_llm.load_weights
@@ -205,7 +226,8 @@ def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes
     set_mode(llm, "triton", graphs)
     while any(llm.requests[r].num_computed < context for r in rids):
         llm.step()  # every prompt prefilled; decoding starts below
-    rows, weights = [], llm.model.weight_bytes()
+    unread, touched = unread_expert_bytes(llm, batch)
+    rows, weights = [], llm.model.weight_bytes() - unread  # MoE: the floor reads only the touched experts
     for mode in modes:
         set_mode(llm, mode, graphs)
         ctx0 = statistics.mean(llm.requests[r].num_computed for r in rids)
@@ -218,6 +240,8 @@ def run_batch(llm: LLM, device: str, batch: int, context: int, steps: int, modes
                      "median_ms": round(med * 1e3, 3), "p90_ms": round(sorted(times)[int(0.9 * len(times))] * 1e3, 3),
                      "floor_ms": round(floor * 1e3, 3), "ratio": round(med / floor, 2),
                      "kv": llm.kv_spec.storage_format})
+        if touched:
+            rows[-1]["experts_touched"] = round(touched, 1)
         if replays:
             gpu = statistics.median(s.elapsed_time(e) for s, e in replays[-steps:])
             rows[-1].update(gpu_ms=round(gpu, 3), host_ms=round(med * 1e3 - gpu, 3))

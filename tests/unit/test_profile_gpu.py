@@ -40,6 +40,29 @@ def test_random_model_shapes_and_unknown_name(tiny_deploy):
         random_model_dir("nope", tiny_deploy / "n")
 
 
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_a_random_moe_entry_runs_as_its_own_architecture(tmp_path, arch):
+    """random:qwen3-30b-a3b / mixtral-8x7b (bench/gpu/decode_floor.py's MoE rows): experts as fused tensors,
+    Qwen3's q/k norms, every layer sparse; the engine loads it and decodes."""
+    from engine import SamplingParams
+    from engine.config import ModelConfig
+    from cluster.planner.calibrate.random_model import hf_config
+
+    m = dict(TINY, name="tiny-moe", architecture=arch, experts=4, experts_per_token=2, expert_ffn=32)
+    shapes = model_shapes(m)
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (4, 64, 64)
+    assert shapes["model.layers.1.mlp.experts.down_proj"] == (4, 64, 32) and shapes["model.layers.1.mlp.gate.weight"] == (4, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" not in shapes
+    assert ("model.layers.0.self_attn.q_norm.weight" in shapes) == (arch == "Qwen3MoeForCausalLM")
+    cfg = ModelConfig.from_hf_dict(hf_config(m))
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size, cfg.moe.sparse_layers) == (4, 2, 32, (0, 1))
+    llm = random_llm(m, tmp_path, dtype="float32", num_pages=16, page_size=16, max_num_seqs=2)
+    assert all(lw.moe is not None for lw in llm.model.layers)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
+    assert_engine_empty(llm)
+
+
 def test_gpu_grid_path_on_cpu(tiny_deploy):
     """The GPU grid's measurement with random weights: prefill points fit one step (timed after one untimed
     repeat), decode prompts over several steps, contexts read from the engine, rows aborted, sync around

@@ -6,7 +6,8 @@ model's 16 GB of weights are generated where they live, never written to disk):
     llm = random_llm("random:llama-3-8b", tmp_dir, device="cuda", dtype="bfloat16", num_pages=..., ...)
 
 Pieces: `random_model_dir(name, out)` writes config.json, a one-tensor placeholder safetensors file (the
-loader wants a file) and a word-level tokenizer, and returns the weight shapes the config implies;
+loader wants a file) and a word-level tokenizer, and returns the weight shapes the config implies (Qwen3,
+Qwen3-MoE and Mixtral entries as their own architectures, experts as fused tensors; others Llama-shaped);
 `RandomWeights` is a mapping the engine's `LlamaForward` reads like a state dict, making each tensor on
 request (norms 1, the rest N(0, 0.02), seeded); `random_llm` builds an `engine.LLM` over both by swapping
 `engine.llm.load_weights` for the duration of the constructor (the engine has no weights hook yet).
@@ -39,23 +40,47 @@ def model_entry(name: str) -> dict[str, Any]:
     path = deploy_dir() / "models" / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in (deploy_dir() / "models").glob("*.yaml"))
-        raise BadConfigError(f"{PREFIX}{name}: no {path}; known: {', '.join(known)} (Llama-shaped ones: the "
-                             f"engine runs them as LlamaForCausalLM)")
+        raise BadConfigError(f"{PREFIX}{name}: no {path}; known: {', '.join(known)} (Qwen3, Qwen3-MoE and "
+                             f"Mixtral run as themselves, the others as LlamaForCausalLM of their shape)")
     return read_data(path)
 
 
+# the architectures a deploy/models entry may name that the engine runs from random weights: their model_type
+# and whether heads carry Qwen3's q/k RMSNorm; any other (Llama-shaped: Mistral, Qwen2.5, OPT, ...) runs as Llama
+ARCHITECTURES = {"Qwen3ForCausalLM": ("qwen3", True), "Qwen3MoeForCausalLM": ("qwen3_moe", True),
+                 "MixtralForCausalLM": ("mixtral", False)}
+
+
+def _arch(m: dict[str, Any]) -> tuple[str, bool]:
+    return ARCHITECTURES.get(m.get("architecture", ""), ("llama", False))
+
+
 def hf_config(m: dict[str, Any]) -> dict[str, Any]:
-    """A Llama-architecture config.json for a deploy/models entry."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m["hidden"],
-            "intermediate_size": m["ffn"], "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
-            "num_key_value_heads": m["kv_heads"], "head_dim": m["head_dim"], "vocab_size": m["vocab"],
-            "max_position_embeddings": m["max_positions"], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-            "tie_word_embeddings": bool(m["tied_embeddings"]), "bos_token_id": 1, "eos_token_id": 2}
+    """A config.json for a deploy/models entry: Qwen3, Qwen3-MoE and Mixtral as themselves (every layer sparse
+    where the entry has `experts`), the rest as LlamaForCausalLM."""
+    model_type, _ = _arch(m)
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM"}[model_type]
+    cfg = {"architectures": [arch], "model_type": model_type, "hidden_size": m["hidden"],
+           "intermediate_size": m["ffn"], "num_hidden_layers": m["layers"], "num_attention_heads": m["heads"],
+           "num_key_value_heads": m["kv_heads"], "head_dim": m["head_dim"], "vocab_size": m["vocab"],
+           "max_position_embeddings": m["max_positions"], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "tie_word_embeddings": bool(m["tied_embeddings"]), "bos_token_id": 1, "eos_token_id": 2}
+    if model_type == "qwen3_moe":
+        cfg.update(num_experts=m["experts"], num_experts_per_tok=m["experts_per_token"],
+                   moe_intermediate_size=m["expert_ffn"], norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=[])
+    elif model_type == "mixtral":
+        cfg.update(num_local_experts=m["experts"], num_experts_per_tok=m["experts_per_token"],
+                   intermediate_size=m["expert_ffn"])
+    return cfg
 
 
 def model_shapes(m: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every weight's shape, by its Hugging Face name, for a deploy/models entry."""
+    """Every weight's shape, by its Hugging Face name, for a deploy/models entry (MoE experts as the fused
+    [E, 2I, H] / [E, H, I] tensors transformers 5 writes: one tensor a layer to make, not 3E)."""
     h, hd = m["hidden"], m["head_dim"]
+    model_type, qk_norm = _arch(m)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (m["vocab"], h), "model.norm.weight": (h,)}
     if not m["tied_embeddings"]:
         shapes["lm_head.weight"] = (m["vocab"], h)
@@ -65,9 +90,16 @@ def model_shapes(m: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.q_proj.weight": (m["heads"] * hd, h),
                        p + "self_attn.k_proj.weight": (m["kv_heads"] * hd, h),
                        p + "self_attn.v_proj.weight": (m["kv_heads"] * hd, h),
-                       p + "self_attn.o_proj.weight": (h, m["heads"] * hd),
-                       p + "mlp.gate_proj.weight": (m["ffn"], h), p + "mlp.up_proj.weight": (m["ffn"], h),
-                       p + "mlp.down_proj.weight": (h, m["ffn"])})
+                       p + "self_attn.o_proj.weight": (h, m["heads"] * hd)})
+        if qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if model_type in ("qwen3_moe", "mixtral"):
+            e, f = m["experts"], m["expert_ffn"]
+            shapes.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * f, h),
+                           p + "mlp.experts.down_proj": (e, h, f)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (m["ffn"], h), p + "mlp.up_proj.weight": (m["ffn"], h),
+                           p + "mlp.down_proj.weight": (h, m["ffn"])})
     return shapes
 
 
