@@ -172,3 +172,16 @@ def test_the_fast_stage_equals_the_sum_of_its_terms():
             once = step_terms(hw.step, hw, s, tp, t + b, sampled_positions(t, sq) + b)
             want = m.layers / pp * sum(terms.values()) + sum(once.values()) / pp
             assert lat.stage_mixed(t, sq, b, ctx) == pytest.approx(want, rel=1e-9)
+
+
+def test_stage_times_are_memoised_within_a_bound(monkeypatch):
+    """A stage's time is computed once per (prefill tokens, SQ, batch, context) and the memo never holds more
+    than STAGE_MEMO_MAX entries (a long-lived model sees ever new contexts); the answers are the uncached ones."""
+    from cluster.planner.latency import gpu_latency
+
+    monkeypatch.setattr(gpu_latency, "STAGE_MEMO_MAX", 3)
+    lat = OperatorLatency(Parallel(1, 1), load_model("llama-3-8b"), load_hardware("a100"), HAND)
+    for ctx in range(0, 10 * 1024, 1024):
+        assert lat.stage_mixed(64, 64, 8, ctx) == lat._stage(64, 64, 8, ctx)
+        assert len(lat._stages) <= 3
+    assert lat.stage_mixed(64, 64, 8, 9 * 1024) == lat._stage(64, 64, 8, 9 * 1024)

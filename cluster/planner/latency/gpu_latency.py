@@ -34,6 +34,9 @@ from cluster.planner.latency.base import LatencyModel, Line, Parallel
 QUERY_BLOCK = 128  # tokens of one head a FlashAttention-style kernel gives one thread block
 
 
+STAGE_MEMO_MAX = 1 << 16  # stage times one model keeps (a plan computes ~16k)
+
+
 @dataclass(frozen=True)
 class RankShape:
     """One TP rank's share of a decoder layer."""
@@ -220,6 +223,8 @@ class OperatorLatency(LatencyModel):
         key = (prefill_tokens, sq, batch, context)
         t = self._stages.get(key)
         if t is None:
+            if len(self._stages) >= STAGE_MEMO_MAX:  # bounded: a long-lived model (a simulator run for hours)
+                self._stages.clear()                 # sees ever new contexts
             t = self._stages[key] = self._stage(prefill_tokens, sq, batch, context)
         return t
 
