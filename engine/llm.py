@@ -38,6 +38,7 @@ from engine.kv_cache.sparse import SparseAttentionConfig, install as install_spa
 from engine.kv_cache.sparse_config import step_rows as sparse_rows
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import fingerprint, load_config, load_weights, resolve_model
+from engine.parallel.validate import expert_attention_of
 from engine.forward import build_forward
 from engine.outputs import OutputProcessor, RequestOutput
 from engine.request import Request, RequestStatus, SampledToken
@@ -73,6 +74,7 @@ class LLM:
         self.pipeline_parallel_size = pp = pipeline_parallel_size  # > 1: layer stages, one process each
         self.expert_parallel_size = ep = cfg.expert_parallel_size  # > 1: expert ranks, attention on each
         parallel = (tp, pp, ep) != (1, 1, 1)
+        self.expert_attention = expert_attention_of(cfg.expert_attention, tp, ep)  # None: no expert ranks
         if kv_storage == "kivi4" and parallel:  # rank processes have no allocator to release staging with
             raise InvalidRequestError("kv_storage", "'kivi4' does not run with tensor/pipeline parallelism yet")
         if kv_storage == "kivi4" and kv_eviction is not None:
@@ -84,12 +86,14 @@ class LLM:
             check_supported(self.config, tp, speculative, kv_eviction, pp, ep)
         self.model = None if parallel else build_forward(self.config, load_weights(self.model_dir), _torch_dtype(dtype), device)
         self.max_model_len = min(max_model_len or self.config.max_position, self.config.max_position)
-        if num_pages is None:
-            num_pages = max(-(-16384 // page_size), -(-self.max_model_len // page_size))
+        ranks_pools = ep if self.expert_attention == "data" else 1  # pools the pages split over, one per rank
+        if num_pages is None:  # per pool
+            num_pages = ranks_pools * max(-(-16384 // page_size), -(-self.max_model_len // page_size))
+        num_pages = -(-num_pages // ranks_pools) * ranks_pools  # (rounded up to split evenly)
         c = self.config
         self.kv_spec = KVPageSpec(c.num_layers, c.num_kv_heads, c.head_dim, page_size, dtype, kv_storage,
                                   cell_align=kernels.cell_align(kv_storage))
-        self.allocator = PageAllocator(num_pages, clock=clock)
+        self.allocator = PageAllocator(num_pages, clock=clock, partitions=ranks_pools)
         self.backend = None if parallel else make_backend(self.kv_spec, num_pages, device)  # parallel: one per rank
         if hasattr(self.backend, "release_pages"):  # kivi4: staging copies go with the pages (kv_cache/kivi.py)
             self.allocator.add_unheld_hook(lambda page: self.backend.release_pages([page]))
@@ -101,7 +105,8 @@ class LLM:
                                                               "pipeline parallelism (page summaries live in the backend)")
             install_sparse(self.backend, self.allocator, self.tables, self.sparse_attention)
         self.runner = (ModelRunner(self.model, self.backend, page_size, cfg.sampler) if not parallel else
-                       make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device, ep))
+                       make_parallel_runner(self.model_dir, c, dtype, self.kv_spec, num_pages, tp, pp, device, ep,
+                                            self.expert_attention))
         spec_cfg = SpeculativeConfig.of(speculative)
         verify_len = spec_cfg.max_draft + 1 if spec_cfg is not None else 0  # verify steps get graphs too
         self.decode_graphs = None if parallel else attach_graphs(self.runner, max_num_seqs, self.max_model_len,
@@ -130,7 +135,7 @@ class LLM:
                             clock, self._batch, self._finish_step, self._output)
             self.spec = SpecDecoder(host, spec_cfg)
         self.intake = RequestIntake(self.tokenizer, c.vocab_size, self.max_model_len, page_size,
-                                    num_pages * page_size, kv_storage, self.backend is not None, self.scheduler,
+                                    num_pages // ranks_pools * page_size, kv_storage, self.backend is not None, self.scheduler,
                                     self.sparse_attention, self.spec)
 
     # ---- intake (engine/intake.py) -------------------------------------------------------------

@@ -17,8 +17,9 @@ all-reduced before the residual add); MoE layers hold every expert's slice of it
 stage builds it with `layers` (its slice of the global layer ids); only the first stage embeds, only the last
 norms and holds the LM head. Expert parallelism: a rank builds it with `experts` (the global expert ids it
 holds) and an `expert_reduce` that sums the MoE layers' partial outputs over the ranks (in place of
-`all_reduce` for them); everything else is whole, the shared expert too (added after that sum: `_moe`). Without
-any, the path is the single-process one, unchanged.
+`all_reduce` for them); everything else is whole, the shared expert too (added after that sum: `_moe`). With
+data-parallel attention an `expert_dispatch` (`engine.parallel.dispatch`) takes the rank's own tokens to their
+experts' ranks and back instead. Without any, the path is the single-process one, unchanged.
 """
 from __future__ import annotations
 
@@ -59,10 +60,12 @@ class LayerWeights:
 class LlamaForward:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu",
                  all_reduce: AllReduce | None = None, layers: range | None = None, experts: range | None = None,
-                 expert_reduce: AllReduce | None = None):
+                 expert_reduce: AllReduce | None = None, expert_dispatch=None):
         self.cfg = cfg
         self.all_reduce = all_reduce  # set on tensor-parallel ranks: o and down hold partial sums
         self.experts, self.expert_reduce = experts, expert_reduce  # expert-parallel ranks: MoE outputs partial
+        # expert parallelism with data-parallel attention: this rank's tokens sent to their experts and back
+        self.expert_dispatch = expert_dispatch  # engine.parallel.dispatch.AllToAllDispatch
         self.layer_ids = range(cfg.num_layers) if layers is None else layers  # a pipeline stage: a slice
         self.is_first = self.layer_ids.start == 0  # embeds token ids (later stages receive hidden states)
         self.is_last = self.layer_ids.stop == cfg.num_layers  # final norm and LM head
@@ -164,7 +167,11 @@ class LlamaForward:
 
     def _moe(self, layer: MoELayer, h: torch.Tensor) -> torch.Tensor:
         """The MoE MLP's whole output [num_tokens, hidden] on every rank. A TP rank's experts and shared expert
-        hold its slice of their width, an EP rank its block of experts: partial sums, reduced here."""
+        hold its slice of their width, an EP rank its block of experts: partial sums, reduced here. With
+        data-parallel attention the rank's own tokens go to the ranks of their experts and come back summed."""
+        if self.expert_dispatch is not None:
+            y, s = self.expert_dispatch(layer, h), shared_forward(layer, h)  # the shared expert whole, added after
+            return y if s is None else y + s
         if self.expert_reduce is None and self.all_reduce is None:
             return moe_forward(layer, h)
         y = routed_forward(layer, h)  # [num_tokens, hidden]: this rank's part

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache.block_table import BlockTables
+from engine.kv_cache.block_table import BlockTables, seq_owner
 from engine.kv_cache.prefix_cache import PrefixSharing
 from engine.request import Request, RequestStatus, SampledToken
 
@@ -124,17 +124,26 @@ class Scheduler:
     def _pages_short(self, req: Request, n: int, hit) -> bool:
         if self.prefix is not None:
             return self.prefix.pages_short(req, n, hit)
-        return self.tables.extra_pages_needed(req.request_id, n) > self.tables.allocator.num_free
+        return not self.tables.fits(req.request_id, n)
 
     def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
-        """Free pages for `n` more slots of `req` by preempting the newest; False if `req` was preempted."""
-        while self.tables.extra_pages_needed(req.request_id, n) > self.tables.allocator.num_free:
-            victim = self.running[-1]
+        """Free pages for `n` more slots of `req` by preempting the newest (of those whose pages share its pool,
+        where the allocator has partitions); False if `req` was preempted."""
+        while not self.tables.fits(req.request_id, n):
+            victim = self._newest_in_pool_of(req)
             self.preempt(victim)
             out.preempted.append(victim.request_id)
             if victim is req:
                 return False
         return True
+
+    def _newest_in_pool_of(self, req: Request) -> Request:
+        alloc = self.tables.allocator
+        if alloc.partitions == 1:
+            return self.running[-1]
+        p = alloc.owner_partition(seq_owner(req.request_id))  # None: req holds no page yet, any pool serves
+        same = (r for r in reversed(self.running) if p is None or alloc.owner_partition(seq_owner(r.request_id)) == p)
+        return next(same, self.running[-1])
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -11,12 +11,20 @@ One owner may be a cache (`attach_cache`, the prefix cache in `prefix_cache.py`)
 holds is not in use but evictable. Such pages queue in least-recently-released order and count as free;
 `allocate()` evicts from the front of that queue (telling the cache, which forgets the page) when the free
 list runs short. A page any other owner still holds is never evicted.
+
+Partitions (`partitions` > 1: expert parallelism with data-parallel attention, where each attention rank holds
+its own page pool): page ids [p * P, (p + 1) * P) live in partition p's pool, and every owner but the cache
+keeps all of its pages in one partition -- the one of the pages it already holds (a shared cached prefix, a
+committed reservation), else the one with the most free pages when it first allocates. Free lists and eviction
+are per partition; `num_free_for(owner)` is what a check before `allocate` must read. One partition (the
+default) is the plain single pool.
 """
 from __future__ import annotations
 
 import secrets
 import time
 from collections import OrderedDict
+from itertools import islice
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,12 +47,19 @@ class Reservation:
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, clock: Clock = time.monotonic, remember_finished: int = 4096):
+    def __init__(self, num_pages: int, clock: Clock = time.monotonic, remember_finished: int = 4096,
+                 partitions: int = 1):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if partitions < 1 or num_pages % partitions:
+            raise ValueError(f"{partitions} partitions do not divide {num_pages} pages")
         self.num_pages = num_pages
         self.clock = clock
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self.partitions, self.partition_pages = partitions, num_pages // partitions
+        # per partition; pop() hands out low ids first
+        self._free: list[list[int]] = [list(range((p + 1) * self.partition_pages - 1, p * self.partition_pages - 1, -1))
+                                       for p in range(partitions)]
+        self._num_evictable = [0] * partitions
         self._owners: list[set[str]] = [set() for _ in range(num_pages)]
         self._owned: dict[str, set[int]] = {}
         self._reservations: dict[str, Reservation] = {}
@@ -75,8 +90,36 @@ class PageAllocator:
     # ---- plain pages -------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Pages an allocation can get now: the free list plus cache-only (evictable) pages."""
-        return len(self._free) + len(self._evictable)
+        """Pages free in all partitions: the free lists plus cache-only (evictable) pages (what one allocation can
+        get with one partition; with more, see `num_free_for`)."""
+        return sum(map(len, self._free)) + len(self._evictable)
+
+    def free_pages(self) -> list[int]:
+        """Every page on a free list (not the evictable ones), ascending."""
+        return sorted(p for free in self._free for p in free)
+
+    def partition_of(self, page: int) -> int:
+        return page // self.partition_pages
+
+    def owner_partition(self, owner: str) -> int | None:
+        """The partition `owner`'s pages live in; None while it holds none."""
+        pages = self._owned.get(owner)
+        return self.partition_of(next(iter(pages))) if pages else None
+
+    def num_free_in(self, partition: int) -> int:
+        return len(self._free[partition]) + self._num_evictable[partition]
+
+    def num_free_for(self, owner: str) -> int:
+        """Pages `allocate(owner, n)` can get now: its partition's free pages (the most any partition has, for
+        an owner holding none yet)."""
+        p = self.owner_partition(owner) if self.partitions > 1 else 0
+        return self.num_free_in(p) if p is not None else max(map(self.num_free_in, range(self.partitions)))
+
+    def _partition_for(self, owner: str) -> int:
+        p = self.owner_partition(owner) if self.partitions > 1 else 0
+        if p is None:  # a new owner: the partition with the most free pages (the lowest on a tie)
+            p = max(range(self.partitions), key=lambda q: (self.num_free_in(q), -q))
+        return p
 
     @property
     def num_in_use(self) -> int:
@@ -90,15 +133,16 @@ class PageAllocator:
     def is_evictable(self, page: int) -> bool:
         return page in self._evictable
 
-    def evict(self, n: int) -> int:
-        """Give up to `n` least recently released cache-only pages back to the free list; how many went."""
-        done = 0
-        while done < n and self._evictable:
-            page = next(iter(self._evictable))
+    def evict(self, n: int, partition: int | None = None) -> int:
+        """Give up to `n` least recently released cache-only pages (of `partition`, or any) back to the free
+        list; how many went."""
+        pool = iter(self._evictable) if partition is None or self.partitions == 1 else \
+            (p for p in self._evictable if self.partition_of(p) == partition)
+        pick = list(islice(pool, max(n, 0)))  # (taken first: eviction changes the queue)
+        for page in pick:
             self._on_evict(page)
             self._drop_ref(self._cache_owner, page)  # the last reference: the page is free now
-            done += 1
-        return done
+        return len(pick)
 
     def refcount(self, page: int) -> int:
         return len(self._owners[page])
@@ -109,10 +153,13 @@ class PageAllocator:
     def allocate(self, owner: str, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > self.num_free:
-            raise OutOfPagesError(f"need {n} pages, {self.num_free} free of {self.num_pages}")
-        self.evict(n - len(self._free))
-        pages = [self._free.pop() for _ in range(n)]
+        p = self._partition_for(owner)
+        if n > self.num_free_in(p):
+            where = f" in partition {p} of {self.partitions}" if self.partitions > 1 else ""
+            raise OutOfPagesError(f"need {n} pages, {self.num_free_in(p)} free{where} of {self.num_pages}")
+        free = self._free[p]
+        self.evict(n - len(free), p)
+        pages = [free.pop() for _ in range(n)]
         for p in pages:
             self._add_ref(owner, p)
         return pages
@@ -143,7 +190,13 @@ class PageAllocator:
 
     def _add_ref(self, owner: str, page: int) -> None:
         assert owner not in self._owners[page], f"{owner} already holds page {page}"
-        self._evictable.pop(page, None)  # someone besides the cache holds it again
+        if self.partitions > 1 and owner != self._cache_owner:
+            p = self.owner_partition(owner)
+            if p is not None and p != self.partition_of(page):
+                raise ValueError(f"{owner} holds pages of partition {p}, not page {page} of partition "
+                                 f"{self.partition_of(page)}: an owner's pages share one partition")
+        if self._evictable.pop(page, 0) is None:  # someone besides the cache holds it again
+            self._num_evictable[self.partition_of(page)] -= 1
         self._owners[page].add(owner)
         self._owned.setdefault(owner, set()).add(page)
 
@@ -156,11 +209,14 @@ class PageAllocator:
             del self._owned[owner]
         owners = self._owners[page]
         if not owners:
-            self._evictable.pop(page, None)
-            self._free.append(page)
+            if self._evictable.pop(page, 0) is None:
+                self._num_evictable[self.partition_of(page)] -= 1
+            self._free[self.partition_of(page)].append(page)
             for fn in self._on_free:
                 fn(page)
         elif self._cache_owner in owners and len(owners) == 1:
+            if page not in self._evictable:
+                self._num_evictable[self.partition_of(page)] += 1
             self._evictable[page] = None  # newest at the back: evicted last
         else:
             return

@@ -59,6 +59,10 @@ class BlockTables:
         have_slots = t.num_slots if t else 0
         return max(0, self.pages_for(have_slots + new_slots) - have_pages)
 
+    def fits(self, seq_id: str, new_slots: int) -> bool:
+        """Can `seq_id` grow by `new_slots` slots now (from its partition's pool, `PageAllocator`)?"""
+        return self.extra_pages_needed(seq_id, new_slots) <= self.allocator.num_free_for(seq_owner(seq_id))
+
     def append(self, seq_id: str, new_slots: int) -> BlockTable:
         """Grow the sequence by `new_slots` slots, allocating pages (OutOfPagesError if none)."""
         t = self._tables.get(seq_id) or self._new(seq_id, [], 0)

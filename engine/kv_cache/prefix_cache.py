@@ -188,9 +188,9 @@ class PrefixSharing:
         """Would admitting `req` with `n` new tokens (after the hit) need more pages than are free?"""
         alloc = self.tables.allocator
         if hit is None or not hit.pages:
-            return self.tables.extra_pages_needed(req.request_id, n) > alloc.num_free
+            return not self.tables.fits(req.request_id, n)
         need = self.tables.pages_for(len(hit.pages) * self.page_size + n) - len(hit.pages)
-        return need + hit.num_evictable > alloc.num_free
+        return need + hit.num_evictable > alloc.num_free_in(alloc.partition_of(hit.pages[0]))  # the hit's pool
 
     def admit(self, req: Request, hit: PrefixHit | None) -> int:
         """Share the hit into `req`'s new block table; how many of its tokens need no computing."""

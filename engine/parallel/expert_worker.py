@@ -1,5 +1,11 @@
 """`ExpertWorker`: one expert-parallel rank of a replica -- the whole attention and dense parts, its block of
-every MoE layer's experts, a whole page pool.
+every MoE layer's experts, a page pool.
+
+Data-parallel attention (`ExpertSpec.attention == "data"`, the default the driver picks without TP,
+`tp_runner.EPDataRunner`): the rank's pool is its share of the replica's pages, each step brings only the
+sequences whose pages are here (in local page numbers; possibly none), and every MoE layer sends this rank's
+tokens to the ranks of their experts and back (`dispatch.AllToAllDispatch`; a step with no rows still joins
+every exchange). The rank samples its own rows and returns its output. What follows is the replicated layout.
 
 Life cycle, as `RankWorker`'s: the launcher (`launcher.py`, inside a Ray actor in `cluster/`) builds it from
 an `ExpertSpec` in the rank's own process -> `__init__` joins the process group (gloo on CPU, NCCL on CUDA),
@@ -17,7 +23,7 @@ with every expert split by its width as a TP rank's; attention and dense layers 
 (`all_reduce`, a gloo/NCCL subgroup), the MoE output over all size x tp ranks (`expert_reduce`: the world), one
 all-reduce each as before. Every group holds the whole replica's KV, each rank its TP heads of it.
 
-Why an all-reduce, not all-to-all dispatch/combine: with attention replicated, every rank already holds every
+Why an all-reduce there, not all-to-all dispatch/combine: with attention replicated, every rank already holds every
 token's hidden state, so there is nothing to dispatch; the combine is a sum. Each rank's KV is the whole
 replica's, so KV written into any rank's pool is written into all of them (`kv_io.py`: exported from rank
 0, imported everywhere).
@@ -38,6 +44,7 @@ from engine.kv_cache.backend import make_backend, torch_dtype
 from engine.kv_cache.spec import KVPageSpec
 from engine.loader import load_config
 from engine.model import LlamaForward
+from engine.parallel.dispatch import AllToAllDispatch
 from engine.parallel.experts import expert_slice, rank_experts
 from engine.parallel.rank_worker import KVPoolIO, close_group, init_group, rank_device, without_logits
 from engine.parallel.shard import local_config, shard_kv_spec, take_parts, weight_parts
@@ -58,6 +65,9 @@ class ExpertSpec:
     device: str = "cpu"  # "cuda": rank r uses cuda:r and NCCL ("cuda:N": that device)
     timeout_s: float = 300.0
     tp: int = 1  # tensor-parallel ranks per expert group; `rank` is then the world rank e * tp + t
+    # "replicated": every rank attends every sequence (its pool the replica's whole KV); "data": each rank
+    # attends its own sequences (its pool its share of the replica's pages) and MoE layers exchange tokens
+    attention: str = "replicated"
 
 
 def load_expert_shard(model_dir: str | Path, experts: range, cfg: ModelConfig | None = None, tp_rank: int = 0,
@@ -81,14 +91,14 @@ def load_expert_shard(model_dir: str | Path, experts: range, cfg: ModelConfig | 
 
 def expert_model(model_dir: str | Path, cfg: ModelConfig, dtype: str, rank: int, size: int,
                  device: torch.device | str = "cpu", expert_reduce=None, tp_rank: int = 0, tp: int = 1,
-                 all_reduce=None) -> LlamaForward:
+                 all_reduce=None, expert_dispatch=None) -> LlamaForward:
     """Expert rank `rank` of `size`'s forward: its block of experts; the attention and dense parts whole, or
     with `tp` > 1 TP rank `tp_rank`'s shard of them and of each expert (`all_reduce` over its TP group)."""
     experts = rank_experts(cfg, rank, size)
     weights = load_expert_shard(model_dir, experts, cfg, tp_rank, tp)
     local = local_config(cfg, tp_rank, tp) if tp > 1 else cfg
     return LlamaForward(local, weights, torch_dtype(dtype), device, all_reduce=all_reduce, experts=experts,
-                        expert_reduce=expert_reduce)
+                        expert_reduce=expert_reduce, expert_dispatch=expert_dispatch)
 
 
 class ExpertWorker(KVPoolIO):
@@ -105,8 +115,12 @@ class ExpertWorker(KVPoolIO):
         self._tp_group = None
         if tp > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
             self._tp_group = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(spec.size)][group]
-        self.model = expert_model(spec.model_dir, cfg, spec.dtype, group, spec.size, self.device, self._all_reduce,
-                                  t, tp, self._tp_all_reduce if tp > 1 else None)
+        self.dispatch = None
+        if spec.attention == "data":  # (tp == 1: the runner refuses data-parallel attention over TP groups)
+            self.dispatch = AllToAllDispatch(spec.rank, spec.size, cfg.moe.num_experts // spec.size)
+        self.model = expert_model(spec.model_dir, cfg, spec.dtype, group, spec.size, self.device,
+                                  None if self.dispatch else self._all_reduce, t, tp,
+                                  self._tp_all_reduce if tp > 1 else None, self.dispatch)
         self.kv_spec = shard_kv_spec(spec.kv_spec, t, tp) if tp > 1 else spec.kv_spec
         self.backend = make_backend(self.kv_spec, spec.num_pages, self.device)
         self.runner = ModelRunner(self.model, self.backend, self.kv_spec.page_size)
@@ -121,7 +135,14 @@ class ExpertWorker(KVPoolIO):
         return t
 
     def execute(self, batch: StepBatch) -> StepOutput | None:
-        """Run one step (all tokens' attention, this rank's experts); rank 0 returns the output."""
+        """Run one step (all tokens' attention, this rank's experts); rank 0 returns the output. With data-parallel
+        attention: this rank's sequences (none: it only serves the others' tokens their experts), its output."""
+        if self.dispatch is not None:
+            if not batch.seqs:
+                moe = [lw.moe for lw in self.model.layers if lw.moe is not None]
+                self.dispatch.idle(moe, self.model.cfg.hidden_size, self.model.dtype, self.device)
+                return None
+            return self.runner.execute(batch)
         out = self.runner.execute(batch if self.rank == 0 else without_logits(batch))
         return out if self.rank == 0 else None
 

@@ -8,7 +8,8 @@ Who calls: `kv_transfer.sender.KVSender` (a parallel prefill, once HELD), `kv_tr
 that holds any of its heads: the ranks whose heads overlap (each replica of a replicated head gets its
 copy) or the stage that holds the layer.
 One process: the engine's own backend. Tensor parallel: one export per distinct head group (the first
-replica), in parallel across ranks. Pipeline parallel: each stage exports its layers. Bytes are the
+replica), in parallel across ranks. Pipeline parallel: each stage exports its layers. Expert parallel with
+data-parallel attention: the one rank whose pool holds the request's pages, in that pool's page numbers. Bytes are the
 pool's stored cells (`KVPageSpec` storage format), never re-encoded; pages are each side's own.
 """
 from __future__ import annotations
@@ -28,10 +29,17 @@ class HeadChunk:
     v: bytes
 
 
-def _holders(llm) -> list[tuple[int | None, range, range]]:
+def _holders(llm, pages: list[int]) -> list[tuple[int | None, range, range, list[int]]]:
+    """(rank or None for the engine's own pool, global KV heads, global layers, the page table as that pool
+    numbers it) of every pool holding some of a request's KV."""
+    every = (range(llm.kv_spec.num_kv_heads), range(llm.kv_spec.num_layers))
     if llm.backend is not None:  # one process: its own pool holds everything
-        return [(None, range(llm.kv_spec.num_kv_heads), range(llm.kv_spec.num_layers))]
-    return llm.runner.holders()
+        return [(None, *every, pages)]
+    locate = getattr(llm.runner, "locate_pages", None)
+    if locate is not None:  # expert ranks with data-parallel attention: one rank holds the request, in its numbers
+        rank, local = locate(pages)
+        return [(rank, *every, local)]
+    return [(rank, heads, layers, pages) for rank, heads, layers in llm.runner.holders()]
 
 
 def export_heads(llm, layers: list[int], pages: list[int], start: int, stop: int) -> list[HeadChunk]:
@@ -41,12 +49,12 @@ def export_heads(llm, layers: list[int], pages: list[int], start: int, stop: int
         return [HeadChunk(layer, heads, *(bytes(b) for b in export_kv(llm.backend, layer, pages, start, stop)))
                 for layer in layers]
     calls, seen = {}, set()
-    for rank, heads, held in llm.runner.holders():
+    for rank, heads, held, local in _holders(llm, pages):
         mine = [layer for layer in layers if layer in held]
         if mine and (heads.start, heads.stop, held.start) not in seen:  # skip replicas of a head group
             seen.add((heads.start, heads.stop, held.start))
-            calls[rank] = (heads, mine)
-    replies = llm.runner.ranks.call_some("export_kv", {r: (mine, pages, start, stop) for r, (_, mine) in calls.items()})
+            calls[rank] = (heads, mine, local)
+    replies = llm.runner.ranks.call_some("export_kv", {r: (mine, local, start, stop) for r, (_, mine, local) in calls.items()})
     return [HeadChunk(layer, calls[r][0], k, v) for r, per_layer in replies.items()
             for layer, (k, v) in zip(calls[r][1], per_layer)]
 
@@ -62,13 +70,13 @@ def import_heads(llm, chunk: HeadChunk, pages: list[int], start: int, stop: int)
     its heads for its layer (local head offsets computed here)."""
     n, cell = stop - start, llm.kv_spec.token_head_bytes()
     calls = {}
-    for rank, heads, held in _holders(llm):
+    for rank, heads, held, local in _holders(llm, pages):
         lo, hi = max(heads.start, chunk.heads.start), min(heads.stop, chunk.heads.stop)
         if chunk.layer not in held or lo >= hi:
             continue
         payload = (_heads_slice(chunk.k, n, chunk.heads, lo, hi, cell)
                    + _heads_slice(chunk.v, n, chunk.heads, lo, hi, cell))
-        args = (chunk.layer, pages, start, stop, payload, lo - heads.start, hi - heads.start)
+        args = (chunk.layer, local, start, stop, payload, lo - heads.start, hi - heads.start)
         if rank is None:
             import_kv(llm.backend, *args)
         else:

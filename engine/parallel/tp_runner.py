@@ -5,17 +5,19 @@ parallel), `PPRunner` (pipeline parallel) and `EPRunner` (expert parallel).
 (`make_parallel_runner`) in place of `ModelRunner`; the scheduler, the page allocator and the block tables
 stay in the driver, unchanged. Per step: `execute(batch)` sends the `StepBatch` (plain data) to the N processes of
 `RankProcesses` — the output rank (TP, EP: rank 0; PP: the last stage) the whole batch, the others a copy
-without logits rows or sampling — and returns the output rank's `StepOutput`. `close()` (also run by
+without logits rows or sampling — and returns the output rank's `StepOutput`; `EPDataRunner` (expert parallelism
+with data-parallel attention) instead sends each rank its own sequences and merges their outputs. `close()` (also run by
 `LLM.close()` and at interpreter exit) shuts the processes down. `check_supported` validates the degrees
 and names the `LLM` options that cannot run across processes yet, before anything is loaded or started.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from engine.batch import PendingStep, StepBatch, StepOutput
+from engine.batch import PendingStep, SeqStep, StepBatch, StepOutput
 from engine.config import ModelConfig
 from engine.kv_cache.spec import KVPageSpec
 from engine.parallel.errors import UnsupportedWithParallelError
@@ -29,8 +31,11 @@ from engine.parallel.validate import check_supported, validate_ep  # noqa: F401 
 
 
 def make_parallel_runner(model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec,
-                         num_pages: int, tp: int, pp: int, device: str = "cpu", ep: int = 1):
+                         num_pages: int, tp: int, pp: int, device: str = "cpu", ep: int = 1,
+                         expert_attention: str = "replicated"):
     check_supported(cfg, tp, pp=pp, ep=ep)
+    if ep > 1 and expert_attention == "data":
+        return EPDataRunner(model_dir, cfg, dtype, kv_spec, num_pages, ep, device)
     if ep > 1:
         return EPRunner(model_dir, cfg, dtype, kv_spec, num_pages, ep, device, tp)
     if pp > 1:
@@ -144,3 +149,42 @@ class EPRunner(_ParallelRunner):
         its TP heads)."""
         layers = range(self.kv_spec.num_layers)
         return [(r, kv_head_range(self.kv_spec.num_kv_heads, r % self.tp, self.tp), layers) for r in range(self.size)]
+
+
+class EPDataRunner(_ParallelRunner):
+    """Expert ranks with data-parallel attention (`expert_worker.py`, `dispatch.py`): rank r holds pages
+    [r * P, (r + 1) * P) of the replica's `num_pages` (its partition of the driver's `PageAllocator`, P = num_pages
+    / size, as local pages 0..P-1), attends the sequences whose pages are there, and trades tokens with the other
+    ranks in every MoE layer. Per step each rank gets its own rows (none: it still serves the others' tokens), and
+    answers with their outputs, merged here in the batch's order. KV in and out goes to the one rank holding a
+    request's pages (`locate_pages`, read by `kv_io.py`)."""
+
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec, num_pages: int,
+                 size: int, device: str = "cpu"):
+        validate_ep(cfg, size)
+        if num_pages % size:
+            raise ValueError(f"{num_pages} pages do not split over {size} expert ranks")
+        self.rank_pages = num_pages // size
+        init = f"tcp://127.0.0.1:{free_port()}"
+        specs = [ExpertSpec(str(model_dir), dtype, r, size, init, kv_spec, self.rank_pages, device, attention="data")
+                 for r in range(size)]
+        super().__init__(kv_spec, size, specs)
+
+    def locate_pages(self, pages: list[int]) -> tuple[int, list[int]]:
+        """(rank, its local page ids) of a page table (all of a sequence's pages are in one partition)."""
+        rank = pages[0] // self.rank_pages
+        local = [p - rank * self.rank_pages for p in pages]
+        assert all(0 <= p < self.rank_pages for p in local), "a page table spans two expert ranks' pools"
+        return rank, local
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        assert batch.seqs, "empty step batch"
+        if batch.observe:
+            raise UnsupportedWithParallelError("StepBatch.observe", "attention observation")
+        parts: list[list[SeqStep]] = [[] for _ in range(self.size)]
+        for s in batch.seqs:
+            rank, local = self.locate_pages(s.pages)
+            parts[rank].append(replace(s, pages=local))
+        replies = self.ranks.call([replace(batch, seqs=seqs) for seqs in parts])
+        results = {r.request_id: r for reply in replies if reply is not None for r in output_from_wire(reply).results}
+        return StepOutput([results[s.request_id] for s in batch.seqs])

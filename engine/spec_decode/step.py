@@ -217,11 +217,11 @@ class SpecDecoder:
         return drafts
 
     def _reserve_slots(self, cands, drafts: dict[str, list[int]], budget: int) -> dict[str, list[int]]:
-        tables, alloc, out = self.llm.tables, self.llm.allocator, {}
+        tables, out = self.llm.tables, {}
         for c in cands:
             rid = c.request.request_id
             n = min(len(drafts.get(rid, ())), max(budget, 0))
-            while n and tables.extra_pages_needed(rid, n) > alloc.num_free:
+            while n and not tables.fits(rid, n):
                 n -= 1
             if n:
                 tables.append(rid, n)

@@ -4,8 +4,10 @@ PP=2 (each stage holds whole layers, experts included) and at EP=2 (each rank ha
 the attention and dense layers whole; Qwen3-MoE with a dense layer 0 and fused expert tensors, Mixtral sharded
 one by one) are greedy-equal to one process with logits within 1e-4, four ragged prompts
 together (chunked prefill beside decodes) and then one alone; every rank process is reaped; in bf16 (the
-experts' partial sums all-reduced in bf16) EP=2's first-token logits stay within the MoE tests' bf16 tolerance of
-float32's. Qwen3-MoE (fused experts, dense layer 0) and Mixtral (experts one by one, sharded files) at TP=2
+experts' partial sums added in bf16) EP=2's first-token logits stay within the MoE tests' bf16 tolerance of
+float32's. EP=2 attends data-parallel by default (each rank its own sequences and half the pages, tokens sent to
+their experts' ranks: the four prompts run on both ranks, the one alone leaves the other rank idle, a request
+longer than one rank's pool is refused), and `expert_attention="replicated"` gives the same tokens. Qwen3-MoE (fused experts, dense layer 0) and Mixtral (experts one by one, sharded files) at TP=2
 (heads split, every expert split by its intermediate width, the router whole, MoE partial sums reduced by the
 dense MLP's all-reduce) are greedy-equal to one process the same way; Qwen3-MoE at TP=2 in bf16 stays within
 the bf16 bound. EP=2 x TP=2 (two expert groups of two TP ranks) is greedy-equal too. KV between EP / TP=2 and
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from tests.conftest import assert_engine_empty
 from tests.parallel_helpers import BATCHING, PROMPTS, assert_parallel_equal, assert_ranks_gone, generate
@@ -71,3 +74,31 @@ def test_moe_ep2_by_tp2_equals_one_process(tmp_path):
     the MoE outputs over all four."""
     d = write_tiny_moe("qwen3_moe", tmp_path / "qwen3_moe", **EP_MODELS["qwen3_moe"])
     assert_parallel_equal(d, PROMPTS, GREEDY, tensor_parallel_size=2, expert_parallel_size=2)
+
+
+def test_ep2_attends_data_parallel_by_default_and_replicated_on_request(tmp_path):
+    """expert_parallel_size=2 attends data-parallel by default (as the planner prices EP): the replica's 96 pages
+    are two pools of 48, one a rank; the four prompts run on both ranks (some step has rows of both), a request
+    longer than one rank's pool is refused although the replica's pages would hold it, and the replicated layout
+    (`expert_attention="replicated"`: every rank attends every sequence) gives the same tokens."""
+    d = write_tiny_moe("mixtral", tmp_path / "mixtral", **EP_MODELS["mixtral"])
+    with LLM(model=str(d), dtype="float32", expert_parallel_size=2, **BATCHING) as llm:
+        assert llm.expert_attention == "data" and llm.allocator.partitions == 2 and llm.runner.rank_pages == 48
+        ranks, execute = [], llm.runner.execute
+
+        def spy(batch):
+            ranks.append({llm.runner.locate_pages(s.pages)[0] for s in batch.seqs})
+            return execute(batch)
+
+        llm.runner.execute = spy
+        data = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert {0, 1} in ranks
+        with pytest.raises(InvalidRequestError, match="KV pool of 192 tokens"):
+            llm.generate([[5] * 150], SamplingParams(max_tokens=50))
+        assert_engine_empty(llm)
+    assert_ranks_gone(llm)
+    with LLM(model=str(d), dtype="float32", expert_parallel_size=2, expert_attention="replicated", **BATCHING) as rep:
+        assert rep.expert_attention == "replicated" and rep.allocator.partitions == 1
+        assert [o.token_ids for o in rep.generate(PROMPTS, GREEDY)] == data
+        assert_engine_empty(rep)
+    assert_ranks_gone(rep)

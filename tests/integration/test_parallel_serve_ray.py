@@ -75,7 +75,7 @@ async def _serve(router, spec, prompts, ref) -> dict[str, list[int]]:
 @pytest.mark.parametrize("prefill, decode", [
     ({"tensor_parallel": 2, "placement": "strict_pack"}, {}),  # the layout: TP=2 -> TP=1
     ({"pipeline_parallel": 2}, {"tensor_parallel": 2, "placement": "strict_pack"}),  # chunks into 2 ranks
-    ({}, {"expert_parallel": 2, "placement": "strict_pack"}),  # MoE: each chunk into both expert ranks
+    ({}, {"expert_parallel": 2, "placement": "strict_pack"}),  # MoE: each request's chunks into the rank of its pages
 ], ids=["prefill-tp2-strict-decode-tp1", "prefill-pp2-decode-tp2-strict", "moe-prefill-decode-ep2-strict"])
 def test_serve_parallel_pools_greedy_equal_and_ranks_gone(ray_session, tmp_path, prefill, decode):
     import ray

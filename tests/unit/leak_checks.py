@@ -13,8 +13,8 @@ def assert_allocator_empty(alloc) -> None:
     assert alloc.num_reservations == 0, f"{alloc.num_reservations} reservations still live"
     assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
     # Private bookkeeping, checked (while it exists) because a leak there is invisible to the counters.
-    if hasattr(alloc, "_free"):
-        assert sorted(alloc._free) == list(range(alloc.num_pages)), "free list lost or duplicated a page"
+    if hasattr(alloc, "free_pages"):
+        assert alloc.free_pages() == list(range(alloc.num_pages)), "free list lost or duplicated a page"
     if hasattr(alloc, "_owned"):
         assert not alloc._owned, f"owners left: {sorted(alloc._owned)}"
 

@@ -325,7 +325,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def pages_add_up(self):
         assert self.alloc.num_free + self.alloc.num_in_use == NUM_PAGES
-        free = self.alloc._free
+        free = self.alloc.free_pages()
         assert len(free) == len(set(free)) == self.alloc.num_free
         for p in range(NUM_PAGES):
             owners = self._owners_of(p)

@@ -1,6 +1,7 @@
 """Expert parallelism's parts without rank processes (issue 35): which experts a rank holds and reads, each
 MoE implementation's rank partials summing to the whole layer, a rank's weight bytes, the refusals (a dense
-model, a degree that does not divide the experts, EP with PP, speculation), and the cluster spec serving
+model, a degree that does not divide the experts, EP with PP, speculation, an attention layout not built), and
+the cluster spec serving
 `expert_parallel` for an MoE model (`pdserve validate` accepts it) and refusing it for a dense one. The ranks
 themselves run in tests/integration/test_moe_parallel.py."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ from engine.moe import IMPLS, moe_forward, route
 from engine.parallel.errors import ParallelConfigError, UnsupportedWithParallelError
 from engine.parallel.expert_worker import expert_model
 from engine.parallel.experts import expert_range, expert_slice
-from engine.parallel.validate import check_supported, parallel_problems
+from engine.parallel.validate import check_supported, expert_attention_of, parallel_problems
 from tests.tiny_moe_models import write_tiny_moe
 
 ARCHS = {"qwen3_moe": {"original_format": False}, "mixtral": {}}  # fused [E, ...] experts / one by one
@@ -95,6 +96,14 @@ def test_refusals_are_typed_and_come_before_any_rank_starts(models, tiny_dir):
     with pytest.raises(ParallelConfigError, match="positive integer"):
         check_supported(cfg, 1, ep=0)
     check_supported(cfg, 1, ep=8)  # one expert per rank
+    with pytest.raises(ParallelConfigError, match="name one of auto, data, replicated") as e:
+        LLM(model=moe, dtype="float32", expert_attention="sharded")
+    assert e.value.field == "expert_attention"
+    with pytest.raises(UnsupportedWithParallelError, match="'data' over expert groups") as e:
+        LLM(model=moe, dtype="float32", expert_parallel_size=2, tensor_parallel_size=2, expert_attention="data")
+    assert e.value.field == "expert_attention"
+    # data-parallel attention by default; expert groups of TP ranks attend replicated
+    assert [expert_attention_of("auto", tp, ep) for tp, ep in ((1, 1), (1, 2), (2, 2))] == [None, "data", "replicated"]
 
 
 def _spec(model, decode: dict) -> dict:

@@ -276,11 +276,11 @@ class PrefixMachine(RuleBasedStateMachine):
         for p in range(NUM_PAGES):
             only_cache = a.refcount(p) == 1 and p in cached
             assert a.is_evictable(p) == only_cache
-        assert a.num_free == len(a._free) + a.num_evictable and a.num_in_use + a.num_free == NUM_PAGES
-        assert not set(a._free) & (cached | set(self.other))
+        assert a.num_free == len(a.free_pages()) + a.num_evictable and a.num_in_use + a.num_free == NUM_PAGES
+        assert not set(a.free_pages()) & (cached | set(self.other))
         for rid, req in self.reqs.items():
             pages = self.tables.get(rid).pages
-            assert a.pages_of(seq_owner(rid)) == set(pages) and not set(a._free) & set(pages)
+            assert a.pages_of(seq_owner(rid)) == set(pages) and not set(a.free_pages()) & set(pages)
             assert not any(a.is_evictable(p) for p in pages)
 
     def teardown(self):

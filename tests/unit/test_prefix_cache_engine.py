@@ -51,7 +51,7 @@ def make(tiny_dir, cache: bool, **kw):
 def check_pages_safe(llm: LLM) -> None:
     """Every page a live request lists is held by it, not free and not evictable; cache maps agree."""
     a, s = llm.allocator, llm.scheduler
-    free = set(a._free)
+    free = set(a.free_pages())
     for req in list(s.running) + list(s.held.values()):
         pages = llm.tables.get(req.request_id).pages
         assert set(pages) <= a.pages_of(seq_owner(req.request_id))
@@ -79,7 +79,7 @@ def assert_only_cache_left(llm: LLM) -> None:
     """After the work: nothing in use, only (evictable) cache pages; a reset empties the pool."""
     assert_engine_empty(llm)
     u = llm.kv_usage()
-    assert u["cached_pages"] == u["evictable_pages"] == llm.allocator.num_pages - len(llm.allocator._free)
+    assert u["cached_pages"] == u["evictable_pages"] == llm.allocator.num_pages - len(llm.allocator.free_pages())
     llm.reset_prefix_cache()
     assert llm.kv_usage()["cached_pages"] == 0
     assert_scheduler_empty(llm.scheduler)

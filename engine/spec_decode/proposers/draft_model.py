@@ -88,7 +88,7 @@ class DraftModelProposer(Proposer):
         return p
 
     def _grow(self, rid: str, n: int) -> bool:
-        if self.tables.extra_pages_needed(rid, n) > self.llm.allocator.num_free:
+        if not self.tables.fits(rid, n):
             self.release(rid)
             return False
         self.tables.append(rid, n)

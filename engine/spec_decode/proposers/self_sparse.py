@@ -113,7 +113,7 @@ class SelfSparseProposer(Proposer):
 
     def _grow(self, r: _Row) -> bool:
         rid = r.state.request_id
-        if self.tables.extra_pages_needed(rid, 1) > self.allocator.num_free:
+        if not self.tables.fits(rid, 1):
             return False
         self.tables.append(rid, 1)
         return True
