@@ -38,8 +38,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1  # MoE models: experts split over this many ranks (or groups of TP ranks)
-    # how expert ranks attend: "data" (each its own sequences and its share of num_pages; tokens go to their
-    # experts' ranks and back), "replicated" (each every sequence, the whole KV), "auto": data without TP
+    # how expert ranks attend: "data" (each rank, or group of TP ranks, its own sequences and its share of
+    # num_pages; tokens go to their experts' ranks and back), "replicated" (each every sequence, the whole KV);
+    # "auto": data
     expert_attention: str = "auto"
 
     @staticmethod

@@ -169,9 +169,10 @@ class LlamaForward:
         """The MoE MLP's whole output [num_tokens, hidden] on every rank. A TP rank's experts and shared expert
         hold its slice of their width, an EP rank its block of experts: partial sums, reduced here. With
         data-parallel attention the rank's own tokens go to the ranks of their experts and come back summed."""
-        if self.expert_dispatch is not None:
-            y, s = self.expert_dispatch(layer, h), shared_forward(layer, h)  # the shared expert whole, added after
-            return y if s is None else y + s
+        if self.expert_dispatch is not None:  # the shared expert whole (or this TP rank's slice), added after
+            y, s = self.expert_dispatch(layer, h), shared_forward(layer, h)
+            y = y if s is None else y + s
+            return y if self.all_reduce is None else self.all_reduce(y)  # EP x TP: the width slices summed
         if self.expert_reduce is None and self.all_reduce is None:
             return moe_forward(layer, h)
         y = routed_forward(layer, h)  # [num_tokens, hidden]: this rank's part

@@ -67,3 +67,22 @@ def tp_forward(cfg, full: dict, spec: KVPageSpec, ids: list[int], size: int) -> 
         return run_forward(model, shard_kv_spec(spec, r, size), ids)
 
     return sharded_forward(size, rank_logits)
+
+
+class ThreadAllToAll:
+    """`torch.distributed.all_to_all_single` with split sizes over `n` threads: each rank calls its own
+    `for_rank(r)` callable (`engine.parallel.dispatch.AllToAll`)."""
+
+    def __init__(self, n: int):
+        self.chunks: list[list[torch.Tensor] | None] = [None] * n
+        self.barrier = threading.Barrier(n)
+
+    def for_rank(self, rank: int):
+        def all_to_all(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+            self.chunks[rank] = list(x.split(in_splits))
+            self.barrier.wait()
+            got = [self.chunks[src][rank] for src in range(len(self.chunks))]
+            assert [len(g) for g in got] == out_splits, "the receiver's splits disagree with what was sent"
+            out.copy_(torch.cat(got))
+            self.barrier.wait()  # everyone has read the chunks before the next call overwrites them
+        return all_to_all

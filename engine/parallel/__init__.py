@@ -10,10 +10,11 @@ ids (expert ranks with data-parallel attention: each its own rows, its partition
 - `stage_worker.py`: `StageWorker`, one pipeline stage (its layers, hidden states to the next stage,
   micro-batches in flight).
 - `expert_worker.py`: `ExpertWorker`, one expert-parallel rank (the whole attention, its block of every MoE
-  layer's experts). Data-parallel attention (the default): its own sequences in its own page pool (a partition
-  of the driver's allocator, `EPDataRunner`), tokens sent to their experts' ranks and back (`dispatch.py`,
-  `AllToAllDispatch`). Replicated: every sequence, the replica's whole KV, partial MoE outputs all-reduced;
-  with TP, one rank of an expert group of TP ranks (its heads and slices, attention reduced within the group).
+  layer's experts); with TP, one rank of an expert group of TP ranks (its heads and slices, attention reduced
+  within the group). Data-parallel attention (the default): the group's own sequences in its own page pool (a
+  partition of the driver's allocator, `EPDataRunner`), tokens sent to their experts' groups and back
+  (`dispatch.py`, `AllToAllDispatch`). Replicated: every sequence, the replica's whole KV, partial MoE outputs
+  all-reduced.
 - `shard.py` / `stages.py` / `experts.py`: pure functions: which heads / layers / experts a rank holds (KV-head
   replication when TP exceeds the KV heads), which weights it reads, its `KVPageSpec`, validation with typed errors.
 - `kv_io.py`: a request's KV out of / into a replica of any layout by (layer, KV-head range, tokens),

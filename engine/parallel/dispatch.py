@@ -15,21 +15,30 @@ other ranks' tokens may need its experts. Collectives: `torch.distributed.all_to
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
 from engine.moe import IMPLS, MoELayer, moe_choice, route
 
 
+AllToAll = Callable[[torch.Tensor, torch.Tensor, list[int], list[int]], None]  # (out, in, out splits, in splits)
+
+
 class AllToAllDispatch:
-    def __init__(self, rank: int, size: int, experts_per_rank: int, group=None):
-        self.rank, self.size, self.per_rank, self.group = rank, size, experts_per_rank, group
+    """`rank` of `size` ranks trading tokens (its index in `group`), each holding `experts_per_rank` experts in
+    rank order; `all_to_all` replaces torch.distributed's in tests (ranks as threads)."""
+
+    def __init__(self, rank: int, size: int, experts_per_rank: int, group=None, all_to_all: AllToAll | None = None):
+        self.rank, self.size, self.per_rank = rank, size, experts_per_rank
+        self.all_to_all = all_to_all or (lambda out, x, o, i: dist.all_to_all_single(out, x, o, i, group=group))
 
     def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """Rows of `x` split by `send` (counts per destination rank, in rank order) -> the rows every rank sent
         here, by source rank."""
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+        self.all_to_all(out, x.contiguous(), recv, send)
         return out
 
     def __call__(self, layer: MoELayer, h: torch.Tensor) -> torch.Tensor:
@@ -39,10 +48,8 @@ class AllToAllDispatch:
         owner = ids // self.per_rank  # the rank holding each assignment's expert
         picks = [(owner == r).any(dim=1).nonzero().squeeze(1) for r in range(self.size)]  # tokens per rank
         send = [len(p) for p in picks]
-        counts = torch.tensor(send, dtype=torch.int64, device=h.device)
-        got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=self.group)  # how many rows each rank sends here
-        recv = got.tolist()
+        ones = [1] * self.size
+        recv = self._exchange(torch.tensor(send, device=h.device), ones, ones).tolist()  # rows each rank sends here
         tokens = torch.cat(picks)  # [sent rows]: token of each row sent, by destination rank
         x = self._exchange(h.index_select(0, tokens), send, recv)
         their_ids = self._exchange(ids.index_select(0, tokens), send, recv)

@@ -5,7 +5,10 @@ Data-parallel attention (`ExpertSpec.attention == "data"`, the default the drive
 `tp_runner.EPDataRunner`): the rank's pool is its share of the replica's pages, each step brings only the
 sequences whose pages are here (in local page numbers; possibly none), and every MoE layer sends this rank's
 tokens to the ranks of their experts and back (`dispatch.AllToAllDispatch`; a step with no rows still joins
-every exchange). The rank samples its own rows and returns its output. What follows is the replicated layout.
+every exchange). The rank samples its own rows and returns its output. With TP (`tp` > 1) a group of TP ranks
+attends its sequences (each rank its heads, reduced in the group); rank (e, t) trades tokens with the ranks (e', t)
+of the other groups, which hold TP slice t of their experts, and the group's all-reduce then sums the slices
+(`LlamaForward._moe`); rank t = 0 of a group samples and answers. What follows is the replicated layout.
 
 Life cycle, as `RankWorker`'s: the launcher (`launcher.py`, inside a Ray actor in `cluster/`) builds it from
 an `ExpertSpec` in the rank's own process -> `__init__` joins the process group (gloo on CPU, NCCL on CUDA),
@@ -115,9 +118,10 @@ class ExpertWorker(KVPoolIO):
         self._tp_group = None
         if tp > 1:  # every rank creates every group, in the same order (torch.distributed's rule)
             self._tp_group = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(spec.size)][group]
-        self.dispatch = None
-        if spec.attention == "data":  # (tp == 1: the runner refuses data-parallel attention over TP groups)
-            self.dispatch = AllToAllDispatch(spec.rank, spec.size, cfg.moe.num_experts // spec.size)
+        self.dispatch, self.tp_rank = None, t
+        if spec.attention == "data":  # tokens trade between the ranks of one TP index t, one in each group
+            ep_groups = [dist.new_group([e * tp + u for e in range(spec.size)]) for u in range(tp)] if tp > 1 else [None]
+            self.dispatch = AllToAllDispatch(group, spec.size, cfg.moe.num_experts // spec.size, ep_groups[t])
         self.model = expert_model(spec.model_dir, cfg, spec.dtype, group, spec.size, self.device,
                                   None if self.dispatch else self._all_reduce, t, tp,
                                   self._tp_all_reduce if tp > 1 else None, self.dispatch)
@@ -137,12 +141,13 @@ class ExpertWorker(KVPoolIO):
     def execute(self, batch: StepBatch) -> StepOutput | None:
         """Run one step (all tokens' attention, this rank's experts); rank 0 returns the output. With data-parallel
         attention: this rank's sequences (none: it only serves the others' tokens their experts), its output."""
-        if self.dispatch is not None:
+        if self.dispatch is not None:  # (TP ranks t > 0 of a group get its rows without logits)
             if not batch.seqs:
                 moe = [lw.moe for lw in self.model.layers if lw.moe is not None]
                 self.dispatch.idle(moe, self.model.cfg.hidden_size, self.model.dtype, self.device)
                 return None
-            return self.runner.execute(batch)
+            out = self.runner.execute(batch)
+            return out if self.tp_rank == 0 else None
         out = self.runner.execute(batch if self.rank == 0 else without_logits(batch))
         return out if self.rank == 0 else None
 

@@ -9,7 +9,8 @@ that holds any of its heads: the ranks whose heads overlap (each replica of a re
 copy) or the stage that holds the layer.
 One process: the engine's own backend. Tensor parallel: one export per distinct head group (the first
 replica), in parallel across ranks. Pipeline parallel: each stage exports its layers. Expert parallel with
-data-parallel attention: the one rank whose pool holds the request's pages, in that pool's page numbers. Bytes are the
+data-parallel attention: the one expert group whose pools hold the request's pages (each of its TP ranks its
+heads), in that pool's page numbers. Bytes are the
 pool's stored cells (`KVPageSpec` storage format), never re-encoded; pages are each side's own.
 """
 from __future__ import annotations
@@ -35,10 +36,9 @@ def _holders(llm, pages: list[int]) -> list[tuple[int | None, range, range, list
     every = (range(llm.kv_spec.num_kv_heads), range(llm.kv_spec.num_layers))
     if llm.backend is not None:  # one process: its own pool holds everything
         return [(None, *every, pages)]
-    locate = getattr(llm.runner, "locate_pages", None)
-    if locate is not None:  # expert ranks with data-parallel attention: one rank holds the request, in its numbers
-        rank, local = locate(pages)
-        return [(rank, *every, local)]
+    pools_of = getattr(llm.runner, "pools_of", None)
+    if pools_of is not None:  # expert groups with data-parallel attention: one group holds it, in its numbers
+        return pools_of(pages)
     return [(rank, heads, layers, pages) for rank, heads, layers in llm.runner.holders()]
 
 

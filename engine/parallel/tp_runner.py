@@ -35,7 +35,7 @@ def make_parallel_runner(model_dir: str | Path, cfg: ModelConfig, dtype: str, kv
                          expert_attention: str = "replicated"):
     check_supported(cfg, tp, pp=pp, ep=ep)
     if ep > 1 and expert_attention == "data":
-        return EPDataRunner(model_dir, cfg, dtype, kv_spec, num_pages, ep, device)
+        return EPDataRunner(model_dir, cfg, dtype, kv_spec, num_pages, ep, device, tp)
     if ep > 1:
         return EPRunner(model_dir, cfg, dtype, kv_spec, num_pages, ep, device, tp)
     if pp > 1:
@@ -152,39 +152,51 @@ class EPRunner(_ParallelRunner):
 
 
 class EPDataRunner(_ParallelRunner):
-    """Expert ranks with data-parallel attention (`expert_worker.py`, `dispatch.py`): rank r holds pages
-    [r * P, (r + 1) * P) of the replica's `num_pages` (its partition of the driver's `PageAllocator`, P = num_pages
-    / size, as local pages 0..P-1), attends the sequences whose pages are there, and trades tokens with the other
-    ranks in every MoE layer. Per step each rank gets its own rows (none: it still serves the others' tokens), and
-    answers with their outputs, merged here in the batch's order. KV in and out goes to the one rank holding a
-    request's pages (`locate_pages`, read by `kv_io.py`)."""
+    """Expert ranks with data-parallel attention (`expert_worker.py`, `dispatch.py`): expert group g holds pages
+    [g * P, (g + 1) * P) of the replica's `num_pages` (its partition of the driver's `PageAllocator`, P = num_pages
+    / groups, as local pages 0..P-1), attends the sequences whose pages are there, and trades tokens with the other
+    groups in every MoE layer. Per step each group gets its own rows (none: it still serves the others' tokens),
+    and its first rank answers with their outputs, merged here in the batch's order. With `tp` > 1 a group is `tp`
+    ranks (world rank g * tp + t), each its TP heads of the group's pool; ranks t > 0 run the rows without logits.
+    KV in and out goes to the group holding a request's pages (`pools_of`, read by `kv_io.py`)."""
 
     def __init__(self, model_dir: str | Path, cfg: ModelConfig, dtype: str, kv_spec: KVPageSpec, num_pages: int,
-                 size: int, device: str = "cpu"):
+                 size: int, device: str = "cpu", tp: int = 1):
         validate_ep(cfg, size)
+        validate_tp(cfg, tp)
         if num_pages % size:
-            raise ValueError(f"{num_pages} pages do not split over {size} expert ranks")
-        self.rank_pages = num_pages // size
+            raise ValueError(f"{num_pages} pages do not split over {size} expert groups")
+        self.groups, self.tp, self.rank_pages = size, tp, num_pages // size
         init = f"tcp://127.0.0.1:{free_port()}"
-        specs = [ExpertSpec(str(model_dir), dtype, r, size, init, kv_spec, self.rank_pages, device, attention="data")
-                 for r in range(size)]
-        super().__init__(kv_spec, size, specs)
+        specs = [ExpertSpec(str(model_dir), dtype, r, size, init, kv_spec, self.rank_pages, device, tp=tp,
+                            attention="data") for r in range(size * tp)]
+        super().__init__(kv_spec, size * tp, specs)
 
-    def locate_pages(self, pages: list[int]) -> tuple[int, list[int]]:
-        """(rank, its local page ids) of a page table (all of a sequence's pages are in one partition)."""
-        rank = pages[0] // self.rank_pages
-        local = [p - rank * self.rank_pages for p in pages]
-        assert all(0 <= p < self.rank_pages for p in local), "a page table spans two expert ranks' pools"
-        return rank, local
+    def group_of(self, pages: list[int]) -> tuple[int, list[int]]:
+        """(expert group, its local page ids) of a page table (all of a sequence's pages are in one partition)."""
+        group = pages[0] // self.rank_pages
+        local = [p - group * self.rank_pages for p in pages]
+        assert all(0 <= p < self.rank_pages for p in local), "a page table spans two expert groups' pools"
+        return group, local
+
+    def pools_of(self, pages: list[int]) -> list[tuple[int, range, range, list[int]]]:
+        """(rank, global KV heads, global layers, local page ids) of every rank holding a page table's KV."""
+        group, local = self.group_of(pages)
+        layers = range(self.kv_spec.num_layers)
+        return [(group * self.tp + t, kv_head_range(self.kv_spec.num_kv_heads, t, self.tp), layers, local)
+                for t in range(self.tp)]
 
     def execute(self, batch: StepBatch) -> StepOutput:
         assert batch.seqs, "empty step batch"
         if batch.observe:
             raise UnsupportedWithParallelError("StepBatch.observe", "attention observation")
-        parts: list[list[SeqStep]] = [[] for _ in range(self.size)]
+        parts: list[list[SeqStep]] = [[] for _ in range(self.groups)]
         for s in batch.seqs:
-            rank, local = self.locate_pages(s.pages)
-            parts[rank].append(replace(s, pages=local))
-        replies = self.ranks.call([replace(batch, seqs=seqs) for seqs in parts])
+            group, local = self.group_of(s.pages)
+            parts[group].append(replace(s, pages=local))
+        subs = [replace(batch, seqs=seqs) for seqs in parts]
+        rest = [without_logits(sub) for sub in subs]
+        replies = self.ranks.call([subs[r // self.tp] if r % self.tp == 0 else rest[r // self.tp]
+                                   for r in range(self.size)])
         results = {r.request_id: r for reply in replies if reply is not None for r in output_from_wire(reply).results}
         return StepOutput([results[s.request_id] for s in batch.seqs])

@@ -70,18 +70,12 @@ EXPERT_ATTENTION = ("auto", "data", "replicated")
 
 def expert_attention_of(choice: str, tp: int, ep: int) -> str | None:
     """The expert ranks' attention layout for `EngineConfig.expert_attention`: None without expert parallelism;
-    "auto" is "data" (each rank its own sequences, as the planner prices EP) unless expert groups are
-    tensor-parallel, which attend "replicated" (data-parallel attention over TP groups is not built)."""
+    "auto" is "data" (each rank, or group of TP ranks, its own sequences: the layout the planner prices)."""
     if choice not in EXPERT_ATTENTION:
         raise ParallelConfigError("expert_attention", f"{choice!r}: name one of {', '.join(EXPERT_ATTENTION)}")
     if ep == 1:
         return None
-    if choice == "auto":
-        return "data" if tp == 1 else "replicated"
-    if choice == "data" and tp > 1:
-        raise UnsupportedWithParallelError("expert_attention", "'data' over expert groups of tensor-parallel ranks "
-                                                               "is not built; use 'replicated' or tensor_parallel_size=1")
-    return choice
+    return "data" if choice == "auto" else choice
 
 
 def valid_ep_degrees(cfg: ModelConfig) -> list[int]:

@@ -7,10 +7,11 @@ together (chunked prefill beside decodes) and then one alone; every rank process
 experts' partial sums added in bf16) EP=2's first-token logits stay within the MoE tests' bf16 tolerance of
 float32's. EP=2 attends data-parallel by default (each rank its own sequences and half the pages, tokens sent to
 their experts' ranks: the four prompts run on both ranks, the one alone leaves the other rank idle, a request
-longer than one rank's pool is refused), and `expert_attention="replicated"` gives the same tokens. Qwen3-MoE (fused experts, dense layer 0) and Mixtral (experts one by one, sharded files) at TP=2
+longer than one rank's pool is refused), and the replicated layout (EP=2 x TP=2) gives the same tokens.
+Qwen3-MoE (fused experts, dense layer 0) and Mixtral (experts one by one, sharded files) at TP=2
 (heads split, every expert split by its intermediate width, the router whole, MoE partial sums reduced by the
 dense MLP's all-reduce) are greedy-equal to one process the same way; Qwen3-MoE at TP=2 in bf16 stays within
-the bf16 bound. EP=2 x TP=2 (two expert groups of two TP ranks) is greedy-equal too. KV between EP / TP=2 and
+the bf16 bound. EP=2 x TP=2 (two expert groups of two TP ranks, each group its own sequences) is greedy-equal too. KV between EP / TP=2 and
 one process over gRPC: test_parallel_kv_transfer.py."""
 from __future__ import annotations
 
@@ -80,14 +81,15 @@ def test_ep2_attends_data_parallel_by_default_and_replicated_on_request(tmp_path
     """expert_parallel_size=2 attends data-parallel by default (as the planner prices EP): the replica's 96 pages
     are two pools of 48, one a rank; the four prompts run on both ranks (some step has rows of both), a request
     longer than one rank's pool is refused although the replica's pages would hold it, and the replicated layout
-    (`expert_attention="replicated"`: every rank attends every sequence) gives the same tokens."""
+    (`expert_attention="replicated"`: every expert group attends every sequence), here over groups of two TP
+    ranks, gives the same tokens."""
     d = write_tiny_moe("mixtral", tmp_path / "mixtral", **EP_MODELS["mixtral"])
     with LLM(model=str(d), dtype="float32", expert_parallel_size=2, **BATCHING) as llm:
         assert llm.expert_attention == "data" and llm.allocator.partitions == 2 and llm.runner.rank_pages == 48
         ranks, execute = [], llm.runner.execute
 
         def spy(batch):
-            ranks.append({llm.runner.locate_pages(s.pages)[0] for s in batch.seqs})
+            ranks.append({llm.runner.group_of(s.pages)[0] for s in batch.seqs})
             return execute(batch)
 
         llm.runner.execute = spy
@@ -97,7 +99,8 @@ def test_ep2_attends_data_parallel_by_default_and_replicated_on_request(tmp_path
             llm.generate([[5] * 150], SamplingParams(max_tokens=50))
         assert_engine_empty(llm)
     assert_ranks_gone(llm)
-    with LLM(model=str(d), dtype="float32", expert_parallel_size=2, expert_attention="replicated", **BATCHING) as rep:
+    with LLM(model=str(d), dtype="float32", expert_parallel_size=2, tensor_parallel_size=2, expert_attention="replicated",
+             **BATCHING) as rep:
         assert rep.expert_attention == "replicated" and rep.allocator.partitions == 1
         assert [o.token_ids for o in rep.generate(PROMPTS, GREEDY)] == data
         assert_engine_empty(rep)

@@ -1,10 +1,12 @@
 """Expert parallelism's parts without rank processes (issue 35): which experts a rank holds and reads, each
 MoE implementation's rank partials summing to the whole layer, a rank's weight bytes, the refusals (a dense
-model, a degree that does not divide the experts, EP with PP, speculation, an attention layout not built), and
+model, a degree that does not divide the experts, EP with PP, speculation, an unknown attention layout), and
 the cluster spec serving
 `expert_parallel` for an MoE model (`pdserve validate` accepts it) and refusing it for a dense one. The ranks
 themselves run in tests/integration/test_moe_parallel.py."""
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -17,11 +19,13 @@ from engine.llm import LLM
 from engine.loader import load_config, load_weights
 from engine.model import LlamaForward
 from engine.moe import IMPLS, moe_forward, route
+from engine.parallel.dispatch import AllToAllDispatch
 from engine.parallel.errors import ParallelConfigError, UnsupportedWithParallelError
 from engine.parallel.expert_worker import expert_model
 from engine.parallel.experts import expert_range, expert_slice
 from engine.parallel.validate import check_supported, expert_attention_of, parallel_problems
 from tests.tiny_moe_models import write_tiny_moe
+from tests.tp_threads import ThreadAllToAll
 
 ARCHS = {"qwen3_moe": {"original_format": False}, "mixtral": {}}  # fused [E, ...] experts / one by one
 
@@ -67,6 +71,36 @@ def test_rank_partials_sum_to_the_whole_moe_layer(models, arch, impl, rows):
         assert (part[~chosen] == 0).all() and (part[chosen].abs().sum(dim=1) > 0).all()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("first", [5, 0, 13], ids=["both", "rank0-idle", "rank1-idle"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_dispatched_tokens_equal_one_process_layer(models, arch, first, tp):
+    """Data-parallel attention's MoE layer (`AllToAllDispatch`, ranks as threads): expert group 0 holds the first
+    `first` of 13 tokens and group 1 the rest, each its block of experts (with tp=2 each of its two ranks a width
+    slice of them, trading with the same slice of the other group); tokens go to their experts' groups and back,
+    and each group's output (its slices summed, as its all-reduce does) is one process's rows of the whole layer.
+    A group with no tokens still serves the other's."""
+    d = models[arch]
+    cfg = load_config(d)
+    whole = LlamaForward(cfg, load_weights(d), torch.float32).layers[0].moe
+    h = torch.randn(13, cfg.hidden_size, generator=torch.Generator().manual_seed(first))
+    ref = moe_forward(whole, h)
+    rows, exchanges, out = [h[:first], h[first:]], [ThreadAllToAll(2) for _ in range(tp)], {}
+
+    def rank(g: int, t: int) -> None:
+        layer = expert_model(d, cfg, "float32", g, 2, tp_rank=t, tp=tp).layers[0].moe
+        out[g, t] = AllToAllDispatch(g, 2, 4, all_to_all=exchanges[t].for_rank(g))(layer, rows[g])
+
+    threads = [threading.Thread(target=rank, args=(g, t)) for g in range(2) for t in range(tp)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert len(out) == 2 * tp, "a rank thread failed"
+    groups = [sum(out[g, t] for t in range(tp)) for g in range(2)]
+    torch.testing.assert_close(torch.cat(groups), ref, atol=1e-6, rtol=1e-5)
+
+
 def test_a_rank_holds_its_experts_and_all_the_rest(models):
     d = models["mixtral"]
     cfg = load_config(d)
@@ -99,11 +133,9 @@ def test_refusals_are_typed_and_come_before_any_rank_starts(models, tiny_dir):
     with pytest.raises(ParallelConfigError, match="name one of auto, data, replicated") as e:
         LLM(model=moe, dtype="float32", expert_attention="sharded")
     assert e.value.field == "expert_attention"
-    with pytest.raises(UnsupportedWithParallelError, match="'data' over expert groups") as e:
-        LLM(model=moe, dtype="float32", expert_parallel_size=2, tensor_parallel_size=2, expert_attention="data")
-    assert e.value.field == "expert_attention"
-    # data-parallel attention by default; expert groups of TP ranks attend replicated
-    assert [expert_attention_of("auto", tp, ep) for tp, ep in ((1, 1), (1, 2), (2, 2))] == [None, "data", "replicated"]
+    # data-parallel attention by default, with or without TP in the expert groups
+    assert [expert_attention_of("auto", tp, ep) for tp, ep in ((1, 1), (1, 2), (2, 2))] == [None, "data", "data"]
+    assert expert_attention_of("replicated", 2, 2) == "replicated"
 
 
 def _spec(model, decode: dict) -> dict:

@@ -92,16 +92,11 @@ def model_notes(model: ModelSpec) -> list[str]:
 def layout_notes(spec: dict[str, Any], model: ModelSpec) -> list[str]:
     """What `pdserve validate` says of a planned mixture-of-experts spec once the model's config is in the
     Hugging Face cache (`check_against_model`, the engine's own judges): the engine serves TP, EP and EP x TP of
-    an MoE model, so a note names what its validators still refuse (a degree that does not divide the experts, EP
-    with PP) and an EP x TP pool, which the engine serves with replicated attention (docs/engine.md), not the
-    groups with their own sequences priced here. Dense plans keep only layouts the engine runs
+    an MoE model (in its own layout: docs/planner.md), so a note names only what its validators still refuse
+    (a degree that does not divide the experts, EP with PP). Dense plans keep only layouts the engine runs
     (`search/configs.py`), so they get none."""
     if not model.is_moe:
         return []
-    notes = [f"note: pools.{name}: expert_parallel {p['expert_parallel']} x tensor_parallel {p['tensor_parallel']} is "
-             f"served with every expert group attending every sequence (expert_attention 'replicated'): a replica "
-             f"holds {p['expert_parallel']} copies of its KV where this plan counts one group's share"
-             for name, p in spec["pools"].items() if p.get("expert_parallel", 1) > 1 and p.get("tensor_parallel", 1) > 1]
     from cluster.spec import SpecError, parse_spec  # lazy, as write_spec
     from engine.config import ModelConfig, MoEConfig
 
@@ -112,10 +107,10 @@ def layout_notes(spec: dict[str, Any], model: ModelSpec) -> list[str]:
     try:
         parse_spec(spec).check_against_model(cfg)
     except SpecError as e:
-        return notes + [f"note: {p} (planned ahead of the engine: `pdserve validate` accepts the spec while the "
-                        f"model's config is not in the Hugging Face cache; `pdserve serve` refuses it until the engine "
-                        f"runs it)" for p in e.problems]
-    return notes
+        return [f"note: {p} (planned ahead of the engine: `pdserve validate` accepts the spec while the model's "
+                f"config is not in the Hugging Face cache; `pdserve serve` refuses it until the engine runs it)"
+                for p in e.problems]
+    return []
 
 
 def write_spec(spec: dict[str, Any], path: str | Path, header: list[str]) -> None:
