@@ -100,12 +100,13 @@ class SecretSource(_Section):
 
 
 def _capacity_problem(pool: "Pool", max_len: int) -> Problem | None:
-    cap = pool.kv.num_pages * pool.kv.page_size
+    groups = pool.expert_parallel  # expert groups attend data-parallel: a sequence lives in one group's share
+    cap = pool.kv.num_pages // groups * pool.kv.page_size
     if cap >= max_len:
         return None
-    need = -(-max_len // pool.kv.page_size)
-    return Problem("kv.num_pages", f"{pool.kv.num_pages} pages x {pool.kv.page_size} tokens = {cap} tokens cannot "
-                                   f"hold one {max_len}-token sequence; raise num_pages to >= {need} or set "
+    need, share = groups * -(-max_len // pool.kv.page_size), f" / {groups} expert groups" if groups > 1 else ""
+    return Problem("kv.num_pages", f"{pool.kv.num_pages} pages{share} x {pool.kv.page_size} tokens = {cap} tokens "
+                                   f"cannot hold one {max_len}-token sequence; raise num_pages to >= {need} or set "
                                    f"max_model_len <= {cap}")
 
 
@@ -117,9 +118,8 @@ class Pool(_Section):
     max_replicas: int | None = Field(None, ge=1, le=4096)
     tensor_parallel: int = Field(1, ge=1, le=1024)  # must divide heads and KV heads (checked against the model)
     pipeline_parallel: int = Field(1, ge=1, le=1024)  # must divide layers (checked against the model)
-    # mixture-of-experts models: each MoE layer's experts split over this many ranks (groups of tensor_parallel
-    # ranks), each attending every sequence (engine/parallel/expert_worker.py; checked against the model). The
-    # planner prices groups with their own sequences instead (docs/engine.md).
+    # mixture-of-experts models: each MoE layer's experts split over this many groups of tensor_parallel ranks,
+    # each attending its own sequences in its share of kv.num_pages (engine/parallel/expert_worker.py, docs/engine.md)
     expert_parallel: int = Field(1, ge=1, le=1024)
     # How a replica's ranks are reserved (they run as child processes of the replica's actor, so on its node):
     # pack: one Ray bundle of degree x resources per replica; strict_pack: a STRICT_PACK placement group per

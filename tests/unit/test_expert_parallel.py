@@ -149,6 +149,12 @@ def test_spec_serves_expert_parallel_for_moe_and_validate_refuses_it_for_dense(m
     assert actors.actor_options(s.pools.decode, s)["num_cpus"] == 1.0  # pack: both ranks' share, as TP/PP
     with pytest.raises(SpecError, match="expert_parallel: 3 does not divide the model's 8 experts.*use one of 1, 2, 4, 8"):
         parse_spec(_spec(models["qwen3_moe"], {"expert_parallel": 3})).check_against_model(load_config(models["qwen3_moe"]))
+    # each expert group holds its share of the pages (data-parallel attention): one sequence must fit a share
+    short = {"expert_parallel": 2, "kv": {"page_size": 16, "num_pages": 8}, "max_model_len": 128}
+    with pytest.raises(SpecError, match="8 pages / 2 expert groups x 16 tokens = 64 tokens cannot hold one 128-token "
+                                        "sequence; raise num_pages to >= 16"):
+        parse_spec(_spec(models["qwen3_moe"], short))
+    parse_spec(_spec(models["qwen3_moe"], {**short, "kv": {"page_size": 16, "num_pages": 16}}))
     good, dense = tmp_path / "moe.yaml", tmp_path / "dense.yaml"
     good.write_text(yaml.safe_dump(_spec(models["qwen3_moe"], {"expert_parallel": 2})))
     dense.write_text(yaml.safe_dump(_spec(tiny_dir, {"expert_parallel": 2})))
