@@ -12,21 +12,27 @@ Order of `moe_forward(layer, h)`:
     sum 1 where the config says (Mixtral always, Qwen3-MoE per `norm_topk_prob`) -> the implementation
     `moe_choice()` names, each summing a token's k weighted expert outputs in ascending expert order
     (as transformers' `index_add_` does, so float32 results agree):
-  "grouped" (default): the step's (token, expert) assignments sorted by expert; each active expert runs one
+  "grouped" (CPU's): the step's (token, expert) assignments sorted by expert; each active expert runs one
       GEMM over all of its rows, so its weights are read once per step however many tokens chose it (up to
       `HOST_GROUPING_MAX` assignments grouped in Python from the ids: no sort kernels at batch 1-2, top-2).
       bf16 on CPU with small experts (`kernel_rows` > 0): the whole step in one numba call
       (`engine.kernels.cpu.moe_experts`: sort, the experts of few rows by its own dot products, weighting and
       sum), experts of many rows through `expert` (oneDNN): torch's per-expert ops cost ~100 us an active
       expert at tiny widths, more than reading its weights. Wide experts (Qwen3-30B's) keep the torch path.
+      It reads the per-expert counts on the host, so a CUDA graph cannot hold it.
+  "triton" (CUDA's): the same grouping on the device (`engine.kernels.cuda.moe_grouped`: sort and block
+      padding in torch ops, two Triton GEMMs with SwiGLU and the weights fused, a per-token sum in ascending
+      expert order), no host sync and static shapes: eager steps and CUDA graphs both read each active
+      expert's weights once. `grouped` and `per_token` are its references (tests/unit/test_moe_triton.py).
   "per_token" (the reference): each token runs its k experts one row at a time: weights read once per
-      assignment. Plain torch; the grouped path's test compares against it.
+      assignment. Plain torch; the grouped paths' tests compare against it.
   "dense": every expert on every row through two batched matmuls over the stacked weights, unchosen experts
-      weighted 0. No host sync, static shapes: what a CUDA graph can capture (E/k times the FLOPs).
+      weighted 0. No host sync, static shapes (E/k times the FLOPs, every expert's weights read): what a CUDA
+      graph captures where Triton is missing.
 Then, where the layer has one (Qwen2-MoE), the shared expert: SwiGLU of `shared_intermediate_size` on every
 token times sigmoid(shared_expert_gate(h)), added to the routed sum (routed + shared, as transformers adds them).
-Choice: `PDSERVE_MOE` = "auto" (grouped; dense while a CUDA graph is being captured, since the grouped path
-reads its per-expert counts on the host), "grouped", "per_token" or "dense".
+Choice: `PDSERVE_MOE` = "auto" (CUDA: triton, eager and in graphs, where triton imports; else grouped, and
+dense while a CUDA graph is being captured; CPU: grouped), "grouped", "triton", "per_token" or "dense".
 
 Expert parallelism (`engine.parallel.expert_worker`): a rank's layer holds a contiguous block of the experts
 (`MoELayer.experts`, global ids) and the whole router; every implementation routes over all experts and
@@ -36,8 +42,10 @@ experts chose), summed over the ranks by the model's `expert_reduce`; the shared
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
+from functools import cache
 from typing import Callable, Mapping
 
 import torch
@@ -48,7 +56,7 @@ from engine.kernels.cpu.activations import swiglu
 from engine.kernels.cpu.moe_experts import kernel_rows, moe_experts_bf16
 from engine.linear import Linear
 
-CHOICES = ("auto", "grouped", "per_token", "dense")
+CHOICES = ("auto", "grouped", "triton", "per_token", "dense")
 HOST_GROUPING_MAX = 4  # assignments (tokens x top-k) up to which `grouped` groups on the host (no sort kernels)
 
 
@@ -227,7 +235,19 @@ def dense(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     return out
 
 
-IMPLS = {"grouped": grouped, "per_token": per_token, "dense": dense}
+def grouped_triton(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`grouped` on the device in Triton: no host sync, static shapes (CUDA graphs capture it)."""
+    from engine.kernels.cuda.moe_grouped import moe_grouped  # imports triton: only where it was chosen
+
+    return moe_grouped(h, ids, weights, layer.gate_up, layer.down, layer.first_expert)
+
+
+IMPLS = {"grouped": grouped, "triton": grouped_triton, "per_token": per_token, "dense": dense}
+
+
+@cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def moe_choice(device: torch.device) -> str:
@@ -235,9 +255,15 @@ def moe_choice(device: torch.device) -> str:
     choice = os.environ.get("PDSERVE_MOE", "auto") or "auto"
     if choice not in CHOICES:
         raise ValueError(f"PDSERVE_MOE={choice!r}: name one of {', '.join(CHOICES)}")
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("PDSERVE_MOE=triton runs on CUDA (on a CPU only under TRITON_INTERPRET=1, for tests)")
     if choice != "auto":
         return choice
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda":
+        return "grouped"
+    if _has_triton():
+        return "triton"  # eager and captured alike: each active expert's weights read once
+    if torch.cuda.is_current_stream_capturing():
         return "dense"  # a CUDA graph cannot hold grouped's host read of the per-expert counts
     return "grouped"
 
