@@ -37,8 +37,10 @@ def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit
@@ -48,8 +50,10 @@ def _round(x, P, BITS: tl.constexpr):
     if BITS:
         b = x.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
-    return x.to(P.dtype.element_ty).to(tl.float32)
+        y = b.to(tl.float32, bitcast=True)
+    else:
+        y = x.to(P.dtype.element_ty).to(tl.float32)
+    return y
 
 
 @triton.jit
