@@ -2,7 +2,9 @@
 (`engine.moe.grouped`, `per_token`), on CPU under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 without CUDA): float32 and bf16, top-1/2/8, 4-16 experts, 1-17 tokens, widths that are not powers of two,
 expert-parallel halves, experts no token chose, padded row blocks; the device-side grouping (`align`) on its own;
-no host sync in the launcher; where `moe_choice` sends each device."""
+no host sync in the launcher; where `moe_choice` sends each device; a tiny Qwen3-MoE engine through the static
+decode step CUDA graphs capture (eagerly here) with the kernel: grouped's float32 greedy tokens, no host sync in
+the step."""
 from __future__ import annotations
 
 import pytest
@@ -10,10 +12,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine import moe  # noqa: E402
+from engine import LLM, SamplingParams, moe  # noqa: E402
 from engine.config import MoEConfig  # noqa: E402
 from engine.kernels.cuda.moe_grouped import _config, align, max_blocks, moe_grouped  # noqa: E402
 from engine.linear import Linear  # noqa: E402
+from tests.conftest import assert_engine_empty  # noqa: E402
+from tests.exactness import assert_greedy_equal  # noqa: E402
+from tests.tiny_moe_models import write_tiny_moe  # noqa: E402
 
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero")
 
@@ -131,17 +136,23 @@ def test_align_pads_each_expert_to_whole_blocks(tokens, top_k, experts, first, b
         assert (e == experts) == (not mine) and (not mine or by_row[b * block_m] < n)  # a block's rows come first
 
 
+def _spy_syncs(m) -> list[str]:
+    """Patches the tensor methods that copy device values to the host; returns the list each call lands in."""
+    calls = []
+    for name in SYNCS:
+        def spy(t, *a, _name=name, _real=getattr(torch.Tensor, name), **kw):
+            calls.append(_name)
+            return _real(t, *a, **kw)
+        m.setattr(torch.Tensor, name, spy)
+    return calls
+
+
 def test_the_launcher_has_no_host_sync(monkeypatch):
     """Nothing read back to the host (what a CUDA graph could not capture); the spy sees grouped's .tolist()."""
     layer = _layer(16, 8, seed=2, first=8, held=8)
     h, weights, ids = _routing(17, 16, 8)
-    calls = []
     with monkeypatch.context() as m:
-        for name in SYNCS:
-            def spy(t, *a, _name=name, _real=getattr(torch.Tensor, name), **kw):
-                calls.append(_name)
-                return _real(t, *a, **kw)
-            m.setattr(torch.Tensor, name, spy)
+        calls = _spy_syncs(m)
         got = _run(layer, h, weights, ids)
         assert calls == [], f"host syncs in moe_grouped: {calls}"
         want = moe.grouped(layer, h, weights, ids)
@@ -177,3 +188,30 @@ def test_moe_choice(monkeypatch):
     with pytest.raises(ValueError, match="PDSERVE_MOE=triton"):
         moe.moe_choice(cpu)
     assert moe.moe_choice(cuda) == "triton"
+
+
+def test_engine_static_decode_step_with_the_kernel(tmp_path, monkeypatch):
+    """A tiny Qwen3-MoE (8 experts, top-3) through the Triton paged attention and the static decode step,
+    its MoE layers through the kernel: the float32 greedy tokens of the same engine with `grouped`; the step a
+    CUDA graph captures reads nothing back to the host (before this kernel, `grouped` there would)."""
+    model = write_tiny_moe("qwen3_moe", tmp_path / "m")
+    prompts, params = [[10, 11, 12], list(range(20, 33))], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                          ignore_eos=True)
+    kw = dict(dtype="float32", num_pages=64, max_num_batched_tokens=64, max_num_seqs=2, max_model_len=128)
+    monkeypatch.setenv("PDSERVE_ATTENTION", "torch")
+    monkeypatch.setenv("PDSERVE_MOE", "grouped")
+    ref = LLM(model=str(model), keep_logits=True, **kw).generate(prompts, params)
+    monkeypatch.setenv("PDSERVE_ATTENTION", "triton")
+    monkeypatch.setenv("PDSERVE_MOE", "triton")
+    llm = LLM(model=str(model), decode_graphs="static", **kw)
+    assert llm.decode_graphs is not None
+    got = llm.generate(prompts, params)
+    assert_greedy_equal([o.token_ids for o in ref], [o.token_ids for o in got], [torch.stack(o.logits) for o in ref])
+    llm.add_request(prompts[0], params)
+    llm.step()  # the prompt
+    with monkeypatch.context() as m:
+        calls = _spy_syncs(m)
+        llm.decode_graphs._forward(llm.decode_graphs.buckets[1, 1])  # what a CUDA graph would capture
+    assert calls == [], f"host syncs inside the static step: {calls}"
+    llm.generate_until_idle()
+    assert_engine_empty(llm)
