@@ -102,6 +102,19 @@ def test_experts_no_token_chose_and_a_rank_none_chose():
     torch.testing.assert_close(_run(low, h, weights, ids) + _run(high, h, weights, ids), got, atol=1e-5, rtol=1e-5)
 
 
+def test_strided_rows_are_read_in_place():
+    """Weights and h as views with padded rows (a TP rank's slice of down is one): the dense copies' answer."""
+    layer = _layer(8, 2, seed=6)
+    h, weights, ids = _routing(5, 8, 2)
+    want = _run(layer, h, weights, ids)
+
+    def padded(x):  # the same values, each row 8 elements longer in memory
+        return torch.cat([x, torch.zeros(*x.shape[:-1], 8)], -1)[..., :x.shape[-1]]
+    got = moe_grouped(padded(h), ids, weights, padded(layer.gate_up), padded(layer.down), 0)
+    assert padded(layer.down).stride(1) == layer.down.shape[2] + 8
+    assert torch.equal(got, want)
+
+
 def test_the_kernel_can_fail():
     """Another expert's weights must change the answer (the comparisons above are not vacuous)."""
     layer = _layer(8, 2, seed=5)
@@ -122,7 +135,8 @@ def test_align_pads_each_expert_to_whole_blocks(tokens, top_k, experts, first, b
     ids = torch.stack([torch.randperm(first + experts + 4, generator=g)[:top_k] for _ in range(tokens)])
     n = ids.numel()
     rows, block_expert = align(ids, first, experts, block_m)
-    assert rows.shape == (max_blocks(n, experts, block_m) * block_m,) and block_expert.shape == (rows.shape[0] // block_m,)
+    blocks = max_blocks(n, experts, block_m)
+    assert rows.shape == (blocks * block_m,) and block_expert.shape == (blocks,)
     flat = ids.reshape(-1) - first
     held = [i for i in range(n) if 0 <= flat[i] < experts]
     by_row = rows.tolist()

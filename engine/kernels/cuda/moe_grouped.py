@@ -155,7 +155,7 @@ def align(ids: torch.Tensor, first_expert: int, experts: int, block_m: int) -> t
     padded_start = padded_end - (counts + block_m - 1) // block_m * block_m
     e = sorted_key.clamp(max=experts - 1)
     pos = torch.arange(n, device=dev)
-    dest = padded_start.index_select(0, e) + pos - bounds.index_select(0, e)  # [n] each sorted assignment's padded row
+    dest = padded_start.index_select(0, e) + pos - bounds.index_select(0, e)  # [n] each one's padded row
     dest = torch.where(sorted_key < experts, dest, blocks * block_m + pos)  # not held: past the list, dropped
     rows = torch.full((blocks * block_m + n,), n, dtype=torch.int32, device=dev)
     rows.scatter_(0, dest, order.to(torch.int32))
@@ -186,9 +186,10 @@ def moe_grouped(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     out = torch.empty_like(h)
     if t == 0:
         return out
-    h = h.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
-    ids, weights = ids.contiguous(), weights.contiguous()
+    # the kernels take row strides; only rows must be dense (a copy of every expert's weights each step would
+    # cost more than the step): the layer's stacked weights already are
+    h, gate_up, down = (x if x.stride(-1) == 1 else x.contiguous() for x in (h, gate_up, down))
+    ids, weights = ids.contiguous(), weights.contiguous()  # [T, k], indexed as t * k + slot
     n = t * k
     bm, bn, bk, warps = _config(n, experts, hidden, inter)
     rows, block_expert = align(ids, first_expert, experts, bm)
