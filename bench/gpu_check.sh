@@ -60,7 +60,7 @@ run 60 $PY bench/gpu/profile_step.py --model random:llama-3-8b --context 2048 --
   --modes graphs,triton --kv int8 --out "$W"
 run 100 env -u PDSERVE_ATTENTION $PY -m pytest tests/gpu/test_cuda_graphs.py tests/gpu/test_cuda_attention.py \
   tests/gpu/test_cuda_sampling.py -q
-run 60 env -u PDSERVE_ATTENTION $PY -m pytest tests/gpu/test_cuda_moe.py tests/gpu/test_cuda_gemma.py -q
+run 90 env -u PDSERVE_ATTENTION $PY -m pytest tests/gpu/test_cuda_moe.py tests/gpu/test_cuda_gemma.py -q  # (the Triton MoE kernels compile here)
 run 120 $PY bench/gpu/decode_floor.py --model random:llama-3-8b --context 32768 --batches 8 --steps 10 \
   --modes graphs,triton --sparse 2048 --out "$W/quest"
 # issue 35: the Qwen3-30B-A3B shape (random weights, 61 GB; context 512 so that 128 rows of KV fit beside them on
