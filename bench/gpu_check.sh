@@ -67,6 +67,9 @@ run 120 $PY bench/gpu/decode_floor.py --model random:llama-3-8b --context 32768 
 # an H100) decode step vs the bytes of its touched experts
 run 150 $PY bench/gpu/decode_floor.py --model random:qwen3-30b-a3b --context 512 --batches 1,16,64,128 --steps 10 \
   --modes graphs,triton --out "$W/moe"
+# the same with the Triton grouped MoE kernel (engine/moe.py: CUDA's default once measured here)
+run 120 env PDSERVE_MOE=triton $PY bench/gpu/decode_floor.py --model random:qwen3-30b-a3b --context 512 \
+  --batches 1,16,64,128 --steps 10 --modes graphs,triton --out "$W/moe_triton"
 if [ "${FULL:-0}" = 1 ]; then
   run 60 $PY -m pytest tests/gpu/test_cuda_kv_transfer.py -q  # (needs the gRPC wheels carried)
   run 120 $PY bench/gpu/disagg_check.py --device cuda --model random:smollm2-135m,random:llama-3-8b --prompt-len 512 \

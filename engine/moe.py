@@ -20,7 +20,7 @@ Order of `moe_forward(layer, h)`:
       sum), experts of many rows through `expert` (oneDNN): torch's per-expert ops cost ~100 us an active
       expert at tiny widths, more than reading its weights. Wide experts (Qwen3-30B's) keep the torch path.
       It reads the per-expert counts on the host, so a CUDA graph cannot hold it.
-  "triton" (CUDA's): the same grouping on the device (`engine.kernels.cuda.moe_grouped`: sort and block
+  "triton" (CUDA, by name until a GPU run has measured it): the same grouping on the device (`engine.kernels.cuda.moe_grouped`: sort and block
       padding in torch ops, two Triton GEMMs with SwiGLU and the weights fused, a per-token sum in ascending
       expert order), no host sync and static shapes: eager steps and CUDA graphs both read each active
       expert's weights once. `grouped` and `per_token` are its references (tests/unit/test_moe_triton.py).
@@ -28,11 +28,12 @@ Order of `moe_forward(layer, h)`:
       assignment. Plain torch; the grouped paths' tests compare against it.
   "dense": every expert on every row through two batched matmuls over the stacked weights, unchosen experts
       weighted 0. No host sync, static shapes (E/k times the FLOPs, every expert's weights read): what a CUDA
-      graph captures where Triton is missing.
+      graph captures by default today.
 Then, where the layer has one (Qwen2-MoE), the shared expert: SwiGLU of `shared_intermediate_size` on every
 token times sigmoid(shared_expert_gate(h)), added to the routed sum (routed + shared, as transformers adds them).
-Choice: `PDSERVE_MOE` = "auto" (CUDA: triton, eager and in graphs, where triton imports; else grouped, and
-dense while a CUDA graph is being captured; CPU: grouped), "grouped", "triton", "per_token" or "dense".
+Choice: `PDSERVE_MOE` = "auto" (grouped; dense while a CUDA graph is being captured: the Triton kernel has run
+only under Triton's interpreter so far, so it becomes CUDA's default once a GPU run has measured it), "grouped",
+"triton", "per_token" or "dense".
 
 Expert parallelism (`engine.parallel.expert_worker`): a rank's layer holds a contiguous block of the experts
 (`MoELayer.experts`, global ids) and the whole router; every implementation routes over all experts and
@@ -42,10 +43,8 @@ experts chose), summed over the ranks by the model's `expert_reduce`; the shared
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
-from functools import cache
 from typing import Callable, Mapping
 
 import torch
@@ -245,11 +244,6 @@ def grouped_triton(layer: MoELayer, h: torch.Tensor, weights: torch.Tensor, ids:
 IMPLS = {"grouped": grouped, "triton": grouped_triton, "per_token": per_token, "dense": dense}
 
 
-@cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def moe_choice(device: torch.device) -> str:
     """The implementation for the next call (read at call time: tests and benches set PDSERVE_MOE)."""
     choice = os.environ.get("PDSERVE_MOE", "auto") or "auto"
@@ -261,8 +255,8 @@ def moe_choice(device: torch.device) -> str:
         return choice
     if device.type != "cuda":
         return "grouped"
-    if _has_triton():
-        return "triton"  # eager and captured alike: each active expert's weights read once
+    # (the Triton kernel, "triton", is chosen by name until a GPU run has measured it: it has only run under
+    # Triton's interpreter so far; bench/gpu_check.sh measures it beside these)
     if torch.cuda.is_current_stream_capturing():
         return "dense"  # a CUDA graph cannot hold grouped's host read of the per-expert counts
     return "grouped"

@@ -1,7 +1,7 @@
 """Qwen3, Qwen2-MoE (shared expert), Qwen3-MoE and Mixtral on CUDA (skipped without a GPU): the engine's default
-CUDA path (Triton paged attention, CUDA-graph decode steps, whose MoE layers take the Triton grouped kernel,
-eager and captured: engine/moe.py) gives the CPU engine's float32 greedy tokens, for 8 ragged prompts with
-chunked prefill; bf16 runs. The Triton MoE kernel (engine/kernels/cuda/moe_grouped.py) against `grouped`'s torch
+CUDA path (Triton paged attention, CUDA-graph decode steps; MoE layers grouped, dense in graphs) and the same with
+the Triton grouped MoE kernel (`PDSERVE_MOE=triton`, eager and captured: engine/moe.py) give the CPU engine's
+float32 greedy tokens, for 8 ragged prompts with chunked prefill; bf16 runs. The Triton MoE kernel (engine/kernels/cuda/moe_grouped.py) against `grouped`'s torch
 path on CUDA: float32 and bf16, an expert-parallel half, 16-, 32- and 64-row blocks, and replayed in a CUDA graph at
 Qwen3-30B-A3B's widths with new routings copied in."""
 from __future__ import annotations
@@ -28,15 +28,17 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32 = False
 
 
+@pytest.mark.parametrize("impl", ["auto", "triton"])  # today's CUDA default (grouped / dense in graphs), the kernel
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2_moe", "qwen3_moe", "mixtral"])
-def test_cuda_engine_equals_cpu_engine(tmp_path, arch):
+def test_cuda_engine_equals_cpu_engine(tmp_path, arch, impl, monkeypatch):
     model = write_tiny_moe(arch, tmp_path / arch)
     kw = dict(dtype="float32", num_pages=256, page_size=16, max_num_batched_tokens=64)
     cpu = LLM(model=str(model), keep_logits=True, **kw)
     ref = cpu.generate(PROMPTS, PARAMS)
+    monkeypatch.setenv("PDSERVE_MOE", impl)
     gpu = LLM(model=str(model), device="cuda", max_num_seqs=8, **kw)
     assert gpu.decode_graphs is not None  # decode steps replay captured graphs
-    assert moe.moe_choice(torch.device("cuda")) == "triton"  # their MoE layers: the Triton grouped kernel
+    assert moe.moe_choice(torch.device("cuda")) == ("grouped" if impl == "auto" else "triton")
     got = gpu.generate(PROMPTS, PARAMS)
     assert_greedy_equal([o.token_ids for o in ref], [o.token_ids for o in got], [torch.stack(o.logits) for o in ref])
     assert_engine_empty(cpu)
