@@ -124,7 +124,9 @@ class PrefillWorker:
         self._finished_early.discard(request_id)
 
     def has_work(self) -> bool:
-        return self.llm.has_unfinished() or self.sender.num_live > 0
+        # (events count: a command can settle transfers -- `cancel` polls the sender -- and their reports go out
+        # with the next step; without one they would wait for the next request, a flight held meanwhile)
+        return self.llm.has_unfinished() or self.sender.num_live > 0 or bool(self._events)
 
     def prefix_hashes(self) -> list[bytes]:
         """Chain hashes of every page this engine's prefix cache holds (the router refreshes its index)."""
