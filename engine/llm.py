@@ -161,7 +161,7 @@ class LLM:
         then not be evicted/compacted (no `num_slots`), and nothing may write into the shared pages."""
         pages = []
         if token_ids is not None and self.prefix_cache is not None:
-            pages = self.prefix_cache.lookup(token_ids, num_tokens // self.kv_spec.page_size)[0]
+            pages = self.prefix_cache.lookup_to_admit(token_ids, num_tokens // self.kv_spec.page_size)[0]
         return self.allocator.reserve(self.tables.pages_for(num_tokens) - len(pages), lease_s, pages)
 
     def add_prefilled_request(self, prompt_token_ids: list[int], first_token_id: int, reservation_id: str,

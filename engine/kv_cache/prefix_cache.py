@@ -98,18 +98,33 @@ class PrefixCache:
 
     def lookup(self, tokens: Sequence[int], max_pages: int | None = None) -> tuple[list[int], list[bytes]]:
         """Pages and hashes of the longest cached full-page prefix of `tokens`; takes no reference.
-        Hashes page by page and stops at the first miss (a long prompt that misses early costs little)."""
+        Hashes page by page and stops at the first miss (a long prompt that misses early costs little), or, with
+        partitioned pools, where the chain's pages change pool (sequences of two pools can each have registered
+        part of one chain; a sequence's pages must share one pool)."""
         n = len(tokens) // self.page_size
         if max_pages is not None:
             n = min(n, max_pages)
         pages, hashes, prev = [], [], self.salt
+        part = self.allocator.partition_of if self.allocator.partitions > 1 else None
         for i in range(n):
             prev = chain_hash(prev, tokens[i * self.page_size:(i + 1) * self.page_size])
             page = self._page_of.get(prev)
-            if page is None:
+            if page is None or (part is not None and pages and part(page) != part(pages[0])):
                 break
             pages.append(page)
             hashes.append(prev)
+        return pages, hashes
+
+    def lookup_to_admit(self, tokens: Sequence[int], max_pages: int) -> tuple[list[int], list[bytes]]:
+        """`lookup` for a request about to start on the prefix. With partitioned pools a hit pins the request to
+        its pages' pool, so it is taken only while that pool has at least half the free pages of the emptiest:
+        a popular prefix does not pile every request onto one pool (one attention rank) while another idles."""
+        pages, hashes = self.lookup(tokens, max_pages)
+        alloc = self.allocator
+        if pages and alloc.partitions > 1:
+            free = [alloc.num_free_in(p) for p in range(alloc.partitions)]
+            if 2 * free[alloc.partition_of(pages[0])] < max(free):
+                return [], []
         return pages, hashes
 
     def cached_prefix_tokens(self, tokens: Sequence[int]) -> int:
@@ -180,7 +195,7 @@ class PrefixSharing:
             # (prefill-only requests share too: the KV sender reads the cached pages they start on by slot,
             # for the part the decode side lacks -- kv_transfer/sender.py)
             return None
-        pages, hashes = self.cache.lookup(req.token_ids, (len(req.token_ids) - 1) // self.page_size)
+        pages, hashes = self.cache.lookup_to_admit(req.token_ids, (len(req.token_ids) - 1) // self.page_size)
         alloc = self.tables.allocator
         return PrefixHit(pages, hashes, sum(1 for p in pages if alloc.is_evictable(p)))
 

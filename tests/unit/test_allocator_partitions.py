@@ -1,6 +1,7 @@
 """PageAllocator with partitions (one page pool per data-parallel attention rank of an expert-parallel replica):
 an owner's pages stay in one partition, a new owner goes where most pages are free, eviction and free counts
-are per partition, and the scheduler preempts only requests whose pages share the short pool. Ends leak-free."""
+are per partition, the scheduler preempts only requests whose pages share the short pool, and a cached prefix
+never spans two pools. Ends leak-free."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from engine.errors import OutOfPagesError
 from engine.kv_cache.allocator import PageAllocator
 from engine.kv_cache.block_table import BlockTables, seq_owner
+from engine.kv_cache.prefix_cache import PrefixCache, page_hashes, prefix_salt
 from engine.request import Request
 from engine.sampler import SampledToken
 from engine.sampling_params import SamplingParams
@@ -103,3 +105,42 @@ def test_the_scheduler_preempts_within_the_short_partition():
     assert preempted == [(2, "c")] and set(where["d"]) == {1}  # a's slot 4: c went; d, the newest, stayed
     assert all(r.finished and r.output_token_ids == [100 + i for i in range(shapes[k][1])] for k, r in reqs.items())
     assert_scheduler_empty(sched)
+
+
+def test_a_cached_chain_is_cut_where_its_pages_change_pool():
+    """Two sequences of different pools can each register part of one chain (the first copy of a page stays
+    cached, the next page comes from whoever registered it): a lookup stops where the pool changes, so a request
+    never starts on pages of two pools. (Found by test_prefix_cache_scheduler's random workloads at 2 pools.)"""
+    a = PageAllocator(8, partitions=2)
+    cache = PrefixCache(a, 2, prefix_salt("m", "layout", 2))
+    tokens = [5, 6, 7, 8, 9, 10]
+    h = page_hashes(tokens, 2, cache.salt)
+    x, y = a.allocate("seq:x", 2), a.allocate("seq:y", 3)  # x in pool 0 (pages 0, 1), y in pool 1 (4, 5, 6)
+    assert cache.insert(h[0], x[0]) and cache.insert(h[1], y[1]) and cache.insert(h[2], y[2])
+    assert cache.lookup(tokens) == ([x[0]], h[:1])  # not [0, 5, 6]
+    assert cache.lookup([1] + tokens[1:]) == ([], [])
+    a.release_owner("seq:x"), a.release_owner("seq:y")
+    cache.reset()
+    assert_allocator_empty(a)
+
+
+def test_a_cached_prefix_is_taken_only_while_its_pool_is_not_far_fuller():
+    """A request starts on its cached prefix (pool 0) while pool 0 has at least half the free pages of the
+    emptiest pool; past that it starts afresh in the emptiest, so a popular prefix does not load one rank only."""
+    a = PageAllocator(16, partitions=2)  # pools of 8 pages: 0-7 | 8-15
+    cache = PrefixCache(a, 2, prefix_salt("m", "layout", 2))
+    prompt = [5, 6, 7, 8, 9]
+    warm = a.allocate("seq:w", 2)
+    for h, page in zip(page_hashes(prompt, 2, cache.salt), warm):
+        cache.insert(h, page)
+    assert cache.lookup_to_admit(prompt, 2)[0] == warm  # 6 free in pool 0 vs 8: taken
+    a.allocate("seq:w", 4)  # w grows in pool 0 (pages 2-5)
+    a.release("seq:w", warm)  # the prefix pages: cached only (free, evictable)
+    assert a.num_free_in(0) == 4 and a.num_free_in(1) == 8
+    assert cache.lookup_to_admit(prompt, 2)[0] == warm  # 4 >= 8 / 2: still taken
+    a.allocate("seq:w", 1)  # pool 0: 3 free
+    assert cache.lookup_to_admit(prompt, 2) == ([], [])  # 3 < 8 / 2: start afresh in pool 1
+    assert cache.lookup(prompt, 2)[0] == warm  # (the cache still holds it)
+    a.release_owner("seq:w")
+    cache.reset()
+    assert_allocator_empty(a)

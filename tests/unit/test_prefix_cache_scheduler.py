@@ -3,7 +3,8 @@ KV: each slot remembers the (position, token) written into it. Every chunk must 
 shared cached pages included, holding exactly its own tokens, and must write only into pages nobody else
 holds; every request ends with the outputs it would have without the cache (a function of its tokens),
 through admission on cached prefixes, chunked prefill, preemption and eviction of cached pages. After the
-work only cache-held, evictable pages remain and `reset()` leaves nothing.
+work only cache-held, evictable pages remain and `reset()` leaves nothing. With one page pool or two (partitions:
+a request's pages all in one pool, the prefix shared within it).
 """
 from __future__ import annotations
 
@@ -54,15 +55,16 @@ class KVRunner:
     budget=st.integers(2, 12),
     max_seqs=st.integers(1, 4),
     spare_pages=st.integers(0, 8),
+    partitions=st.sampled_from([1, 2]),  # 2: two page pools (expert groups attending data-parallel)
     base=st.lists(st.integers(20, 22), min_size=12, max_size=12),
     reqs=st.lists(st.tuples(st.integers(0, 12), st.lists(st.integers(20, 22), max_size=4), st.integers(1, 6),
                             st.integers(0, 6)), min_size=1, max_size=7),
 )
 def test_random_workloads_share_prefixes_exactly_and_leak_nothing(page_size, budget, max_seqs, spare_pages,
-                                                                 base, reqs):
+                                                                 partitions, base, reqs):
     reqs = [(base[:k] + tail or [20], m, arrive) for k, tail, m, arrive in reqs]
     need = max(-(-(len(p) + m - 1) // page_size) for p, m, _ in reqs)
-    alloc = PageAllocator(need + spare_pages)
+    alloc = PageAllocator(partitions * (need + spare_pages), partitions=partitions)  # each pool holds any request
     tables = BlockTables(alloc, page_size)
     cache = PrefixCache(alloc, page_size, prefix_salt("fake", "layout", page_size))
     s = Scheduler(SchedulerConfig(max_seqs, budget, True), tables, (), PrefixSharing(cache, tables, lambda r: True))
