@@ -84,7 +84,9 @@ class PrefixCache:
 
     def __init__(self, allocator: PageAllocator, page_size: int, salt: bytes):
         self.allocator, self.page_size, self.salt = allocator, page_size, salt
-        self._page_of: dict[bytes, int] = {}
+        # chain hash -> page, one map per pool of a partitioned allocator (data-parallel attention: each pool
+        # caches its own copy of a popular prefix; a sequence's pages never span pools)
+        self._pools: list[dict[bytes, int]] = [{} for _ in range(allocator.partitions)]
         self._hash_of: dict[int, bytes] = {}
         self.stats = PrefixStats()
         allocator.attach_cache(CACHE_OWNER, self._on_evict)
@@ -96,43 +98,53 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return self.allocator.num_evictable
 
-    def lookup(self, tokens: Sequence[int], max_pages: int | None = None) -> tuple[list[int], list[bytes]]:
-        """Pages and hashes of the longest cached full-page prefix of `tokens`; takes no reference.
-        Hashes page by page and stops at the first miss (a long prompt that misses early costs little), or, with
-        partitioned pools, where the chain's pages change pool (sequences of two pools can each have registered
-        part of one chain; a sequence's pages must share one pool)."""
+    def _chains(self, tokens: Sequence[int], max_pages: int | None) -> tuple[list[list[int]], list[bytes]]:
+        """Each pool's cached pages of the longest full-page prefix of `tokens` it holds, and the chain hashes.
+        Hashes page by page and stops once no pool holds the next (a long prompt that misses early costs little)."""
         n = len(tokens) // self.page_size
         if max_pages is not None:
             n = min(n, max_pages)
-        pages, hashes, prev = [], [], self.salt
-        part = self.allocator.partition_of if self.allocator.partitions > 1 else None
+        pages: list[list[int]] = [[] for _ in self._pools]
+        hashes, prev, live = [], self.salt, list(range(len(self._pools)))
         for i in range(n):
             prev = chain_hash(prev, tokens[i * self.page_size:(i + 1) * self.page_size])
-            page = self._page_of.get(prev)
-            if page is None or (part is not None and pages and part(page) != part(pages[0])):
+            live = [p for p in live if prev in self._pools[p]]
+            if not live:
                 break
-            pages.append(page)
+            for p in live:
+                pages[p].append(self._pools[p][prev])
             hashes.append(prev)
         return pages, hashes
 
+    def lookup(self, tokens: Sequence[int], max_pages: int | None = None) -> tuple[list[int], list[bytes]]:
+        """Pages and hashes of the longest cached full-page prefix of `tokens` (in one pool: the longest such
+        chain, the lowest pool on a tie); takes no reference."""
+        pages, hashes = self._chains(tokens, max_pages)
+        best = max(pages, key=len)
+        return best, hashes[:len(best)]
+
     def lookup_to_admit(self, tokens: Sequence[int], max_pages: int) -> tuple[list[int], list[bytes]]:
         """`lookup` for a request about to start on the prefix. With partitioned pools a hit pins the request to
-        its pages' pool, so it is taken only while that pool has at least half the free pages of the emptiest:
-        a popular prefix does not pile every request onto one pool (one attention rank) while another idles."""
-        pages, hashes = self.lookup(tokens, max_pages)
+        its pool, so a pool's chain counts only while that pool has at least half the free pages of the
+        emptiest: a popular prefix does not pile every request onto one pool (one attention rank) while another
+        idles; the request then starts afresh where pages are free and that pool caches its own copy. Of equal
+        chains, the pool with more free pages."""
+        pages, hashes = self._chains(tokens, max_pages)
         alloc = self.allocator
-        if pages and alloc.partitions > 1:
-            free = [alloc.num_free_in(p) for p in range(alloc.partitions)]
-            if 2 * free[alloc.partition_of(pages[0])] < max(free):
-                return [], []
-        return pages, hashes
+        if alloc.partitions == 1:
+            return pages[0], hashes[:len(pages[0])]
+        free = [alloc.num_free_in(p) for p in range(alloc.partitions)]
+        usable = [chain if 2 * free[p] >= max(free) else [] for p, chain in enumerate(pages)]
+        best = max(range(alloc.partitions), key=lambda p: (len(usable[p]), free[p]))
+        return usable[best], hashes[:len(usable[best])]
 
     def cached_prefix_tokens(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` this pool holds KV for (whole pages)."""
         return len(self.lookup(tokens)[0]) * self.page_size
 
     def hashes(self) -> list[bytes]:
-        return list(self._page_of)
+        """Every cached chain hash (once, whichever pools hold it)."""
+        return list(dict.fromkeys(h for pool in self._pools for h in pool))
 
     def info(self) -> dict:
         """What a router's prefix index needs to name this pool's pages with the same chain (plain data:
@@ -140,16 +152,17 @@ class PrefixCache:
         return {"prefix_salt": self.salt.hex(), "page_size": self.page_size, "num_pages": self.allocator.num_pages}
 
     def page_of(self, h: bytes) -> int | None:
-        return self._page_of.get(h)
+        return next((pool[h] for pool in self._pools if h in pool), None)
 
     def insert(self, h: bytes, page: int) -> bool:
-        """Cache `page` (held by its sequence) under chain hash `h`. False if `h` is cached already: two
+        """Cache `page` (held by its sequence) under chain hash `h`. False if its pool caches `h` already: two
         requests computed the same page at once, and the first copy stays (the other goes with its owner)."""
-        if h in self._page_of:
+        pool = self._pools[self.allocator.partition_of(page)]
+        if h in pool:
             return False
         assert page not in self._hash_of, f"page {page} is cached under another hash"
         self.allocator.share(CACHE_OWNER, [page])
-        self._page_of[h] = page
+        pool[h] = page
         self._hash_of[page] = h
         self.stats.inserted_pages += 1
         return True
@@ -157,7 +170,8 @@ class PrefixCache:
     def reset(self) -> int:
         """Forget every cached page: cache-only pages go back to the free list; returns how many were cached."""
         n = len(self._hash_of)
-        self._page_of.clear()
+        for pool in self._pools:
+            pool.clear()
         self._hash_of.clear()
         self.allocator.release_owner(CACHE_OWNER)
         self.stats.reset_pages += n
@@ -165,7 +179,7 @@ class PrefixCache:
 
     def _on_evict(self, page: int) -> None:
         """The allocator is about to free `page` (only the cache held it): forget its hash."""
-        del self._page_of[self._hash_of.pop(page)]
+        del self._pools[self.allocator.partition_of(page)][self._hash_of.pop(page)]
         self.stats.evicted_pages += 1
 
 

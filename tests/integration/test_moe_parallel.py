@@ -80,11 +80,12 @@ def test_moe_ep2_by_tp2_equals_one_process(tmp_path):
 def test_ep2_attends_data_parallel_by_default_and_replicated_on_request(tmp_path):
     """expert_parallel_size=2 attends data-parallel by default (as the planner prices EP): the replica's 96 pages
     are two pools of 48, one a rank; the four prompts run on both ranks (some step has rows of both), a request
-    longer than one rank's pool is refused although the replica's pages would hold it, and the replicated layout
+    longer than one rank's pool is refused although the replica's pages would hold it, the prompts again start on
+    their cached prefixes (prefix caching, each pool its own) with the same tokens, and the replicated layout
     (`expert_attention="replicated"`: every expert group attends every sequence), here over groups of two TP
     ranks, gives the same tokens."""
     d = write_tiny_moe("mixtral", tmp_path / "mixtral", **EP_MODELS["mixtral"])
-    with LLM(model=str(d), dtype="float32", expert_parallel_size=2, **BATCHING) as llm:
+    with LLM(model=str(d), dtype="float32", expert_parallel_size=2, enable_prefix_caching=True, **BATCHING) as llm:
         assert llm.expert_attention == "data" and llm.allocator.partitions == 2 and llm.runner.rank_pages == 48
         ranks, execute = [], llm.runner.execute
 
@@ -95,6 +96,8 @@ def test_ep2_attends_data_parallel_by_default_and_replicated_on_request(tmp_path
         llm.runner.execute = spy
         data = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         assert {0, 1} in ranks
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == data
+        assert llm.prefix_stats()["hit_tokens"] > 0
         with pytest.raises(InvalidRequestError, match="KV pool of 192 tokens"):
             llm.generate([[5] * 150], SamplingParams(max_tokens=50))
         assert_engine_empty(llm)

@@ -107,10 +107,10 @@ def test_the_scheduler_preempts_within_the_short_partition():
     assert_scheduler_empty(sched)
 
 
-def test_a_cached_chain_is_cut_where_its_pages_change_pool():
-    """Two sequences of different pools can each register part of one chain (the first copy of a page stays
-    cached, the next page comes from whoever registered it): a lookup stops where the pool changes, so a request
-    never starts on pages of two pools. (Found by test_prefix_cache_scheduler's random workloads at 2 pools.)"""
+def test_each_pool_caches_its_own_chain():
+    """Sequences of two pools can each register part of one chain: a lookup never crosses pools (a request
+    never starts on pages of two pools; found by test_prefix_cache_scheduler's random workloads at 2 pools when
+    one map served both), and each pool keeps its own copy of a prefix, the longest chain winning."""
     a = PageAllocator(8, partitions=2)
     cache = PrefixCache(a, 2, prefix_salt("m", "layout", 2))
     tokens = [5, 6, 7, 8, 9, 10]
@@ -119,6 +119,8 @@ def test_a_cached_chain_is_cut_where_its_pages_change_pool():
     assert cache.insert(h[0], x[0]) and cache.insert(h[1], y[1]) and cache.insert(h[2], y[2])
     assert cache.lookup(tokens) == ([x[0]], h[:1])  # not [0, 5, 6]
     assert cache.lookup([1] + tokens[1:]) == ([], [])
+    assert cache.insert(h[0], y[0]) and not cache.insert(h[0], x[1])  # pool 1's own copy; pool 0 has one
+    assert cache.lookup(tokens) == (y, h) and cache.hashes() == h[:1] + h[1:]  # pool 1's chain is longer
     a.release_owner("seq:x"), a.release_owner("seq:y")
     cache.reset()
     assert_allocator_empty(a)
@@ -141,6 +143,10 @@ def test_a_cached_prefix_is_taken_only_while_its_pool_is_not_far_fuller():
     a.allocate("seq:w", 1)  # pool 0: 3 free
     assert cache.lookup_to_admit(prompt, 2) == ([], [])  # 3 < 8 / 2: start afresh in pool 1
     assert cache.lookup(prompt, 2)[0] == warm  # (the cache still holds it)
-    a.release_owner("seq:w")
+    other = a.allocate("seq:v", 2)  # ... where that request's pages get cached too
+    for h, page in zip(page_hashes(prompt, 2, cache.salt), other):
+        cache.insert(h, page)
+    assert other[0] >= 8 and cache.lookup_to_admit(prompt, 2)[0] == other  # the next one shares pool 1's copy
+    a.release_owner("seq:w"), a.release_owner("seq:v")
     cache.reset()
     assert_allocator_empty(a)
