@@ -24,8 +24,8 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from itertools import islice
 from dataclasses import dataclass
+from itertools import islice
 from typing import Callable
 
 from engine.errors import OutOfPagesError, ReservationError
@@ -166,6 +166,8 @@ class PageAllocator:
 
     def share(self, owner: str, pages: list[int]) -> None:
         """Give `owner` a reference to pages someone already holds (shared prefixes)."""
+        if self.partitions > 1 and owner != self._cache_owner:
+            self._check_partition(owner, pages)
         for p in pages:
             assert self._owners[p], f"page {p} is free; share only held pages"
             self._add_ref(owner, p)
@@ -191,14 +193,19 @@ class PageAllocator:
     def _add_ref(self, owner: str, page: int) -> None:
         assert owner not in self._owners[page], f"{owner} already holds page {page}"
         if self.partitions > 1 and owner != self._cache_owner:
-            p = self.owner_partition(owner)
-            if p is not None and p != self.partition_of(page):
-                raise ValueError(f"{owner} holds pages of partition {p}, not page {page} of partition "
-                                 f"{self.partition_of(page)}: an owner's pages share one partition")
+            self._check_partition(owner, [page])
         if self._evictable.pop(page, 0) is None:  # someone besides the cache holds it again
             self._num_evictable[self.partition_of(page)] -= 1
         self._owners[page].add(owner)
         self._owned.setdefault(owner, set()).add(page)
+
+    def _check_partition(self, owner: str, pages: list[int]) -> None:
+        """ValueError (before any change) unless `pages` and what `owner` holds are all in one partition."""
+        held = self.owner_partition(owner)
+        parts = {self.partition_of(p) for p in pages} | ({held} if held is not None else set())
+        if len(parts) > 1:
+            raise ValueError(f"{owner} would hold pages of partitions {sorted(parts)}: an owner's pages share one "
+                             f"partition")
 
     def _drop_ref(self, owner: str, page: int) -> None:
         assert owner in self._owners[page], f"{owner} does not hold page {page}"

@@ -41,6 +41,9 @@ def test_an_owner_cannot_hold_pages_of_two_partitions():
     b = a.allocate("y", 1)  # page 4
     with pytest.raises(ValueError, match="share one partition"):
         a.share("x", b)
+    with pytest.raises(ValueError, match=r"partitions \[0, 1\]"):
+        a.share("z", [0] + b)  # refused whole: z holds nothing after
+    assert a.pages_of("z") == set()
     res = a.reserve(2, lease_s=10, shared=b)  # a reservation on a shared prefix allocates beside it
     assert res.pages == [4, 5, 6]
     a.cancel(res.reservation_id)
