@@ -195,7 +195,7 @@ class EPDataRunner(_ParallelRunner):
             group, local = self.group_of(s.pages)
             parts[group].append(replace(s, pages=local))
         subs = [replace(batch, seqs=seqs) for seqs in parts]
-        rest = [without_logits(sub) for sub in subs]
+        rest = [without_logits(sub) for sub in subs] if self.tp > 1 else subs  # TP ranks t > 0: no logits
         replies = self.ranks.call([subs[r // self.tp] if r % self.tp == 0 else rest[r // self.tp]
                                    for r in range(self.size)])
         results = {r.request_id: r for reply in replies if reply is not None for r in output_from_wire(reply).results}
