@@ -5,13 +5,14 @@ Each expert rank attends only its own sequences, so a rank holds the hidden stat
 MoE layer, `dispatch(layer, h)` on every rank, in step:
     route its tokens over all experts (the router is whole on every rank) -> for each rank r, the tokens with
     at least one of their top-k experts in r's block, ascending (a token goes once to a rank, however many of
-    its experts are there) -> all-to-all of the counts, then of the rows, their expert ids and weights -> the
+    its experts are there) -> all-to-all of the counts, then of the rows, then of their expert ids and weights
+    (one float32 exchange) -> the
     rank runs its own experts on what it received (the `engine.moe` implementation `moe_choice` names, which
     computes only the assignments to its experts: a partial sum per row) -> all-to-all of the partial sums back
     -> each token's partials added in rank order (its experts' sum; the shared expert is the model's business).
 A rank with no tokens this step (`idle`) still takes part in every layer's exchanges, sending nothing: the
 other ranks' tokens may need its experts. Collectives: `torch.distributed.all_to_all_single` with split sizes
-(gloo on CPU, NCCL on CUDA); the rows cross the wire in the model dtype, ids as int64, weights as routed.
+(gloo on CPU, NCCL on CUDA), four per MoE layer; the rows cross the wire in the model dtype.
 """
 from __future__ import annotations
 
@@ -52,8 +53,11 @@ class AllToAllDispatch:
         recv = self._exchange(torch.tensor(send, device=h.device), ones, ones).tolist()  # rows each rank sends here
         tokens = torch.cat(picks)  # [sent rows]: token of each row sent, by destination rank
         x = self._exchange(h.index_select(0, tokens), send, recv)
-        their_ids = self._exchange(ids.index_select(0, tokens), send, recv)
-        their_weights = self._exchange(weights.index_select(0, tokens), send, recv)
+        # ids and weights in one exchange, as float32 (exact for both: expert ids < 2^24, weights float32 or bf16)
+        k = ids.shape[1]
+        routing = torch.cat([ids.float(), weights.float()], dim=1).index_select(0, tokens)  # [sent rows, 2k]
+        routing = self._exchange(routing, send, recv)
+        their_ids, their_weights = routing[:, :k].long(), routing[:, k:].to(weights.dtype)
         if x.shape[0]:  # this rank's experts on every row sent here: partial sums
             partial = IMPLS[moe_choice(h.device)](layer, x, their_weights, their_ids)
         else:
