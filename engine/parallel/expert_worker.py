@@ -1,7 +1,7 @@
 """`ExpertWorker`: one expert-parallel rank of a replica -- the whole attention and dense parts, its block of
 every MoE layer's experts, a page pool.
 
-Data-parallel attention (`ExpertSpec.attention == "data"`, the default the driver picks without TP,
+Data-parallel attention (`ExpertSpec.attention == "data"`, the driver's default, with or without TP,
 `tp_runner.EPDataRunner`): the rank's pool is its share of the replica's pages, each step brings only the
 sequences whose pages are here (in local page numbers; possibly none), and every MoE layer sends this rank's
 tokens to the ranks of their experts and back (`dispatch.AllToAllDispatch`; a step with no rows still joins
